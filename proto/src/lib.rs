@@ -1,0 +1,52 @@
+//! Protocol types of kas: the frame envelope, registry records, and the public, private,
+//! agent and Pods APIs.
+//!
+//! Built with the `grpc` feature (the default) each module also holds its tonic client and
+//! server, real or simulated (`--cfg madsim`) depending on the build. Without it the crate
+//! holds plain prost messages only, which is how `kas-core` uses it.
+#![allow(missing_docs, clippy::all)]
+
+/// Includes one generated package: through `tonic::include_proto!` when gRPC code is built
+/// (it picks madsim's simulated code under `--cfg madsim`), as plain prost output otherwise.
+macro_rules! package {
+    ($name:literal) => {
+        #[cfg(feature = "grpc")]
+        tonic::include_proto!($name);
+        #[cfg(not(feature = "grpc"))]
+        include!(concat!(env!("OUT_DIR"), "/", $name, ".rs"));
+    };
+}
+
+/// The envelope that carries a routed call on every hop.
+pub mod frame {
+    package!("kas.frame");
+}
+
+/// Records kept in the registry store (Redis).
+pub mod registry {
+    package!("kas.registry");
+}
+
+/// GitLab -> kas.
+pub mod public_api {
+    package!("kas.public_api");
+}
+
+/// kas -> kas (a service only, so it exists with the `grpc` feature).
+#[cfg(feature = "grpc")]
+pub mod private_api {
+    package!("kas.private_api");
+}
+
+/// agentk -> kas.
+pub mod agent_api {
+    package!("kas.agent_api");
+}
+
+/// The agent-side Pods module.
+pub mod pods {
+    package!("kas.pods");
+}
+
+pub use prost;
+pub use prost_types;
