@@ -1,0 +1,574 @@
+//! The reverse tunnels this kas holds, and the calls waiting for one.
+//!
+//! One registry per kas. Tunnels are idle or claimed by one call; a call for agent A (and
+//! optionally connection C) claims an idle tunnel of A (of C), or waits in FIFO order until
+//! one is released or opened, or until its deadline. A call for an agent with no tunnel
+//! here at all is refused at once ([`RegistryOutput::NoTunnel`]) so that the router can look
+//! elsewhere. Tunnels that miss their heartbeats are closed.
+//!
+//! Driving contract: feed [`TunnelRegistry::handle_input`], drain
+//! [`TunnelRegistry::poll_output`], and call [`TunnelRegistry::handle_timeout`] at
+//! [`TunnelRegistry::poll_timeout`].
+//!
+//! Cost: claiming and releasing are O(1) in the number of tunnels (hash maps and
+//! `IndexSet::swap_remove`); waiters of one agent are kept in a `BTreeMap` by arrival.
+
+use crate::ids::{AgentId, ConnectionId, RequestId, TunnelId};
+use crate::time::{Time, earliest};
+use indexmap::IndexSet;
+use std::cmp::Reverse;
+use std::collections::{BTreeMap, BinaryHeap, HashMap, VecDeque};
+use std::time::Duration;
+
+/// What the driver tells the registry.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub enum RegistryInput {
+    /// An agent opened a tunnel and sent its descriptor; it is idle.
+    TunnelOpened {
+        /// The driver's handle of the stream.
+        tunnel: TunnelId,
+        /// The agent it authenticated as.
+        agent: AgentId,
+        /// The agent replica's connection.
+        connection: ConnectionId,
+    },
+    /// The tunnel sent a frame (heartbeat or call frame): it is alive.
+    TunnelActivity {
+        /// The tunnel.
+        tunnel: TunnelId,
+    },
+    /// The tunnel's stream ended. A call on it ends too (the driver sees the broken stream).
+    TunnelClosed {
+        /// The tunnel.
+        tunnel: TunnelId,
+    },
+    /// A call wants a tunnel of `agent` (of `connection`, when set) until `deadline`.
+    Request {
+        /// The call.
+        request: RequestId,
+        /// The wanted agent.
+        agent: AgentId,
+        /// The wanted replica, if any.
+        connection: Option<ConnectionId>,
+        /// When to give up waiting.
+        deadline: Time,
+    },
+    /// The call is over (answered, failed or cancelled): a waiting call stops waiting, a
+    /// claimed tunnel is idle again. Releasing an unknown call does nothing.
+    Release {
+        /// The call.
+        request: RequestId,
+    },
+}
+
+/// What the registry asks of the driver.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub enum RegistryOutput {
+    /// Send the call down this tunnel: it is claimed for the call.
+    Matched {
+        /// The call.
+        request: RequestId,
+        /// The claimed tunnel.
+        tunnel: TunnelId,
+    },
+    /// No tunnel of the wanted agent (connection) is here: the call was not delivered.
+    NoTunnel {
+        /// The call.
+        request: RequestId,
+    },
+    /// The call waited until its deadline for a busy agent: it was not delivered.
+    WaitExpired {
+        /// The call.
+        request: RequestId,
+    },
+    /// The tunnel missed its heartbeats and is forgotten: close its stream. A call it
+    /// carried has been released.
+    CloseTunnel {
+        /// The tunnel.
+        tunnel: TunnelId,
+        /// The call it carried, if any (possibly delivered: never retry it).
+        request: Option<RequestId>,
+    },
+    /// This kas gained its first (`true`) or lost its last (`false`) tunnel of the agent.
+    AgentPresence {
+        /// The agent.
+        agent: AgentId,
+        /// Whether any tunnel of the agent is here now.
+        present: bool,
+    },
+}
+
+/// A driver mistake: an input that names something the registry does not hold.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub enum RegistryError {
+    /// `TunnelOpened` for an id already open.
+    DuplicateTunnel(TunnelId),
+    /// An input for a tunnel that is not open.
+    UnknownTunnel(TunnelId),
+    /// `Request` for an id already waiting or claimed.
+    DuplicateRequest(RequestId),
+}
+
+impl std::fmt::Display for RegistryError {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        match self {
+            RegistryError::DuplicateTunnel(t) => write!(f, "tunnel {t} is already open"),
+            RegistryError::UnknownTunnel(t) => write!(f, "tunnel {t} is not open"),
+            RegistryError::DuplicateRequest(r) => write!(f, "request {r} is already registered"),
+        }
+    }
+}
+
+impl std::error::Error for RegistryError {}
+
+/// Registry settings.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct RegistryConfig {
+    /// A tunnel silent for this long is closed.
+    pub heartbeat_timeout: Duration,
+}
+
+#[derive(Debug)]
+struct Tunnel {
+    agent: AgentId,
+    connection: ConnectionId,
+    claimed_by: Option<RequestId>,
+    last_seen: Time,
+}
+
+#[derive(Debug)]
+struct Waiter {
+    agent: AgentId,
+    connection: Option<ConnectionId>,
+    seq: u64,
+    deadline: Time,
+}
+
+type ConnKey = (AgentId, ConnectionId);
+
+/// Tunnels and waiting calls of one kas. See the module docs.
+#[derive(Debug)]
+pub struct TunnelRegistry {
+    config: RegistryConfig,
+    tunnels: HashMap<TunnelId, Tunnel>,
+    /// Tunnel count per agent and per connection (idle and claimed).
+    per_agent: HashMap<AgentId, usize>,
+    per_conn: HashMap<ConnKey, usize>,
+    idle_by_agent: HashMap<AgentId, IndexSet<TunnelId>>,
+    idle_by_conn: HashMap<ConnKey, IndexSet<TunnelId>>,
+    claims: HashMap<RequestId, TunnelId>,
+    waiters: HashMap<RequestId, Waiter>,
+    /// Waiters for any connection of an agent, and for one connection, by arrival.
+    queue_by_agent: HashMap<AgentId, BTreeMap<u64, RequestId>>,
+    queue_by_conn: HashMap<ConnKey, BTreeMap<u64, RequestId>>,
+    next_seq: u64,
+    waiter_deadlines: BinaryHeap<Reverse<(Time, RequestId)>>,
+    heartbeat_deadlines: BinaryHeap<Reverse<(Time, TunnelId)>>,
+    outputs: VecDeque<RegistryOutput>,
+}
+
+impl TunnelRegistry {
+    /// An empty registry.
+    pub fn new(config: RegistryConfig) -> Self {
+        TunnelRegistry {
+            config,
+            tunnels: HashMap::new(),
+            per_agent: HashMap::new(),
+            per_conn: HashMap::new(),
+            idle_by_agent: HashMap::new(),
+            idle_by_conn: HashMap::new(),
+            claims: HashMap::new(),
+            waiters: HashMap::new(),
+            queue_by_agent: HashMap::new(),
+            queue_by_conn: HashMap::new(),
+            next_seq: 0,
+            waiter_deadlines: BinaryHeap::new(),
+            heartbeat_deadlines: BinaryHeap::new(),
+            outputs: VecDeque::new(),
+        }
+    }
+
+    /// Applies one input at time `now`.
+    pub fn handle_input(&mut self, now: Time, input: RegistryInput) -> Result<(), RegistryError> {
+        match input {
+            RegistryInput::TunnelOpened {
+                tunnel,
+                agent,
+                connection,
+            } => {
+                if self.tunnels.contains_key(&tunnel) {
+                    return Err(RegistryError::DuplicateTunnel(tunnel));
+                }
+                self.tunnels.insert(
+                    tunnel,
+                    Tunnel {
+                        agent,
+                        connection,
+                        claimed_by: None,
+                        last_seen: now,
+                    },
+                );
+                *self.per_conn.entry((agent, connection)).or_default() += 1;
+                let count = self.per_agent.entry(agent).or_default();
+                *count += 1;
+                if *count == 1 {
+                    self.outputs.push_back(RegistryOutput::AgentPresence {
+                        agent,
+                        present: true,
+                    });
+                }
+                self.heartbeat_deadlines
+                    .push(Reverse((now + self.config.heartbeat_timeout, tunnel)));
+                self.become_idle(tunnel);
+            }
+            RegistryInput::TunnelActivity { tunnel } => {
+                let t = self
+                    .tunnels
+                    .get_mut(&tunnel)
+                    .ok_or(RegistryError::UnknownTunnel(tunnel))?;
+                t.last_seen = t.last_seen.max(now);
+            }
+            RegistryInput::TunnelClosed { tunnel } => {
+                if !self.tunnels.contains_key(&tunnel) {
+                    return Err(RegistryError::UnknownTunnel(tunnel));
+                }
+                self.remove_tunnel(tunnel);
+            }
+            RegistryInput::Request {
+                request,
+                agent,
+                connection,
+                deadline,
+            } => {
+                if self.waiters.contains_key(&request) || self.claims.contains_key(&request) {
+                    return Err(RegistryError::DuplicateRequest(request));
+                }
+                self.request(now, request, agent, connection, deadline);
+            }
+            RegistryInput::Release { request } => {
+                if let Some(tunnel) = self.claims.remove(&request) {
+                    if let Some(t) = self.tunnels.get_mut(&tunnel) {
+                        t.claimed_by = None;
+                    }
+                    self.become_idle(tunnel);
+                } else {
+                    self.remove_waiter(request);
+                }
+            }
+        }
+        Ok(())
+    }
+
+    /// Expires waiters and silent tunnels due at `now`.
+    pub fn handle_timeout(&mut self, now: Time) {
+        while let Some(&Reverse((at, request))) = self.waiter_deadlines.peek() {
+            if at > now {
+                break;
+            }
+            self.waiter_deadlines.pop();
+            if self.waiters.get(&request).is_some_and(|w| w.deadline == at) {
+                self.remove_waiter(request);
+                self.outputs
+                    .push_back(RegistryOutput::WaitExpired { request });
+            }
+        }
+        while let Some(&Reverse((at, tunnel))) = self.heartbeat_deadlines.peek() {
+            if at > now {
+                break;
+            }
+            self.heartbeat_deadlines.pop();
+            let Some(t) = self.tunnels.get(&tunnel) else {
+                continue; // closed since: a stale entry
+            };
+            let due = t.last_seen + self.config.heartbeat_timeout;
+            if due > now {
+                self.heartbeat_deadlines.push(Reverse((due, tunnel)));
+                continue;
+            }
+            let request = t.claimed_by;
+            self.remove_tunnel(tunnel);
+            self.outputs
+                .push_back(RegistryOutput::CloseTunnel { tunnel, request });
+        }
+    }
+
+    /// The next command for the driver.
+    pub fn poll_output(&mut self) -> Option<RegistryOutput> {
+        self.outputs.pop_front()
+    }
+
+    /// When to call [`Self::handle_timeout`] next (may be early, never late).
+    pub fn poll_timeout(&self) -> Option<Time> {
+        earliest(
+            self.waiter_deadlines.peek().map(|r| r.0.0),
+            self.heartbeat_deadlines.peek().map(|r| r.0.0),
+        )
+    }
+
+    /// Whether a tunnel of the agent (of the connection, when given) is here, idle or not.
+    pub fn has_tunnels(&self, agent: AgentId, connection: Option<ConnectionId>) -> bool {
+        match connection {
+            None => self.per_agent.contains_key(&agent),
+            Some(c) => self.per_conn.contains_key(&(agent, c)),
+        }
+    }
+
+    /// Open tunnels.
+    pub fn tunnel_count(&self) -> usize {
+        self.tunnels.len()
+    }
+
+    /// Calls waiting for a tunnel.
+    pub fn waiter_count(&self) -> usize {
+        self.waiters.len()
+    }
+
+    /// Calls holding a tunnel.
+    pub fn claimed_count(&self) -> usize {
+        self.claims.len()
+    }
+
+    /// Checks the registry's internal indexes agree with each other (for tests and the
+    /// simulation's invariant checker). Returns what is inconsistent.
+    pub fn check_invariants(&self) -> Result<(), String> {
+        let mut per_agent: HashMap<AgentId, usize> = HashMap::new();
+        let mut idle = 0;
+        for (id, t) in &self.tunnels {
+            *per_agent.entry(t.agent).or_default() += 1;
+            let in_agent = self
+                .idle_by_agent
+                .get(&t.agent)
+                .is_some_and(|s| s.contains(id));
+            let in_conn = self
+                .idle_by_conn
+                .get(&(t.agent, t.connection))
+                .is_some_and(|s| s.contains(id));
+            match t.claimed_by {
+                Some(r) if self.claims.get(&r) != Some(id) => {
+                    return Err(format!("tunnel {id} claimed by {r} without a claim record"));
+                }
+                Some(_) if in_agent || in_conn => {
+                    return Err(format!("claimed tunnel {id} is in an idle set"));
+                }
+                None if !(in_agent && in_conn) => {
+                    return Err(format!("idle tunnel {id} missing from an idle set"));
+                }
+                None => idle += 1,
+                Some(_) => {}
+            }
+        }
+        if per_agent != self.per_agent {
+            return Err("per-agent tunnel counts disagree with the tunnels".into());
+        }
+        let idle_sets: usize = self.idle_by_agent.values().map(IndexSet::len).sum();
+        if idle_sets != idle || self.idle_by_agent.values().any(IndexSet::is_empty) {
+            return Err(format!("{idle_sets} tunnels in idle sets, {idle} idle"));
+        }
+        let queued: usize = self.queue_by_agent.values().map(BTreeMap::len).sum::<usize>()
+            + self.queue_by_conn.values().map(BTreeMap::len).sum::<usize>();
+        if queued != self.waiters.len() {
+            return Err(format!("{queued} queue entries for {} waiters", self.waiters.len()));
+        }
+        for (r, w) in &self.waiters {
+            if self.claims.contains_key(r) {
+                return Err(format!("request {r} both waits and holds a tunnel"));
+            }
+            let idle_match = match w.connection {
+                None => self.idle_by_agent.contains_key(&w.agent),
+                Some(c) => self.idle_by_conn.contains_key(&(w.agent, c)),
+            };
+            if idle_match {
+                return Err(format!("request {r} waits while a matching tunnel is idle"));
+            }
+        }
+        Ok(())
+    }
+
+    fn request(
+        &mut self,
+        now: Time,
+        request: RequestId,
+        agent: AgentId,
+        connection: Option<ConnectionId>,
+        deadline: Time,
+    ) {
+        if !self.has_tunnels(agent, connection) {
+            self.outputs.push_back(RegistryOutput::NoTunnel { request });
+            return;
+        }
+        let idle = match connection {
+            None => self.idle_by_agent.get(&agent).and_then(|s| s.last().copied()),
+            Some(c) => self.idle_by_conn.get(&(agent, c)).and_then(|s| s.last().copied()),
+        };
+        if let Some(tunnel) = idle {
+            self.claim(tunnel, request);
+            return;
+        }
+        if deadline <= now {
+            self.outputs
+                .push_back(RegistryOutput::WaitExpired { request });
+            return;
+        }
+        let seq = self.next_seq;
+        self.next_seq += 1;
+        self.waiters.insert(
+            request,
+            Waiter {
+                agent,
+                connection,
+                seq,
+                deadline,
+            },
+        );
+        match connection {
+            None => self.queue_by_agent.entry(agent).or_default(),
+            Some(c) => self.queue_by_conn.entry((agent, c)).or_default(),
+        }
+        .insert(seq, request);
+        self.waiter_deadlines.push(Reverse((deadline, request)));
+    }
+
+    /// Hands an idle (or newly released) tunnel to the oldest matching waiter, or files it
+    /// as idle.
+    fn become_idle(&mut self, tunnel: TunnelId) {
+        let Some(t) = self.tunnels.get(&tunnel) else {
+            return;
+        };
+        let (agent, conn) = (t.agent, t.connection);
+        let any = self
+            .queue_by_agent
+            .get(&agent)
+            .and_then(|q| q.first_key_value());
+        let this_conn = self
+            .queue_by_conn
+            .get(&(agent, conn))
+            .and_then(|q| q.first_key_value());
+        let oldest = match (any, this_conn) {
+            (Some(a), Some(c)) => Some(if a.0 < c.0 { a } else { c }),
+            (a, c) => a.or(c),
+        };
+        if let Some((_, &request)) = oldest {
+            self.remove_waiter(request);
+            self.claim_idle_or_fresh(tunnel, request);
+        } else {
+            self.idle_by_agent.entry(agent).or_default().insert(tunnel);
+            self.idle_by_conn
+                .entry((agent, conn))
+                .or_default()
+                .insert(tunnel);
+        }
+    }
+
+    /// Claims `tunnel`, taking it out of the idle sets.
+    fn claim(&mut self, tunnel: TunnelId, request: RequestId) {
+        self.unfile_idle(tunnel);
+        self.claim_idle_or_fresh(tunnel, request);
+    }
+
+    fn claim_idle_or_fresh(&mut self, tunnel: TunnelId, request: RequestId) {
+        if let Some(t) = self.tunnels.get_mut(&tunnel) {
+            t.claimed_by = Some(request);
+            self.claims.insert(request, tunnel);
+            self.outputs
+                .push_back(RegistryOutput::Matched { request, tunnel });
+        }
+    }
+
+    fn unfile_idle(&mut self, tunnel: TunnelId) {
+        let Some(t) = self.tunnels.get(&tunnel) else {
+            return;
+        };
+        let (agent, conn) = (t.agent, t.connection);
+        remove_from_set(&mut self.idle_by_agent, agent, tunnel);
+        remove_from_set(&mut self.idle_by_conn, (agent, conn), tunnel);
+    }
+
+    fn remove_tunnel(&mut self, tunnel: TunnelId) {
+        self.unfile_idle(tunnel);
+        let Some(t) = self.tunnels.remove(&tunnel) else {
+            return;
+        };
+        if let Some(r) = t.claimed_by {
+            self.claims.remove(&r);
+        }
+        decrement(&mut self.per_conn, (t.agent, t.connection));
+        if decrement(&mut self.per_agent, t.agent) {
+            self.outputs.push_back(RegistryOutput::AgentPresence {
+                agent: t.agent,
+                present: false,
+            });
+        }
+        // Waiters whose target has no tunnel left here can never be served: refuse them now
+        // so the router looks elsewhere instead of waiting out its deadline.
+        let orphaned: Vec<RequestId> = self
+            .queue_by_conn
+            .get(&(t.agent, t.connection))
+            .filter(|_| !self.per_conn.contains_key(&(t.agent, t.connection)))
+            .into_iter()
+            .chain(
+                self.queue_by_agent
+                    .get(&t.agent)
+                    .filter(|_| !self.per_agent.contains_key(&t.agent)),
+            )
+            .flat_map(|q| q.values().copied())
+            .collect();
+        for request in orphaned {
+            self.remove_waiter(request);
+            self.outputs.push_back(RegistryOutput::NoTunnel { request });
+        }
+    }
+
+    fn remove_waiter(&mut self, request: RequestId) {
+        let Some(w) = self.waiters.remove(&request) else {
+            return;
+        };
+        match w.connection {
+            None => remove_from_queue(&mut self.queue_by_agent, w.agent, w.seq),
+            Some(c) => remove_from_queue(&mut self.queue_by_conn, (w.agent, c), w.seq),
+        }
+    }
+}
+
+fn remove_from_set<K: std::hash::Hash + Eq>(
+    sets: &mut HashMap<K, IndexSet<TunnelId>>,
+    key: K,
+    tunnel: TunnelId,
+) {
+    if let Some(set) = sets.get_mut(&key) {
+        set.swap_remove(&tunnel);
+        if set.is_empty() {
+            sets.remove(&key);
+        }
+    }
+}
+
+fn remove_from_queue<K: std::hash::Hash + Eq>(
+    queues: &mut HashMap<K, BTreeMap<u64, RequestId>>,
+    key: K,
+    seq: u64,
+) {
+    if let Some(q) = queues.get_mut(&key) {
+        q.remove(&seq);
+        if q.is_empty() {
+            queues.remove(&key);
+        }
+    }
+}
+
+/// Decrements a count, removing it at zero; true when it reached zero.
+fn decrement<K: std::hash::Hash + Eq>(counts: &mut HashMap<K, usize>, key: K) -> bool {
+    match counts.get_mut(&key) {
+        Some(n) if *n > 1 => {
+            *n -= 1;
+            false
+        }
+        Some(_) => {
+            counts.remove(&key);
+            true
+        }
+        None => false,
+    }
+}
+
+#[cfg(test)]
+mod tests;

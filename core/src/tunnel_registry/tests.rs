@@ -1,0 +1,250 @@
+use super::*;
+
+const A: AgentId = AgentId(1);
+const B: AgentId = AgentId(2);
+const C1: ConnectionId = ConnectionId(11);
+const C2: ConnectionId = ConnectionId(12);
+
+fn registry() -> TunnelRegistry {
+    TunnelRegistry::new(RegistryConfig {
+        heartbeat_timeout: Duration::from_millis(100),
+    })
+}
+
+fn drain(r: &mut TunnelRegistry) -> Vec<RegistryOutput> {
+    r.check_invariants().unwrap();
+    std::iter::from_fn(|| r.poll_output()).collect()
+}
+
+fn open(r: &mut TunnelRegistry, now: u64, t: u64, agent: AgentId, c: ConnectionId) {
+    r.handle_input(
+        Time(now),
+        RegistryInput::TunnelOpened {
+            tunnel: TunnelId(t),
+            agent,
+            connection: c,
+        },
+    )
+    .unwrap();
+}
+
+fn request(r: &mut TunnelRegistry, now: u64, id: u64, agent: AgentId, c: Option<ConnectionId>) {
+    r.handle_input(
+        Time(now),
+        RegistryInput::Request {
+            request: RequestId(id),
+            agent,
+            connection: c,
+            deadline: Time(now + 50),
+        },
+    )
+    .unwrap();
+}
+
+fn matched(request: u64, tunnel: u64) -> RegistryOutput {
+    RegistryOutput::Matched {
+        request: RequestId(request),
+        tunnel: TunnelId(tunnel),
+    }
+}
+
+#[test]
+fn idle_tunnel_is_claimed_at_once_and_presence_is_announced() {
+    let mut r = registry();
+    open(&mut r, 0, 1, A, C1);
+    request(&mut r, 0, 7, A, None);
+    assert_eq!(
+        drain(&mut r),
+        vec![
+            RegistryOutput::AgentPresence {
+                agent: A,
+                present: true
+            },
+            matched(7, 1)
+        ]
+    );
+}
+
+#[test]
+fn no_tunnel_of_agent_or_connection_is_refused_at_once() {
+    let mut r = registry();
+    open(&mut r, 0, 1, A, C1);
+    drain(&mut r);
+    request(&mut r, 0, 7, B, None);
+    request(&mut r, 0, 8, A, Some(C2));
+    assert_eq!(
+        drain(&mut r),
+        vec![
+            RegistryOutput::NoTunnel {
+                request: RequestId(7)
+            },
+            RegistryOutput::NoTunnel {
+                request: RequestId(8)
+            }
+        ]
+    );
+}
+
+#[test]
+fn busy_agent_waiters_are_served_fifo_on_release() {
+    let mut r = registry();
+    open(&mut r, 0, 1, A, C1);
+    request(&mut r, 0, 1, A, None);
+    request(&mut r, 1, 2, A, None);
+    request(&mut r, 2, 3, A, Some(C1));
+    request(&mut r, 3, 4, A, None);
+    drain(&mut r);
+    assert_eq!(r.waiter_count(), 3);
+    for (released, next) in [(1, 2), (2, 3), (3, 4)] {
+        r.handle_input(
+            Time(5),
+            RegistryInput::Release {
+                request: RequestId(released),
+            },
+        )
+        .unwrap();
+        assert_eq!(drain(&mut r), vec![matched(next, 1)]);
+    }
+}
+
+#[test]
+fn connection_waiter_takes_only_its_connection() {
+    let mut r = registry();
+    open(&mut r, 0, 1, A, C1);
+    open(&mut r, 0, 2, A, C2);
+    request(&mut r, 0, 1, A, Some(C1));
+    request(&mut r, 0, 2, A, Some(C1));
+    drain(&mut r);
+    request(&mut r, 0, 3, A, None);
+    assert_eq!(drain(&mut r), vec![matched(3, 2)], "any-connection call takes C2");
+    r.handle_input(Time(1), RegistryInput::Release { request: RequestId(3) })
+        .unwrap();
+    assert_eq!(drain(&mut r), vec![], "C2 goes idle: request 2 wants C1 only");
+    r.handle_input(Time(1), RegistryInput::Release { request: RequestId(1) })
+        .unwrap();
+    assert_eq!(drain(&mut r), vec![matched(2, 1)]);
+}
+
+#[test]
+fn waiters_expire_at_their_deadline() {
+    let mut r = registry();
+    open(&mut r, 0, 1, A, C1);
+    request(&mut r, 0, 1, A, None);
+    request(&mut r, 0, 2, A, None);
+    drain(&mut r);
+    assert_eq!(r.poll_timeout(), Some(Time(50)));
+    r.handle_timeout(Time(49));
+    assert_eq!(drain(&mut r), vec![]);
+    r.handle_timeout(Time(50));
+    assert_eq!(
+        drain(&mut r),
+        vec![RegistryOutput::WaitExpired {
+            request: RequestId(2)
+        }]
+    );
+    assert_eq!(r.waiter_count(), 0);
+}
+
+#[test]
+fn silent_tunnels_close_and_active_ones_stay() {
+    let mut r = registry();
+    open(&mut r, 0, 1, A, C1);
+    open(&mut r, 0, 2, A, C1);
+    request(&mut r, 0, 9, A, None);
+    drain(&mut r);
+    r.handle_input(Time(80), RegistryInput::TunnelActivity { tunnel: TunnelId(1) })
+        .unwrap();
+    r.handle_timeout(Time(100));
+    let out = drain(&mut r);
+    // Tunnel 2 was claimed by request 9 (LIFO among idle tunnels) and went silent.
+    assert_eq!(
+        out,
+        vec![RegistryOutput::CloseTunnel {
+            tunnel: TunnelId(2),
+            request: Some(RequestId(9))
+        }]
+    );
+    r.handle_timeout(Time(180));
+    assert_eq!(
+        drain(&mut r),
+        vec![
+            RegistryOutput::AgentPresence {
+                agent: A,
+                present: false
+            },
+            RegistryOutput::CloseTunnel {
+                tunnel: TunnelId(1),
+                request: None
+            }
+        ]
+    );
+    assert_eq!(r.tunnel_count(), 0);
+}
+
+#[test]
+fn losing_the_last_tunnel_refuses_its_waiters() {
+    let mut r = registry();
+    open(&mut r, 0, 1, A, C1);
+    request(&mut r, 0, 1, A, None);
+    request(&mut r, 0, 2, A, None);
+    drain(&mut r);
+    r.handle_input(Time(1), RegistryInput::TunnelClosed { tunnel: TunnelId(1) })
+        .unwrap();
+    assert_eq!(
+        drain(&mut r),
+        vec![
+            RegistryOutput::AgentPresence {
+                agent: A,
+                present: false
+            },
+            RegistryOutput::NoTunnel {
+                request: RequestId(2)
+            }
+        ]
+    );
+    assert_eq!(r.claimed_count(), 0);
+}
+
+#[test]
+fn driver_mistakes_are_errors_not_panics() {
+    let mut r = registry();
+    open(&mut r, 0, 1, A, C1);
+    let dup = RegistryInput::TunnelOpened {
+        tunnel: TunnelId(1),
+        agent: A,
+        connection: C1,
+    };
+    assert_eq!(r.handle_input(Time(0), dup), Err(RegistryError::DuplicateTunnel(TunnelId(1))));
+    let unknown = RegistryInput::TunnelClosed { tunnel: TunnelId(5) };
+    assert_eq!(r.handle_input(Time(0), unknown), Err(RegistryError::UnknownTunnel(TunnelId(5))));
+    request(&mut r, 0, 3, A, None);
+    let again = RegistryInput::Request {
+        request: RequestId(3),
+        agent: A,
+        connection: None,
+        deadline: Time(9),
+    };
+    assert_eq!(r.handle_input(Time(0), again), Err(RegistryError::DuplicateRequest(RequestId(3))));
+    r.check_invariants().unwrap();
+}
+
+#[test]
+fn holds_a_hundred_thousand_tunnels() {
+    let mut r = registry();
+    for t in 0..100_000u64 {
+        open(&mut r, 0, t, AgentId((t % 10_000) as i64), ConnectionId(t as i64 % 3));
+    }
+    for id in 0..100_000u64 {
+        request(&mut r, 1, id, AgentId((id % 10_000) as i64), None);
+    }
+    let matches = std::iter::from_fn(|| r.poll_output())
+        .filter(|o| matches!(o, RegistryOutput::Matched { .. }))
+        .count();
+    assert_eq!(matches, 100_000);
+    for id in 0..100_000u64 {
+        r.handle_input(Time(2), RegistryInput::Release { request: RequestId(id) })
+            .unwrap();
+    }
+    assert_eq!((r.claimed_count(), r.tunnel_count()), (0, 100_000));
+    r.check_invariants().unwrap();
+}
