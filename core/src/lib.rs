@@ -18,6 +18,7 @@ pub mod ids;
 pub mod keys;
 pub mod rng;
 pub mod time;
+pub mod tracker;
 pub mod tunnel_registry;
 
 pub use ids::{AgentId, ConnectionId, KasId, ProjectId, RequestId, TunnelId};

@@ -1,0 +1,419 @@
+//! What this kas must keep in the registry store (Redis), as transaction batches.
+//!
+//! The tracker holds the desired state — this kas's agent connections (by agent and by
+//! project), the agents it holds tunnels for, and its own instance record — and turns
+//! changes into [`Batch`]es of per-key writes. Each [`KeyWrite`] is one Redis transaction:
+//! `MULTI; HDEL ..; HSET ..; PEXPIRE key ttl; PUBLISH ..; EXEC`, so the fields written
+//! together share one expiry and a tunnel event is published only with the write that
+//! makes it true. Every `refresh` period everything is written again (with a new
+//! `expires_at`), which also restores it all after Redis lost its data; every `gc` period
+//! the driver is asked to delete expired fields of the keys this kas writes. A failed batch
+//! is retried with jittered backoff; at shutdown everything is deleted.
+//!
+//! One batch is in flight at a time; changes made meanwhile go into the next one.
+//! Driving contract: feed [`Tracker::handle_input`], drain [`Tracker::poll_output`], call
+//! [`Tracker::handle_timeout`] at [`Tracker::poll_timeout`].
+
+use crate::backoff::Backoff;
+use crate::expiring;
+use crate::ids::{AgentId, ConnectionId, KasId, ProjectId};
+use crate::keys::Keys;
+use crate::rng::Rng;
+use crate::time::{Time, earliest};
+use kas_proto::registry::{ConnectedAgentInfo, KasInstanceInfo, TunnelEvent};
+use prost::Message;
+use std::collections::{BTreeMap, BTreeSet, HashMap, VecDeque};
+use std::time::Duration;
+
+/// What the driver tells the tracker.
+#[derive(Clone, Debug, PartialEq)]
+pub enum TrackerInput {
+    /// An agent replica opened `GetConfiguration` on this kas.
+    AgentConnected(ConnectedAgentInfo),
+    /// That stream ended.
+    AgentDisconnected {
+        /// The agent.
+        agent: AgentId,
+        /// Its configuration project.
+        project: ProjectId,
+        /// The stream's connection id.
+        connection: ConnectionId,
+    },
+    /// This kas gained its first or lost its last tunnel of the agent (from the registry).
+    TunnelPresence {
+        /// The agent.
+        agent: AgentId,
+        /// Whether this kas now holds a tunnel of it.
+        present: bool,
+    },
+    /// The outcome of the batch with this id.
+    BatchResult {
+        /// The batch.
+        batch: u64,
+        /// Whether every transaction in it committed.
+        ok: bool,
+    },
+    /// The store lost its data (e.g. Redis restarted empty): write everything now.
+    RewriteAll,
+    /// Delete everything this kas wrote, then report [`TrackerOutput::ShutdownComplete`].
+    Shutdown,
+}
+
+/// What the tracker asks of the driver.
+#[derive(Clone, Debug, PartialEq)]
+pub enum TrackerOutput {
+    /// Execute the batch and answer with [`TrackerInput::BatchResult`].
+    Write(Batch),
+    /// Delete the expired (or undecodable) fields of these keys; no answer needed.
+    Gc {
+        /// Keys to scan.
+        keys: Vec<String>,
+    },
+    /// Everything this kas wrote is deleted; the tracker is done.
+    ShutdownComplete,
+}
+
+/// Writes to execute together and report on as one.
+#[derive(Clone, Debug, PartialEq)]
+pub struct Batch {
+    /// Echo it in [`TrackerInput::BatchResult`].
+    pub id: u64,
+    /// One transaction per key.
+    pub writes: Vec<KeyWrite>,
+}
+
+/// One key's transaction, applied in this order: delete, set, expire, publish.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct KeyWrite {
+    /// The hash key.
+    pub key: String,
+    /// `HDEL key field..`.
+    pub delete: Vec<String>,
+    /// `HSET key field value..`: values are encoded `ExpiringValue`s.
+    pub set: Vec<(String, Vec<u8>)>,
+    /// `PEXPIRE key ttl` when set.
+    pub expire: Option<Duration>,
+    /// `PUBLISH channel payload` (encoded `TunnelEvent`s).
+    pub publish: Vec<(String, Vec<u8>)>,
+}
+
+/// Tracker settings. GitLab's kas defaults: ttl 300 s, refresh 240 s, gc 600 s.
+#[derive(Clone, Debug, PartialEq)]
+pub struct TrackerConfig {
+    /// How long a written field lives unless refreshed.
+    pub ttl: Duration,
+    /// How often everything is written again (less than `ttl`).
+    pub refresh: Duration,
+    /// How often expired fields are collected.
+    pub gc: Duration,
+    /// Delay between retries of a failed batch.
+    pub backoff: Backoff,
+    /// Keys per batch at most.
+    pub max_keys_per_batch: usize,
+}
+
+#[derive(Debug, Default)]
+struct KeyState {
+    fields: BTreeMap<String, Vec<u8>>,
+    pending_delete: BTreeSet<String>,
+    pending_publish: Vec<(String, Vec<u8>)>,
+    dirty: bool,
+    in_flight: bool,
+}
+
+#[derive(Debug)]
+struct InFlight {
+    id: u64,
+    writes: Vec<KeyWrite>,
+}
+
+/// The desired registry content of one kas. See the module docs.
+#[derive(Debug)]
+pub struct Tracker {
+    config: TrackerConfig,
+    keys: Keys,
+    kas_id: KasId,
+    rng: Rng,
+    state: HashMap<String, KeyState>,
+    dirty_queue: VecDeque<String>,
+    in_flight: Option<InFlight>,
+    next_batch_id: u64,
+    failures: u32,
+    retry_at: Option<Time>,
+    next_refresh: Time,
+    next_gc: Time,
+    shutting_down: bool,
+    shutdown_reported: bool,
+    outputs: VecDeque<TrackerOutput>,
+}
+
+impl Tracker {
+    /// A tracker for kas `kas_id` that registers `instance` at once. `seed` drives jitter.
+    pub fn new(
+        now: Time,
+        config: TrackerConfig,
+        keys: Keys,
+        kas_id: KasId,
+        instance: &KasInstanceInfo,
+        seed: u64,
+    ) -> Self {
+        let mut t = Tracker {
+            next_refresh: now + config.refresh,
+            next_gc: now + config.gc,
+            config,
+            keys,
+            kas_id,
+            rng: Rng::new(seed),
+            state: HashMap::new(),
+            dirty_queue: VecDeque::new(),
+            in_flight: None,
+            next_batch_id: 0,
+            failures: 0,
+            retry_at: None,
+            shutting_down: false,
+            shutdown_reported: false,
+            outputs: VecDeque::new(),
+        };
+        let key = t.keys.kas_instances();
+        let field = t.kas_id.0.clone();
+        t.set(key, field, instance.encode_to_vec());
+        t.flush(now);
+        t
+    }
+
+    /// Applies one input at `now`. Changes after [`TrackerInput::Shutdown`] are ignored.
+    pub fn handle_input(&mut self, now: Time, input: TrackerInput) {
+        match input {
+            TrackerInput::BatchResult { batch, ok } => self.batch_result(now, batch, ok),
+            TrackerInput::RewriteAll => self.mark_all_dirty(),
+            TrackerInput::Shutdown => self.shutdown(),
+            _ if self.shutting_down => {}
+            TrackerInput::AgentConnected(info) => {
+                let bytes = info.encode_to_vec();
+                let field = info.connection_id.to_string();
+                let by_agent = self.keys.connections_by_agent(AgentId(info.agent_id));
+                let by_project = self.keys.connections_by_project(ProjectId(info.project_id));
+                self.set(by_agent, field.clone(), bytes.clone());
+                self.set(by_project, field, bytes);
+            }
+            TrackerInput::AgentDisconnected {
+                agent,
+                project,
+                connection,
+            } => {
+                let field = connection.to_string();
+                self.delete(self.keys.connections_by_agent(agent), field.clone());
+                self.delete(self.keys.connections_by_project(project), field);
+            }
+            TrackerInput::TunnelPresence { agent, present } => {
+                let key = self.keys.tunnels_by_agent(agent);
+                let field = self.kas_id.0.clone();
+                if present {
+                    self.set(key.clone(), field, Vec::new());
+                } else {
+                    self.delete(key.clone(), field);
+                }
+                let event = TunnelEvent {
+                    agent_id: agent.0,
+                    kas_id: self.kas_id.0.clone(),
+                    connected: present,
+                };
+                let channel = self.keys.tunnel_events(agent);
+                let st = self.state.entry(key).or_default();
+                st.pending_publish.push((channel, event.encode_to_vec()));
+            }
+        }
+        self.flush(now);
+    }
+
+    /// Runs refreshes, GC and retries due at `now`.
+    pub fn handle_timeout(&mut self, now: Time) {
+        if now >= self.next_refresh {
+            self.next_refresh = now + self.config.refresh;
+            if !self.shutting_down {
+                self.mark_all_dirty();
+            }
+        }
+        if now >= self.next_gc {
+            self.next_gc = now + self.config.gc;
+            let mut keys: Vec<String> = self
+                .state
+                .iter()
+                .filter(|(_, s)| !s.fields.is_empty())
+                .map(|(k, _)| k.clone())
+                .collect();
+            keys.sort();
+            if !keys.is_empty() && !self.shutting_down {
+                self.outputs.push_back(TrackerOutput::Gc { keys });
+            }
+        }
+        self.flush(now);
+    }
+
+    /// The next command for the driver.
+    pub fn poll_output(&mut self) -> Option<TrackerOutput> {
+        self.outputs.pop_front()
+    }
+
+    /// When to call [`Self::handle_timeout`] next.
+    pub fn poll_timeout(&self) -> Option<Time> {
+        if self.shutting_down {
+            return self.retry_at;
+        }
+        let periodic = Some(self.next_refresh.min(self.next_gc));
+        earliest(periodic, self.retry_at)
+    }
+
+    /// Every (key, field, payload) this kas wants in the store (payloads without the
+    /// expiry wrapper), sorted. For tests and the simulation's convergence checks.
+    pub fn desired(&self) -> Vec<(String, String, Vec<u8>)> {
+        let mut all: Vec<_> = self
+            .state
+            .iter()
+            .flat_map(|(k, s)| {
+                s.fields
+                    .iter()
+                    .map(move |(f, v)| (k.clone(), f.clone(), v.clone()))
+            })
+            .collect();
+        all.sort();
+        all
+    }
+
+    /// True when nothing is waiting to be written and no batch is in flight.
+    pub fn is_settled(&self) -> bool {
+        self.in_flight.is_none() && self.dirty_queue.is_empty()
+    }
+
+    fn set(&mut self, key: String, field: String, value: Vec<u8>) {
+        let st = self.state.entry(key.clone()).or_default();
+        st.pending_delete.remove(&field);
+        st.fields.insert(field, value);
+        mark_dirty(&mut self.dirty_queue, key, st);
+    }
+
+    fn delete(&mut self, key: String, field: String) {
+        let st = self.state.entry(key.clone()).or_default();
+        st.fields.remove(&field);
+        st.pending_delete.insert(field);
+        mark_dirty(&mut self.dirty_queue, key, st);
+    }
+
+    fn mark_all_dirty(&mut self) {
+        let mut keys: Vec<String> = self
+            .state
+            .iter()
+            .filter(|(_, s)| !s.fields.is_empty() || !s.pending_delete.is_empty())
+            .map(|(k, _)| k.clone())
+            .collect();
+        keys.sort(); // deterministic order regardless of hashing
+        for key in keys {
+            if let Some(st) = self.state.get_mut(&key) {
+                mark_dirty(&mut self.dirty_queue, key, st);
+            }
+        }
+    }
+
+    fn shutdown(&mut self) {
+        self.shutting_down = true;
+        let keys: Vec<String> = self.state.keys().cloned().collect();
+        for key in keys {
+            let st = self.state.get_mut(&key).expect("key listed above");
+            let fields = std::mem::take(&mut st.fields);
+            st.pending_delete.extend(fields.into_keys());
+            st.pending_publish.clear();
+            if !st.pending_delete.is_empty() {
+                mark_dirty(&mut self.dirty_queue, key, st);
+            }
+        }
+    }
+
+    fn batch_result(&mut self, now: Time, batch: u64, ok: bool) {
+        let Some(in_flight) = self.in_flight.take_if(|f| f.id == batch) else {
+            return; // a stale or unknown id: ignore
+        };
+        for w in in_flight.writes {
+            let Some(st) = self.state.get_mut(&w.key) else {
+                continue;
+            };
+            st.in_flight = false;
+            if !ok {
+                for field in w.delete {
+                    if !st.fields.contains_key(&field) {
+                        st.pending_delete.insert(field);
+                    }
+                }
+                let newer = std::mem::replace(&mut st.pending_publish, w.publish);
+                st.pending_publish.extend(newer);
+                mark_dirty(&mut self.dirty_queue, w.key, st);
+            } else if st.dirty {
+                // Changed while in flight: it is queued already.
+            } else if st.fields.is_empty() && st.pending_delete.is_empty() {
+                self.state.remove(&w.key);
+            }
+        }
+        if ok {
+            self.failures = 0;
+            self.retry_at = None;
+        } else {
+            let delay = self.config.backoff.delay(self.failures, &mut self.rng);
+            self.failures = self.failures.saturating_add(1);
+            self.retry_at = Some(now + delay);
+        }
+    }
+
+    fn flush(&mut self, now: Time) {
+        if self.in_flight.is_none() && self.retry_at.is_none_or(|at| at <= now) {
+            self.retry_at = None;
+            let mut writes = Vec::new();
+            while writes.len() < self.config.max_keys_per_batch.max(1) {
+                let Some(key) = self.dirty_queue.pop_front() else {
+                    break;
+                };
+                let Some(st) = self.state.get_mut(&key) else {
+                    continue;
+                };
+                st.dirty = false;
+                st.in_flight = true;
+                let expires_at = now + self.config.ttl;
+                writes.push(KeyWrite {
+                    delete: std::mem::take(&mut st.pending_delete).into_iter().collect(),
+                    set: st
+                        .fields
+                        .iter()
+                        .map(|(f, v)| (f.clone(), expiring::encode(v, expires_at)))
+                        .collect(),
+                    expire: (!st.fields.is_empty()).then_some(self.config.ttl),
+                    publish: std::mem::take(&mut st.pending_publish),
+                    key,
+                });
+            }
+            if !writes.is_empty() {
+                let id = self.next_batch_id;
+                self.next_batch_id += 1;
+                self.in_flight = Some(InFlight {
+                    id,
+                    writes: writes.clone(),
+                });
+                self.outputs
+                    .push_back(TrackerOutput::Write(Batch { id, writes }));
+            }
+        }
+        if self.shutting_down && !self.shutdown_reported && self.is_settled() {
+            self.shutdown_reported = true;
+            self.outputs.push_back(TrackerOutput::ShutdownComplete);
+        }
+    }
+}
+
+/// Queues `key` for the next batch unless it is queued already. A key in flight is queued
+/// too: its next write follows the current one.
+fn mark_dirty(queue: &mut VecDeque<String>, key: String, st: &mut KeyState) {
+    if !st.dirty {
+        st.dirty = true;
+        queue.push_back(key);
+    }
+}
+
+#[cfg(test)]
+mod tests;
