@@ -17,6 +17,7 @@ pub mod frame_sequence;
 pub mod ids;
 pub mod keys;
 pub mod rng;
+pub mod router;
 pub mod time;
 pub mod tracker;
 pub mod tunnel_registry;

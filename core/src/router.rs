@@ -1,0 +1,571 @@
+//! How a call from GitLab finds a kas holding a tunnel of its agent.
+//!
+//! One router per kas, for the calls that arrived on its public API. For each call:
+//! 1. If this kas holds a tunnel of the agent, try it first ([`Target::Local`]).
+//! 2. Otherwise subscribe to the agent's tunnel events and, only once the subscription is
+//!    confirmed, look up which kas replicas hold its tunnels: a tunnel registered after the
+//!    lookup read is then announced to us, so no wake-up is lost. Lookups for one agent are
+//!    shared by all its waiting calls.
+//! 3. Try those kas in random order (never itself; recently failed ones last). A kas that
+//!    refuses before delivery ([`RouterInput::AttemptRefused`]) makes the router try the
+//!    next one. Once a call may have reached an agent the router never retries it: the
+//!    driver reports [`RouterInput::Finished`] whatever the outcome (at-most-once).
+//! 4. With no kas left, wait for a tunnel event (pub-sub, or a local tunnel) or a jittered
+//!    backoff poll, which is the safety net for lost pub-sub messages.
+//! 5. At the deadline a call that is not with a kas fails with
+//!    [`RouteError::NotConnected`]; one still in an attempt is failed `grace` later.
+//!
+//! The kas that receives a forwarded call serves it from its own registry only and never
+//! asks a router, so a call takes at most two kas hops.
+//!
+//! Driving contract: feed [`Router::handle_input`], drain [`Router::poll_output`], call
+//! [`Router::handle_timeout`] at [`Router::poll_timeout`].
+
+use crate::backoff::Backoff;
+use crate::ids::{AgentId, ConnectionId, KasId, RequestId};
+use crate::rng::Rng;
+use crate::time::Time;
+use std::cmp::Reverse;
+use std::collections::{BTreeSet, BinaryHeap, HashMap, HashSet, VecDeque};
+use std::time::Duration;
+
+/// What the driver tells the router.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub enum RouterInput {
+    /// A call for the agent (the replica, when set) arrived; give up at `deadline`.
+    Start {
+        /// The call.
+        request: RequestId,
+        /// The wanted agent.
+        agent: AgentId,
+        /// The wanted replica, if any.
+        connection: Option<ConnectionId>,
+        /// The caller's deadline.
+        deadline: Time,
+    },
+    /// This kas gained its first or lost its last tunnel of the agent (from the registry).
+    LocalPresence {
+        /// The agent.
+        agent: AgentId,
+        /// Whether this kas holds a tunnel of it now.
+        present: bool,
+    },
+    /// The subscription to the agent's tunnel events is active.
+    Subscribed {
+        /// The agent.
+        agent: AgentId,
+    },
+    /// The kas replicas whose tunnel records for the agent are live.
+    LookupDone {
+        /// The agent.
+        agent: AgentId,
+        /// Their ids, in any order; this kas's own id may be among them.
+        kas: Vec<KasId>,
+    },
+    /// The lookup failed (store unreachable).
+    LookupFailed {
+        /// The agent.
+        agent: AgentId,
+    },
+    /// A tunnel event arrived on the agent's channel.
+    TunnelEvent {
+        /// The agent.
+        agent: AgentId,
+        /// The kas whose tunnels changed.
+        kas: KasId,
+        /// Whether that kas gained (`true`) or lost its tunnels of the agent.
+        connected: bool,
+    },
+    /// The pub-sub connection was re-established (subscriptions restored): events may
+    /// have been missed, so every waiting call looks again.
+    PubSubReconnected,
+    /// The target refused the call before any agent saw it (no tunnel there, kas
+    /// unreachable before sending): the router may try elsewhere.
+    AttemptRefused {
+        /// The call.
+        request: RequestId,
+    },
+    /// The call is over: answered, failed after it may have been delivered, or cancelled by
+    /// the caller. The router forgets it.
+    Finished {
+        /// The call.
+        request: RequestId,
+    },
+}
+
+/// Where to send a call.
+#[derive(Clone, Debug, PartialEq, Eq, Hash)]
+pub enum Target {
+    /// This kas's own tunnel registry.
+    Local,
+    /// Another kas, over the private API.
+    Kas(KasId),
+}
+
+/// What the router asks of the driver.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub enum RouterOutput {
+    /// Subscribe to the agent's tunnel events; answer with [`RouterInput::Subscribed`].
+    Subscribe(AgentId),
+    /// Drop that subscription.
+    Unsubscribe(AgentId),
+    /// Read the agent's live tunnel records; answer with `LookupDone` or `LookupFailed`.
+    Lookup(AgentId),
+    /// Send the call to `target`; answer with `AttemptRefused` or `Finished`.
+    Attempt {
+        /// The call.
+        request: RequestId,
+        /// Where to.
+        target: Target,
+    },
+    /// End the call with this error; the router has forgotten it (abandon any attempt).
+    Fail {
+        /// The call.
+        request: RequestId,
+        /// Why.
+        error: RouteError,
+    },
+}
+
+/// Why a call could not be routed.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub enum RouteError {
+    /// No tunnel of the agent became reachable before the deadline.
+    NotConnected {
+        /// The agent.
+        agent: AgentId,
+        /// The replica that was asked for, if any.
+        connection: Option<ConnectionId>,
+    },
+    /// An attempt was still running `grace` after the deadline.
+    DeadlineExceeded {
+        /// The agent.
+        agent: AgentId,
+    },
+}
+
+impl std::fmt::Display for RouteError {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        match self {
+            RouteError::NotConnected {
+                agent,
+                connection: None,
+            } => write!(f, "agent {agent} is not connected"),
+            RouteError::NotConnected {
+                agent,
+                connection: Some(c),
+            } => write!(f, "agent {agent} connection {c} is not connected"),
+            RouteError::DeadlineExceeded { agent } => {
+                write!(f, "deadline exceeded while calling agent {agent}")
+            }
+        }
+    }
+}
+
+impl std::error::Error for RouteError {}
+
+/// Router settings.
+#[derive(Clone, Copy, Debug, PartialEq)]
+pub struct RouterConfig {
+    /// Delays between safety-net polls of a waiting call.
+    pub poll_backoff: Backoff,
+    /// How long a kas that refused a call is tried last.
+    pub failure_memory: Duration,
+    /// How long past its deadline a call in an attempt may run before the router fails it.
+    pub grace: Duration,
+}
+
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+enum Phase {
+    Attempting,
+    NeedLookup,
+    Waiting { poll_at: Time },
+}
+
+#[derive(Debug)]
+struct Route {
+    agent: AgentId,
+    connection: Option<ConnectionId>,
+    deadline: Time,
+    phase: Phase,
+    candidates: VecDeque<Target>,
+    current: Option<Target>,
+    /// A tunnel event arrived since the last lookup was issued for this call.
+    woken: bool,
+    /// A lookup has answered for this call at least once.
+    looked_up: bool,
+    polls: u32,
+}
+
+#[derive(Debug, Default)]
+struct AgentRoutes {
+    requests: BTreeSet<RequestId>,
+    subscription: Subscription,
+    lookup_in_flight: bool,
+}
+
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+enum Subscription {
+    #[default]
+    None,
+    Pending,
+    Active,
+}
+
+/// Routes of the calls that arrived at one kas. See the module docs.
+#[derive(Debug)]
+pub struct Router {
+    config: RouterConfig,
+    self_id: KasId,
+    rng: Rng,
+    routes: HashMap<RequestId, Route>,
+    agents: HashMap<AgentId, AgentRoutes>,
+    local: HashSet<AgentId>,
+    failed_at: HashMap<KasId, Time>,
+    timers: BinaryHeap<Reverse<(Time, RequestId)>>,
+    outputs: VecDeque<RouterOutput>,
+}
+
+impl Router {
+    /// A router of kas `self_id`; `seed` drives shuffling and jitter.
+    pub fn new(config: RouterConfig, self_id: KasId, seed: u64) -> Self {
+        Router {
+            config,
+            self_id,
+            rng: Rng::new(seed),
+            routes: HashMap::new(),
+            agents: HashMap::new(),
+            local: HashSet::new(),
+            failed_at: HashMap::new(),
+            timers: BinaryHeap::new(),
+            outputs: VecDeque::new(),
+        }
+    }
+
+    /// Applies one input at `now`. Inputs naming calls the router has forgotten are ignored.
+    pub fn handle_input(&mut self, now: Time, input: RouterInput) {
+        match input {
+            RouterInput::Start {
+                request,
+                agent,
+                connection,
+                deadline,
+            } => self.start(now, request, agent, connection, deadline),
+            RouterInput::LocalPresence { agent, present } => {
+                if present {
+                    self.local.insert(agent);
+                    self.wake(now, agent, Target::Local);
+                } else {
+                    self.local.remove(&agent);
+                    self.drop_candidate(agent, &Target::Local);
+                }
+            }
+            RouterInput::Subscribed { agent } => {
+                if let Some(a) = self.agents.get_mut(&agent) {
+                    a.subscription = Subscription::Active;
+                    if self.any_in_phase(agent, Phase::NeedLookup) {
+                        self.lookup(agent);
+                    }
+                }
+            }
+            RouterInput::LookupDone { agent, kas } => self.lookup_done(now, agent, Some(kas)),
+            RouterInput::LookupFailed { agent } => self.lookup_done(now, agent, None),
+            RouterInput::TunnelEvent {
+                agent,
+                kas,
+                connected,
+            } => {
+                let target = if kas == self.self_id {
+                    Target::Local
+                } else {
+                    Target::Kas(kas)
+                };
+                if connected && target != Target::Local {
+                    if let Target::Kas(k) = &target {
+                        self.failed_at.remove(k);
+                    }
+                    self.wake(now, agent, target);
+                } else if !connected {
+                    self.drop_candidate(agent, &target);
+                }
+            }
+            RouterInput::PubSubReconnected => {
+                let ids: Vec<RequestId> = self.sorted_requests();
+                for id in ids {
+                    if let Some(r) = self.routes.get_mut(&id) {
+                        r.woken = true;
+                        if matches!(r.phase, Phase::Waiting { .. }) {
+                            self.discover(id);
+                        }
+                    }
+                }
+            }
+            RouterInput::AttemptRefused { request } => {
+                let Some(r) = self.routes.get_mut(&request) else {
+                    return;
+                };
+                if r.phase != Phase::Attempting {
+                    return;
+                }
+                if let Some(Target::Kas(k)) = r.current.take() {
+                    self.failed_at.insert(k, now);
+                }
+                self.try_next(now, request);
+            }
+            RouterInput::Finished { request } => self.forget(request),
+        }
+    }
+
+    /// Fails calls past their deadline and runs polls due at `now`.
+    pub fn handle_timeout(&mut self, now: Time) {
+        let memory = self.config.failure_memory;
+        self.failed_at.retain(|_, at| *at + memory > now);
+        while let Some(&Reverse((at, request))) = self.timers.peek() {
+            if at > now {
+                break;
+            }
+            self.timers.pop();
+            let Some(r) = self.routes.get(&request) else {
+                continue;
+            };
+            let error = match r.phase {
+                Phase::Attempting if now >= r.deadline + self.config.grace => {
+                    Some(RouteError::DeadlineExceeded { agent: r.agent })
+                }
+                Phase::Attempting => None,
+                _ if now >= r.deadline => Some(RouteError::NotConnected {
+                    agent: r.agent,
+                    connection: r.connection,
+                }),
+                Phase::Waiting { poll_at } if now >= poll_at => {
+                    self.discover(request);
+                    None
+                }
+                _ => None,
+            };
+            if let Some(error) = error {
+                self.forget(request);
+                self.outputs.push_back(RouterOutput::Fail { request, error });
+            }
+        }
+    }
+
+    /// The next command for the driver.
+    pub fn poll_output(&mut self) -> Option<RouterOutput> {
+        self.outputs.pop_front()
+    }
+
+    /// When to call [`Self::handle_timeout`] next (may be early, never late).
+    pub fn poll_timeout(&self) -> Option<Time> {
+        self.timers.peek().map(|r| r.0.0)
+    }
+
+    /// Calls being routed.
+    pub fn request_count(&self) -> usize {
+        self.routes.len()
+    }
+
+    /// Agents with a subscription requested or active.
+    pub fn subscription_count(&self) -> usize {
+        self.agents
+            .values()
+            .filter(|a| a.subscription != Subscription::None)
+            .count()
+    }
+
+    fn start(
+        &mut self,
+        now: Time,
+        request: RequestId,
+        agent: AgentId,
+        connection: Option<ConnectionId>,
+        deadline: Time,
+    ) {
+        if self.routes.contains_key(&request) {
+            return;
+        }
+        self.routes.insert(
+            request,
+            Route {
+                agent,
+                connection,
+                deadline,
+                phase: Phase::NeedLookup,
+                candidates: VecDeque::new(),
+                current: None,
+                woken: false,
+                looked_up: false,
+                polls: 0,
+            },
+        );
+        self.agents.entry(agent).or_default().requests.insert(request);
+        self.timers.push(Reverse((deadline, request)));
+        self.timers
+            .push(Reverse((deadline + self.config.grace, request)));
+        if self.local.contains(&agent) {
+            self.routes
+                .get_mut(&request)
+                .expect("inserted above")
+                .candidates
+                .push_back(Target::Local);
+            self.try_next(now, request);
+        } else {
+            self.discover(request);
+        }
+    }
+
+    /// Puts the call into discovery: subscribe first, look up once subscribed.
+    fn discover(&mut self, request: RequestId) {
+        let Some(r) = self.routes.get_mut(&request) else {
+            return;
+        };
+        r.phase = Phase::NeedLookup;
+        r.woken = false;
+        let agent = r.agent;
+        let a = self.agents.entry(agent).or_default();
+        match a.subscription {
+            Subscription::None => {
+                a.subscription = Subscription::Pending;
+                self.outputs.push_back(RouterOutput::Subscribe(agent));
+            }
+            Subscription::Pending => {}
+            Subscription::Active => self.lookup(agent),
+        }
+    }
+
+    fn lookup(&mut self, agent: AgentId) {
+        if let Some(a) = self.agents.get_mut(&agent)
+            && !a.lookup_in_flight
+        {
+            a.lookup_in_flight = true;
+            self.outputs.push_back(RouterOutput::Lookup(agent));
+        }
+    }
+
+    fn lookup_done(&mut self, now: Time, agent: AgentId, kas: Option<Vec<KasId>>) {
+        let Some(a) = self.agents.get_mut(&agent) else {
+            return;
+        };
+        a.lookup_in_flight = false;
+        let waiting: Vec<RequestId> = a
+            .requests
+            .iter()
+            .copied()
+            .filter(|id| self.routes[id].phase == Phase::NeedLookup)
+            .collect();
+        for id in waiting {
+            let targets = match &kas {
+                Some(kas) => self.order(agent, kas),
+                None => Vec::new(),
+            };
+            let r = self.routes.get_mut(&id).expect("listed above");
+            r.looked_up = true;
+            for t in targets {
+                if !r.candidates.contains(&t) {
+                    r.candidates.push_back(t);
+                }
+            }
+            if kas.is_none() {
+                r.woken = false; // the store is failing: back off rather than spin
+            }
+            self.try_next(now, id);
+        }
+    }
+
+    /// The candidates for a lookup result: shuffled, recently failed kas last, this kas
+    /// only as `Local` and only while it holds a tunnel of the agent.
+    fn order(&mut self, agent: AgentId, kas: &[KasId]) -> Vec<Target> {
+        let mut others: Vec<&KasId> = kas.iter().filter(|k| **k != self.self_id).collect();
+        others.sort();
+        others.dedup();
+        self.rng.shuffle(&mut others);
+        others.sort_by_key(|k| self.failed_at.contains_key(*k));
+        let local = self.local.contains(&agent).then_some(Target::Local);
+        local
+            .into_iter()
+            .chain(others.into_iter().map(|k| Target::Kas(k.clone())))
+            .collect()
+    }
+
+    fn try_next(&mut self, now: Time, request: RequestId) {
+        let Some(r) = self.routes.get_mut(&request) else {
+            return;
+        };
+        if let Some(target) = r.candidates.pop_front() {
+            r.phase = Phase::Attempting;
+            r.current = Some(target.clone());
+            self.outputs
+                .push_back(RouterOutput::Attempt { request, target });
+        } else if r.woken || !r.looked_up {
+            self.discover(request);
+        } else {
+            let delay = self.config.poll_backoff.delay(r.polls, &mut self.rng);
+            r.polls = r.polls.saturating_add(1);
+            let poll_at = now + delay;
+            r.phase = Phase::Waiting { poll_at };
+            if poll_at < r.deadline {
+                self.timers.push(Reverse((poll_at, request)));
+            }
+        }
+    }
+
+    /// A tunnel of `agent` appeared at `target`: calls waiting for it try there at once;
+    /// calls busy elsewhere add it to their candidates and look again when they run out.
+    fn wake(&mut self, now: Time, agent: AgentId, target: Target) {
+        let Some(a) = self.agents.get(&agent) else {
+            return;
+        };
+        let ids: Vec<RequestId> = a.requests.iter().copied().collect();
+        for id in ids {
+            let r = self.routes.get_mut(&id).expect("agent lists live routes");
+            r.woken = true;
+            if r.current.as_ref() != Some(&target) && !r.candidates.contains(&target) {
+                r.candidates.push_front(target.clone());
+            }
+            if matches!(r.phase, Phase::Waiting { .. }) {
+                r.woken = false;
+                self.try_next(now, id);
+            }
+        }
+    }
+
+    fn drop_candidate(&mut self, agent: AgentId, target: &Target) {
+        if let Some(a) = self.agents.get(&agent) {
+            for id in &a.requests {
+                if let Some(r) = self.routes.get_mut(id) {
+                    r.candidates.retain(|t| t != target);
+                }
+            }
+        }
+    }
+
+    fn any_in_phase(&self, agent: AgentId, phase: Phase) -> bool {
+        self.agents
+            .get(&agent)
+            .is_some_and(|a| a.requests.iter().any(|id| self.routes[id].phase == phase))
+    }
+
+    fn sorted_requests(&self) -> Vec<RequestId> {
+        let mut ids: Vec<RequestId> = self.routes.keys().copied().collect();
+        ids.sort();
+        ids
+    }
+
+    fn forget(&mut self, request: RequestId) {
+        let Some(r) = self.routes.remove(&request) else {
+            return;
+        };
+        if let Some(a) = self.agents.get_mut(&r.agent) {
+            a.requests.remove(&request);
+            if a.requests.is_empty() {
+                if a.subscription != Subscription::None {
+                    self.outputs.push_back(RouterOutput::Unsubscribe(r.agent));
+                }
+                self.agents.remove(&r.agent);
+            }
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests;

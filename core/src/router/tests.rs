@@ -1,0 +1,224 @@
+use super::*;
+
+const A: AgentId = AgentId(1);
+
+fn kas(n: u32) -> KasId {
+    KasId(format!("kas{n}:8155"))
+}
+
+fn router() -> Router {
+    Router::new(
+        RouterConfig {
+            poll_backoff: Backoff {
+                initial: Duration::from_millis(100),
+                max: Duration::from_millis(400),
+                factor: 2,
+            },
+            failure_memory: Duration::from_secs(10),
+            grace: Duration::from_millis(50),
+        },
+        kas(0),
+        7,
+    )
+}
+
+fn drain(r: &mut Router) -> Vec<RouterOutput> {
+    std::iter::from_fn(|| r.poll_output()).collect()
+}
+
+fn start(r: &mut Router, now: u64, id: u64, deadline: u64) {
+    r.handle_input(
+        Time(now),
+        RouterInput::Start {
+            request: RequestId(id),
+            agent: A,
+            connection: None,
+            deadline: Time(deadline),
+        },
+    );
+}
+
+fn attempt(id: u64, target: Target) -> RouterOutput {
+    RouterOutput::Attempt {
+        request: RequestId(id),
+        target,
+    }
+}
+
+#[test]
+fn local_tunnel_is_used_without_touching_redis() {
+    let mut r = router();
+    r.handle_input(Time(0), RouterInput::LocalPresence { agent: A, present: true });
+    start(&mut r, 0, 1, 1000);
+    assert_eq!(drain(&mut r), vec![attempt(1, Target::Local)]);
+    r.handle_input(Time(1), RouterInput::Finished { request: RequestId(1) });
+    assert_eq!(drain(&mut r), vec![]);
+    assert_eq!((r.request_count(), r.subscription_count()), (0, 0));
+}
+
+#[test]
+fn subscribes_before_lookup_and_never_targets_itself() {
+    let mut r = router();
+    start(&mut r, 0, 1, 1000);
+    assert_eq!(drain(&mut r), vec![RouterOutput::Subscribe(A)]);
+    r.handle_input(Time(1), RouterInput::Subscribed { agent: A });
+    assert_eq!(drain(&mut r), vec![RouterOutput::Lookup(A)]);
+    r.handle_input(
+        Time(2),
+        RouterInput::LookupDone {
+            agent: A,
+            kas: vec![kas(0), kas(2)],
+        },
+    );
+    assert_eq!(drain(&mut r), vec![attempt(1, Target::Kas(kas(2)))]);
+    r.handle_input(Time(3), RouterInput::Finished { request: RequestId(1) });
+    assert_eq!(drain(&mut r), vec![RouterOutput::Unsubscribe(A)]);
+}
+
+#[test]
+fn refused_attempts_move_on_and_failed_kas_go_last_next_time() {
+    let mut r = router();
+    start(&mut r, 0, 1, 1000);
+    r.handle_input(Time(0), RouterInput::Subscribed { agent: A });
+    drain(&mut r);
+    r.handle_input(
+        Time(0),
+        RouterInput::LookupDone {
+            agent: A,
+            kas: vec![kas(1), kas(2)],
+        },
+    );
+    let RouterOutput::Attempt { target: first, .. } = drain(&mut r).remove(0) else {
+        panic!("expected an attempt");
+    };
+    r.handle_input(Time(1), RouterInput::AttemptRefused { request: RequestId(1) });
+    let second = drain(&mut r);
+    assert_eq!(second.len(), 1);
+    assert_ne!(second[0], attempt(1, first.clone()));
+    r.handle_input(Time(1), RouterInput::Finished { request: RequestId(1) });
+    drain(&mut r);
+    // Every later call tries the failed kas last.
+    for id in 2..20 {
+        start(&mut r, 2, id, 1000);
+        r.handle_input(Time(2), RouterInput::Subscribed { agent: A });
+        drain(&mut r);
+        r.handle_input(
+            Time(2),
+            RouterInput::LookupDone {
+                agent: A,
+                kas: vec![kas(1), kas(2)],
+            },
+        );
+        let out = drain(&mut r);
+        assert!(!out.contains(&attempt(id, first.clone())), "{out:?}");
+        r.handle_input(Time(2), RouterInput::Finished { request: RequestId(id) });
+        drain(&mut r);
+    }
+}
+
+#[test]
+fn waiting_call_wakes_on_tunnel_event_and_goes_straight_there() {
+    let mut r = router();
+    start(&mut r, 0, 1, 1000);
+    r.handle_input(Time(0), RouterInput::Subscribed { agent: A });
+    r.handle_input(Time(0), RouterInput::LookupDone { agent: A, kas: vec![] });
+    assert_eq!(drain(&mut r), vec![RouterOutput::Subscribe(A), RouterOutput::Lookup(A)]);
+    r.handle_input(
+        Time(5),
+        RouterInput::TunnelEvent {
+            agent: A,
+            kas: kas(3),
+            connected: true,
+        },
+    );
+    assert_eq!(drain(&mut r), vec![attempt(1, Target::Kas(kas(3)))]);
+}
+
+#[test]
+fn waiting_call_polls_with_backoff_when_no_event_comes() {
+    let mut r = router();
+    start(&mut r, 0, 1, 10_000);
+    r.handle_input(Time(0), RouterInput::Subscribed { agent: A });
+    r.handle_input(Time(0), RouterInput::LookupDone { agent: A, kas: vec![] });
+    drain(&mut r);
+    let mut polls = Vec::new();
+    let mut now = Time(0);
+    while polls.len() < 4 {
+        now = r.poll_timeout().unwrap();
+        r.handle_timeout(now);
+        if drain(&mut r) == vec![RouterOutput::Lookup(A)] {
+            polls.push(now.0);
+            r.handle_input(now, RouterInput::LookupDone { agent: A, kas: vec![] });
+        }
+    }
+    let gaps: Vec<u64> = polls.windows(2).map(|w| w[1] - w[0]).collect();
+    assert!(polls[0] >= 50 && polls[0] <= 100, "first poll {polls:?}");
+    assert!(gaps.iter().all(|g| (100..=400).contains(g)), "gaps {gaps:?}");
+    assert!(now < Time(10_000));
+}
+
+#[test]
+fn deadline_fails_with_not_connected_and_releases_everything() {
+    let mut r = router();
+    start(&mut r, 0, 1, 300);
+    r.handle_input(Time(0), RouterInput::Subscribed { agent: A });
+    r.handle_input(Time(0), RouterInput::LookupDone { agent: A, kas: vec![] });
+    drain(&mut r);
+    while r.request_count() > 0 {
+        let t = r.poll_timeout().unwrap();
+        r.handle_timeout(t);
+        for o in drain(&mut r) {
+            match o {
+                RouterOutput::Lookup(_) => {
+                    r.handle_input(t, RouterInput::LookupDone { agent: A, kas: vec![] })
+                }
+                RouterOutput::Fail { request, error } => {
+                    assert_eq!((request, t), (RequestId(1), Time(300)));
+                    assert_eq!(error.to_string(), "agent 1 is not connected");
+                }
+                RouterOutput::Unsubscribe(_) => {}
+                other => panic!("unexpected {other:?}"),
+            }
+        }
+    }
+    assert_eq!(r.subscription_count(), 0);
+}
+
+#[test]
+fn attempt_running_past_deadline_is_failed_after_grace() {
+    let mut r = router();
+    r.handle_input(Time(0), RouterInput::LocalPresence { agent: A, present: true });
+    start(&mut r, 0, 1, 100);
+    drain(&mut r);
+    r.handle_timeout(Time(100));
+    assert_eq!(drain(&mut r), vec![], "attempt still has its grace");
+    r.handle_timeout(Time(150));
+    assert_eq!(
+        drain(&mut r),
+        vec![RouterOutput::Fail {
+            request: RequestId(1),
+            error: RouteError::DeadlineExceeded { agent: A }
+        }]
+    );
+}
+
+#[test]
+fn refused_local_attempt_falls_back_to_discovery() {
+    let mut r = router();
+    r.handle_input(Time(0), RouterInput::LocalPresence { agent: A, present: true });
+    start(&mut r, 0, 1, 1000);
+    drain(&mut r);
+    r.handle_input(Time(1), RouterInput::AttemptRefused { request: RequestId(1) });
+    assert_eq!(drain(&mut r), vec![RouterOutput::Subscribe(A)]);
+}
+
+#[test]
+fn one_lookup_serves_all_calls_for_an_agent() {
+    let mut r = router();
+    for id in 1..=50 {
+        start(&mut r, 0, id, 1000);
+    }
+    r.handle_input(Time(0), RouterInput::Subscribed { agent: A });
+    let out = drain(&mut r);
+    assert_eq!(out, vec![RouterOutput::Subscribe(A), RouterOutput::Lookup(A)]);
+}
