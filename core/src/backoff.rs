@@ -45,7 +45,11 @@ mod tests {
             let full = (100u64 << attempt.min(20)).min(2000);
             for _ in 0..50 {
                 let d = b.delay(attempt, &mut rng).as_millis() as u64;
-                assert!(d >= full / 2 && d <= full, "attempt {attempt}: {d} not in [{}, {full}]", full / 2);
+                assert!(
+                    d >= full / 2 && d <= full,
+                    "attempt {attempt}: {d} not in [{}, {full}]",
+                    full / 2
+                );
             }
         }
     }

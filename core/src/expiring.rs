@@ -79,7 +79,10 @@ mod tests {
         let bytes = encode(b"abc", Time(1_000));
         assert_eq!(decode(&bytes).unwrap(), (Time(1_000), b"abc".to_vec()));
         assert!(is_live(Time(1_000), Time(999)));
-        assert!(!is_live(Time(1_000), Time(1_000)), "expired exactly at expires_at");
+        assert!(
+            !is_live(Time(1_000), Time(1_000)),
+            "expired exactly at expires_at"
+        );
     }
 
     #[test]
@@ -92,13 +95,23 @@ mod tests {
             ("b", dead.as_slice()),
             ("c", corrupt.as_slice()),
         ];
-        assert_eq!(live_fields(fields, Time(1_000)), vec![("a".into(), b"live".to_vec())]);
-        assert_eq!(garbage_fields(fields, Time(1_000)), vec!["b".to_string(), "c".to_string()]);
+        assert_eq!(
+            live_fields(fields, Time(1_000)),
+            vec![("a".into(), b"live".to_vec())]
+        );
+        assert_eq!(
+            garbage_fields(fields, Time(1_000)),
+            vec!["b".to_string(), "c".to_string()]
+        );
     }
 
     #[test]
     fn negative_expiry_is_a_decode_error() {
-        let bytes = ExpiringValue { expires_at: -5, value: vec![] }.encode_to_vec();
+        let bytes = ExpiringValue {
+            expires_at: -5,
+            value: vec![],
+        }
+        .encode_to_vec();
         let err = decode(&bytes).unwrap_err();
         assert!(err.to_string().contains("negative expires_at -5"), "{err}");
     }

@@ -92,7 +92,10 @@ impl std::fmt::Display for FrameError {
         match self {
             FrameError::Empty => write!(f, "frame has no kind"),
             FrameError::WrongDirection { kind, direction } => {
-                write!(f, "a {kind} frame cannot travel {direction:?} on this stream")
+                write!(
+                    f,
+                    "a {kind} frame cannot travel {direction:?} on this stream"
+                )
             }
             FrameError::DescriptorMissing => write!(f, "tunnel must begin with a descriptor"),
             FrameError::DescriptorTwice => write!(f, "second descriptor on one tunnel"),
@@ -101,7 +104,10 @@ impl std::fmt::Display for FrameError {
                 write!(f, "request start while request {open} is still open")
             }
             FrameError::UnknownRequest { got, open } => {
-                write!(f, "frame for unknown request {got} (open request is {open})")
+                write!(
+                    f,
+                    "frame for unknown request {got} (open request is {open})"
+                )
             }
             FrameError::TrailerTwice { request_id } => {
                 write!(f, "request {request_id} already ended")
@@ -176,7 +182,9 @@ impl FrameSequence {
             (Direction::FromAgent, _) if !self.is_ready() => Err(FrameError::DescriptorMissing),
             (Direction::ToAgent, Kind::RequestStart(start)) => self.start(start.request_id),
             (Direction::ToAgent, Kind::Message(m)) => self.request_frame(m.request_id, name, false),
-            (Direction::ToAgent, Kind::CloseSend(c)) => self.request_frame(c.request_id, name, true),
+            (Direction::ToAgent, Kind::CloseSend(c)) => {
+                self.request_frame(c.request_id, name, true)
+            }
             (Direction::FromAgent, Kind::Header(h)) => {
                 let call = self.call_mut(h.request_id, name)?;
                 if call.response_started {
@@ -238,7 +246,10 @@ impl FrameSequence {
 
     fn call_mut(&mut self, id: u64, name: &'static str) -> Result<&mut OpenCall, FrameError> {
         match (&mut self.open, self.last_finished) {
-            (Some(call), _) if call.id != id => Err(FrameError::UnknownRequest { got: id, open: call.id }),
+            (Some(call), _) if call.id != id => Err(FrameError::UnknownRequest {
+                got: id,
+                open: call.id,
+            }),
             (Some(call), _) => Ok(call),
             (None, Some(done)) if done == id && matches!(name, "trailer" | "error") => {
                 Err(FrameError::TrailerTwice { request_id: id })
@@ -325,25 +336,37 @@ mod tests {
     #[test]
     fn message_before_start() {
         let mut s = ready_tunnel();
-        assert_eq!(s.check(Down, &msg(1)), Err(FrameError::BeforeStart { kind: "message" }));
+        assert_eq!(
+            s.check(Down, &msg(1)),
+            Err(FrameError::BeforeStart { kind: "message" })
+        );
     }
 
     #[test]
     fn second_start() {
         let mut s = ready_tunnel();
         s.check(Down, &start(1)).unwrap();
-        assert_eq!(s.check(Down, &start(2)), Err(FrameError::SecondStart { open: 1 }));
+        assert_eq!(
+            s.check(Down, &start(2)),
+            Err(FrameError::SecondStart { open: 1 })
+        );
         let mut fwd = FrameSequence::new(StreamKind::Forward);
         fwd.check(Down, &start(1)).unwrap();
         fwd.check(Up, &trailer(1)).unwrap();
-        assert_eq!(fwd.check(Down, &start(2)), Err(FrameError::SecondStart { open: 1 }));
+        assert_eq!(
+            fwd.check(Down, &start(2)),
+            Err(FrameError::SecondStart { open: 1 })
+        );
     }
 
     #[test]
     fn unknown_request() {
         let mut s = ready_tunnel();
         s.check(Down, &start(1)).unwrap();
-        assert_eq!(s.check(Up, &msg(9)), Err(FrameError::UnknownRequest { got: 9, open: 1 }));
+        assert_eq!(
+            s.check(Up, &msg(9)),
+            Err(FrameError::UnknownRequest { got: 9, open: 1 })
+        );
     }
 
     #[test]
@@ -351,7 +374,10 @@ mod tests {
         let mut s = ready_tunnel();
         s.check(Down, &start(4)).unwrap();
         s.check(Up, &trailer(4)).unwrap();
-        assert_eq!(s.check(Up, &trailer(4)), Err(FrameError::TrailerTwice { request_id: 4 }));
+        assert_eq!(
+            s.check(Up, &trailer(4)),
+            Err(FrameError::TrailerTwice { request_id: 4 })
+        );
     }
 
     #[test]
@@ -362,7 +388,53 @@ mod tests {
         s.check(Up, &descriptor()).unwrap();
         assert_eq!(s.check(Up, &descriptor()), Err(FrameError::DescriptorTwice));
         let mut fwd = FrameSequence::new(StreamKind::Forward);
-        assert!(matches!(fwd.check(Up, &descriptor()), Err(FrameError::WrongDirection { .. })));
+        assert!(matches!(
+            fwd.check(Up, &descriptor()),
+            Err(FrameError::WrongDirection { .. })
+        ));
+    }
+
+    fn any_frame() -> impl proptest::strategy::Strategy<Value = Frame> {
+        use proptest::strategy::Strategy;
+        (0u8..9, 0u64..3).prop_map(|(k, id)| match k {
+            0 => descriptor(),
+            1 => start(id),
+            2 => msg(id),
+            3 => close(id),
+            4 => header(id),
+            5 => trailer(id),
+            6 => fr(Kind::Error(f::Error {
+                request_id: id,
+                ..Default::default()
+            })),
+            7 => fr(Kind::Heartbeat(f::Heartbeat { sequence: id })),
+            _ => Frame { kind: None },
+        })
+    }
+
+    proptest::proptest! {
+        /// Any sequence of frames in any direction yields results or typed errors, never a
+        /// panic; a call ends only after it started, and then the stream is idle.
+        #[test]
+        fn arbitrary_sequences_never_panic(
+            forward in proptest::bool::ANY,
+            frames in proptest::collection::vec((proptest::bool::ANY, any_frame()), 0..40),
+        ) {
+            let kind = if forward { StreamKind::Forward } else { StreamKind::Tunnel };
+            let mut s = FrameSequence::new(kind);
+            let mut open = None;
+            for (up, frame) in frames {
+                match s.check(if up { Up } else { Down }, &frame) {
+                    Ok(Progress::Started(id)) => open = Some(id),
+                    Ok(Progress::Finished(id)) => {
+                        proptest::prop_assert_eq!(open.take(), Some(id));
+                        proptest::prop_assert!(s.is_idle());
+                    }
+                    Ok(Progress::Continue) | Err(_) => {}
+                }
+                proptest::prop_assert_eq!(s.open_request(), open);
+            }
+        }
     }
 
     #[test]
@@ -370,10 +442,16 @@ mod tests {
         let mut s = ready_tunnel();
         s.check(Down, &start(1)).unwrap();
         s.check(Down, &close(1)).unwrap();
-        assert_eq!(s.check(Down, &msg(1)), Err(FrameError::AfterCloseSend { kind: "message" }));
+        assert_eq!(
+            s.check(Down, &msg(1)),
+            Err(FrameError::AfterCloseSend { kind: "message" })
+        );
         s.check(Up, &msg(1)).unwrap();
         assert_eq!(s.check(Up, &header(1)), Err(FrameError::HeaderOutOfOrder));
-        assert!(matches!(s.check(Down, &trailer(1)), Err(FrameError::WrongDirection { .. })));
+        assert!(matches!(
+            s.check(Down, &trailer(1)),
+            Err(FrameError::WrongDirection { .. })
+        ));
         assert_eq!(s.check(Up, &Frame { kind: None }), Err(FrameError::Empty));
         let hb = fr(Kind::Heartbeat(f::Heartbeat { sequence: 1 }));
         assert_eq!(s.check(Up, &hb), Ok(Progress::Continue));

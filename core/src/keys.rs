@@ -53,9 +53,15 @@ mod tests {
     fn agent_keys_share_one_hash_tag() {
         let k = Keys::new("gl");
         let tag = "{agent:42}";
-        assert_eq!(k.connections_by_agent(AgentId(42)), "gl:conn_by_agent:{agent:42}");
+        assert_eq!(
+            k.connections_by_agent(AgentId(42)),
+            "gl:conn_by_agent:{agent:42}"
+        );
         assert!(k.tunnels_by_agent(AgentId(42)).ends_with(tag));
         assert!(k.tunnel_events(AgentId(42)).ends_with(tag));
-        assert_eq!(k.connections_by_project(ProjectId(7)), "gl:conn_by_project:{project:7}");
+        assert_eq!(
+            k.connections_by_project(ProjectId(7)),
+            "gl:conn_by_project:{project:7}"
+        );
     }
 }

@@ -61,6 +61,9 @@ mod tests {
         let mut sorted = v.clone();
         sorted.sort();
         assert_eq!(sorted, (0..50).collect::<Vec<_>>());
-        assert_ne!(v, sorted, "50 elements shuffled into the identity is vanishingly rare");
+        assert_ne!(
+            v, sorted,
+            "50 elements shuffled into the identity is vanishingly rare"
+        );
     }
 }

@@ -345,7 +345,8 @@ impl Router {
             };
             if let Some(error) = error {
                 self.forget(request);
-                self.outputs.push_back(RouterOutput::Fail { request, error });
+                self.outputs
+                    .push_back(RouterOutput::Fail { request, error });
             }
         }
     }
@@ -398,7 +399,11 @@ impl Router {
                 polls: 0,
             },
         );
-        self.agents.entry(agent).or_default().requests.insert(request);
+        self.agents
+            .entry(agent)
+            .or_default()
+            .requests
+            .insert(request);
         self.timers.push(Reverse((deadline, request)));
         self.timers
             .push(Reverse((deadline + self.config.grace, request)));

@@ -26,7 +26,10 @@ impl Time {
 impl Add<Duration> for Time {
     type Output = Time;
     fn add(self, d: Duration) -> Time {
-        Time(self.0.saturating_add(u64::try_from(d.as_millis()).unwrap_or(u64::MAX)))
+        Time(
+            self.0
+                .saturating_add(u64::try_from(d.as_millis()).unwrap_or(u64::MAX)),
+        )
     }
 }
 

@@ -364,10 +364,21 @@ impl TunnelRegistry {
         if idle_sets != idle || self.idle_by_agent.values().any(IndexSet::is_empty) {
             return Err(format!("{idle_sets} tunnels in idle sets, {idle} idle"));
         }
-        let queued: usize = self.queue_by_agent.values().map(BTreeMap::len).sum::<usize>()
-            + self.queue_by_conn.values().map(BTreeMap::len).sum::<usize>();
+        let queued: usize = self
+            .queue_by_agent
+            .values()
+            .map(BTreeMap::len)
+            .sum::<usize>()
+            + self
+                .queue_by_conn
+                .values()
+                .map(BTreeMap::len)
+                .sum::<usize>();
         if queued != self.waiters.len() {
-            return Err(format!("{queued} queue entries for {} waiters", self.waiters.len()));
+            return Err(format!(
+                "{queued} queue entries for {} waiters",
+                self.waiters.len()
+            ));
         }
         for (r, w) in &self.waiters {
             if self.claims.contains_key(r) {
@@ -397,8 +408,14 @@ impl TunnelRegistry {
             return;
         }
         let idle = match connection {
-            None => self.idle_by_agent.get(&agent).and_then(|s| s.last().copied()),
-            Some(c) => self.idle_by_conn.get(&(agent, c)).and_then(|s| s.last().copied()),
+            None => self
+                .idle_by_agent
+                .get(&agent)
+                .and_then(|s| s.last().copied()),
+            Some(c) => self
+                .idle_by_conn
+                .get(&(agent, c))
+                .and_then(|s| s.last().copied()),
         };
         if let Some(tunnel) = idle {
             self.claim(tunnel, request);

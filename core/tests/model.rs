@@ -7,6 +7,8 @@
 //! Invariants (DESIGN.md): 1 right agent, 2 every call ends by deadline + grace,
 //! 3 at most one delivery, 4 at most two kas hops, 5 the store converges to the live truth,
 //! 6 nothing leaks, 7 a connected agent is reachable from every kas.
+//!
+//! `MODEL_TRACE=1` prints every router command while a case runs.
 
 use kas_core::backoff::Backoff;
 use kas_core::expiring;
@@ -18,7 +20,7 @@ use kas_core::{AgentId, ConnectionId, KasId, ProjectId, RequestId, Time, TunnelI
 use kas_proto::registry::{ConnectedAgentInfo, KasInstanceInfo, TunnelEvent};
 use proptest::prelude::*;
 use prost::Message;
-use std::collections::{BTreeMap, BTreeSet, HashMap, VecDeque};
+use std::collections::{BTreeMap, BTreeSet};
 use std::time::Duration;
 
 const KAS: usize = 3;
@@ -29,11 +31,25 @@ const GRACE: Duration = Duration::from_millis(50);
 
 #[derive(Clone, Debug)]
 enum Op {
-    Connect { agent: i64, kas: usize },
-    Disconnect { pick: usize },
-    Call { agent: i64, via: usize, pin: bool, deadline_ms: u64 },
-    Advance { ms: u64 },
-    FailNextBatch { kas: usize },
+    Connect {
+        agent: i64,
+        kas: usize,
+    },
+    Disconnect {
+        pick: usize,
+    },
+    Call {
+        agent: i64,
+        via: usize,
+        pin: bool,
+        deadline_ms: u64,
+    },
+    Advance {
+        ms: u64,
+    },
+    FailNextBatch {
+        kas: usize,
+    },
     LoseRedisData,
     LoseNextPublish,
 }
@@ -63,10 +79,13 @@ struct Node {
     fail_next_batch: bool,
 }
 
-/// Expiring hashes, as Redis holds them: key -> (key expiry, field -> stored bytes).
+/// One Redis hash: its key expiry and field -> stored bytes.
+type Hash = (Option<Time>, BTreeMap<String, Vec<u8>>);
+
+/// Expiring hashes, as Redis holds them.
 #[derive(Default)]
 struct Store {
-    hashes: BTreeMap<String, (Option<Time>, BTreeMap<String, Vec<u8>>)>,
+    hashes: BTreeMap<String, Hash>,
 }
 
 impl Store {
@@ -175,7 +194,14 @@ impl World {
             Op::Connect { agent, kas } => {
                 let (tunnel, connection) = (TunnelId(self.id()), ConnectionId(self.id() as i64));
                 let agent = AgentId(agent);
-                self.tunnels.insert(tunnel, ModelTunnel { agent, connection, kas });
+                self.tunnels.insert(
+                    tunnel,
+                    ModelTunnel {
+                        agent,
+                        connection,
+                        kas,
+                    },
+                );
                 let node = &mut self.nodes[kas];
                 node.tracker.handle_input(
                     now,
@@ -186,7 +212,11 @@ impl World {
                         ..Default::default()
                     }),
                 );
-                let opened = RegistryInput::TunnelOpened { tunnel, agent, connection };
+                let opened = RegistryInput::TunnelOpened {
+                    tunnel,
+                    agent,
+                    connection,
+                };
                 node.registry.handle_input(now, opened).unwrap();
             }
             Op::Disconnect { pick } => {
@@ -196,12 +226,27 @@ impl World {
                 let tunnel = *self.tunnels.keys().nth(pick % self.tunnels.len()).unwrap();
                 self.close_tunnel(tunnel);
             }
-            Op::Call { agent, via, pin, deadline_ms } => {
+            Op::Call {
+                agent,
+                via,
+                pin,
+                deadline_ms,
+            } => {
                 let agent = AgentId(agent);
                 let connection = pin
-                    .then(|| self.tunnels.values().find(|t| t.agent == agent).map(|t| t.connection))
+                    .then(|| {
+                        self.tunnels
+                            .values()
+                            .find(|t| t.agent == agent)
+                            .map(|t| t.connection)
+                    })
                     .flatten();
-                self.start_call(agent, connection, via, now + Duration::from_millis(deadline_ms));
+                self.start_call(
+                    agent,
+                    connection,
+                    via,
+                    now + Duration::from_millis(deadline_ms),
+                );
             }
             Op::Advance { ms } => {
                 self.answer_calls();
@@ -231,7 +276,12 @@ impl World {
             outcome: None,
         };
         self.calls.insert(request, call);
-        let start = RouterInput::Start { request, agent, connection, deadline };
+        let start = RouterInput::Start {
+            request,
+            agent,
+            connection,
+            deadline,
+        };
         self.nodes[via].router.handle_input(self.now, start);
         request
     }
@@ -265,7 +315,10 @@ impl World {
     fn answer_calls(&mut self) {
         for (holder, request) in std::mem::take(&mut self.answering) {
             let release = RegistryInput::Release { request };
-            self.nodes[holder].registry.handle_input(self.now, release).unwrap();
+            self.nodes[holder]
+                .registry
+                .handle_input(self.now, release)
+                .unwrap();
             self.finish(request, Ok(()));
         }
     }
@@ -286,7 +339,11 @@ impl World {
                 .nodes
                 .iter()
                 .flat_map(|n| {
-                    [n.registry.poll_timeout(), n.tracker.poll_timeout(), n.router.poll_timeout()]
+                    [
+                        n.registry.poll_timeout(),
+                        n.tracker.poll_timeout(),
+                        n.router.poll_timeout(),
+                    ]
                 })
                 .flatten()
                 .filter(|t| *t <= target)
@@ -336,12 +393,21 @@ impl World {
             RegistryOutput::Matched { request, tunnel } => {
                 let t = &self.tunnels[&tunnel];
                 let call = self.calls.get_mut(&request).unwrap();
-                assert_eq!(t.agent, call.agent, "inv 1: call {request} delivered to wrong agent");
+                assert_eq!(
+                    t.agent, call.agent,
+                    "inv 1: call {request} delivered to wrong agent"
+                );
                 if let Some(c) = call.connection {
                     assert_eq!(t.connection, c, "inv 1: call {request} to wrong connection");
                 }
-                assert!(call.delivered_to.is_none(), "inv 3: call {request} delivered twice");
-                assert!(call.outcome.is_none(), "call {request} delivered after it ended");
+                assert!(
+                    call.delivered_to.is_none(),
+                    "inv 3: call {request} delivered twice"
+                );
+                assert!(
+                    call.outcome.is_none(),
+                    "call {request} delivered after it ended"
+                );
                 call.delivered_to = Some(tunnel);
                 self.answering.push((n, request));
             }
@@ -382,7 +448,10 @@ impl World {
                     }
                     self.store.expire_keys(now);
                 }
-                let result = TrackerInput::BatchResult { batch: batch.id, ok };
+                let result = TrackerInput::BatchResult {
+                    batch: batch.id,
+                    ok,
+                };
                 self.nodes[n].tracker.handle_input(now, result);
             }
             TrackerOutput::Gc { keys } => {
@@ -419,11 +488,15 @@ impl World {
 
     fn on_router(&mut self, n: usize, o: RouterOutput) {
         let now = self.now;
-        if std::env::var("MODEL_TRACE").is_ok() { eprintln!("{now:?} router {n}: {o:?}"); }
+        if std::env::var("MODEL_TRACE").is_ok() {
+            eprintln!("{now:?} router {n}: {o:?}");
+        }
         match o {
             RouterOutput::Subscribe(agent) => {
                 self.nodes[n].subscriptions.insert(agent);
-                self.nodes[n].router.handle_input(now, RouterInput::Subscribed { agent });
+                self.nodes[n]
+                    .router
+                    .handle_input(now, RouterInput::Subscribed { agent });
             }
             RouterOutput::Unsubscribe(agent) => {
                 self.nodes[n].subscriptions.remove(&agent);
@@ -442,7 +515,9 @@ impl World {
                     .into_iter()
                     .map(|(f, _)| KasId(f))
                     .collect();
-                self.nodes[n].router.handle_input(now, RouterInput::LookupDone { agent, kas });
+                self.nodes[n]
+                    .router
+                    .handle_input(now, RouterInput::LookupDone { agent, kas });
             }
             RouterOutput::Attempt { request, target } => {
                 let holder = match target {
@@ -461,7 +536,10 @@ impl World {
                     deadline: call.deadline,
                 };
                 // The holder serves from its own registry only: the second and last hop.
-                self.nodes[holder].registry.handle_input(now, input).unwrap();
+                self.nodes[holder]
+                    .registry
+                    .handle_input(now, input)
+                    .unwrap();
             }
             RouterOutput::Fail { request, error } => {
                 let call = &self.calls[&request];
@@ -472,10 +550,17 @@ impl World {
                 );
                 if call.delivered_to.is_some() {
                     // Abandoned mid-delivery: the holder releases the tunnel.
-                    let pos = self.answering.iter().position(|(_, r)| *r == request).unwrap();
+                    let pos = self
+                        .answering
+                        .iter()
+                        .position(|(_, r)| *r == request)
+                        .unwrap();
                     let (holder, _) = self.answering.remove(pos);
                     let release = RegistryInput::Release { request };
-                    self.nodes[holder].registry.handle_input(now, release).unwrap();
+                    self.nodes[holder]
+                        .registry
+                        .handle_input(now, release)
+                        .unwrap();
                 }
                 let call = self.calls.get_mut(&request).unwrap();
                 assert!(call.outcome.is_none(), "inv 2: call {request} ended twice");
@@ -486,7 +571,12 @@ impl World {
 
     /// Fault-free phase: let every call end and the store converge, then check 2, 5, 6, 7.
     fn check_convergence(&mut self) {
-        let last_deadline = self.calls.values().map(|c| c.deadline).max().unwrap_or(self.now);
+        let last_deadline = self
+            .calls
+            .values()
+            .map(|c| c.deadline)
+            .max()
+            .unwrap_or(self.now);
         let until = self.now.max(last_deadline) + TTL + REFRESH + GC + GRACE;
         while self.now < until {
             self.answer_calls();
@@ -494,7 +584,10 @@ impl World {
             self.settle();
         }
         for (id, call) in &self.calls {
-            assert!(call.outcome.is_some(), "inv 2: call {id} never ended: {call:?}");
+            assert!(
+                call.outcome.is_some(),
+                "inv 2: call {id} never ended: {call:?}"
+            );
         }
         for (n, node) in self.nodes.iter().enumerate() {
             let leaks = (
@@ -503,8 +596,15 @@ impl World {
                 node.registry.waiter_count(),
                 node.registry.claimed_count(),
             );
-            assert_eq!(leaks, (0, 0, 0, 0), "inv 6: kas {n} leaks (routes, subs, waiters, claims)");
-            assert!(node.tracker.is_settled(), "kas {n} has writes pending after healing");
+            assert_eq!(
+                leaks,
+                (0, 0, 0, 0),
+                "inv 6: kas {n} leaks (routes, subs, waiters, claims)"
+            );
+            assert!(
+                node.tracker.is_settled(),
+                "kas {n} has writes pending after healing"
+            );
         }
         // Inv 5: the store holds exactly what the live kas want, nothing of the past.
         let now = self.now;
@@ -512,12 +612,19 @@ impl World {
         for (key, (_, fields)) in &self.store.hashes {
             for (field, bytes) in fields {
                 let (at, payload) = expiring::decode(bytes).unwrap();
-                assert!(expiring::is_live(at, now), "inv 5: {key}/{field} expired but kept");
+                assert!(
+                    expiring::is_live(at, now),
+                    "inv 5: {key}/{field} expired but kept"
+                );
                 stored.push((key.clone(), field.clone(), payload));
             }
         }
         stored.sort();
-        let mut desired: Vec<_> = self.nodes.iter().flat_map(|n| n.tracker.desired()).collect();
+        let mut desired: Vec<_> = self
+            .nodes
+            .iter()
+            .flat_map(|n| n.tracker.desired())
+            .collect();
         desired.sort();
         assert_eq!(stored, desired, "inv 5: store differs from the live truth");
         let expected_tunnels: BTreeSet<(AgentId, usize)> =
@@ -525,7 +632,10 @@ impl World {
         for &(agent, kas) in &expected_tunnels {
             let key = self.keys.tunnels_by_agent(agent);
             assert!(
-                self.store.hashes.get(&key).is_some_and(|(_, f)| f.contains_key(&kas_id(kas).0)),
+                self.store
+                    .hashes
+                    .get(&key)
+                    .is_some_and(|(_, f)| f.contains_key(&kas_id(kas).0)),
                 "inv 5: tunnel of {agent} at kas {kas} not registered"
             );
         }
@@ -537,7 +647,10 @@ impl World {
                 let id = self.start_call(agent, None, via, deadline);
                 self.settle();
                 let delivered = self.calls[&id].delivered_to.is_some();
-                assert!(delivered, "inv 7: probe {id} via kas {via} did not reach {agent} at once");
+                assert!(
+                    delivered,
+                    "inv 7: probe {id} via kas {via} did not reach {agent} at once"
+                );
                 self.answer_calls();
                 self.settle();
             }
@@ -576,7 +689,10 @@ fn late_agent_wakes_the_waiting_call() {
     w.apply(&Op::Advance { ms: 10 });
     assert!(w.calls[&call].delivered_to.is_none());
     w.apply(&Op::Connect { agent: 9, kas: 2 });
-    assert!(w.calls[&call].delivered_to.is_some(), "woken by pub-sub at once");
+    assert!(
+        w.calls[&call].delivered_to.is_some(),
+        "woken by pub-sub at once"
+    );
     w.check_convergence();
 }
 

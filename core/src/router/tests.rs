@@ -48,10 +48,21 @@ fn attempt(id: u64, target: Target) -> RouterOutput {
 #[test]
 fn local_tunnel_is_used_without_touching_redis() {
     let mut r = router();
-    r.handle_input(Time(0), RouterInput::LocalPresence { agent: A, present: true });
+    r.handle_input(
+        Time(0),
+        RouterInput::LocalPresence {
+            agent: A,
+            present: true,
+        },
+    );
     start(&mut r, 0, 1, 1000);
     assert_eq!(drain(&mut r), vec![attempt(1, Target::Local)]);
-    r.handle_input(Time(1), RouterInput::Finished { request: RequestId(1) });
+    r.handle_input(
+        Time(1),
+        RouterInput::Finished {
+            request: RequestId(1),
+        },
+    );
     assert_eq!(drain(&mut r), vec![]);
     assert_eq!((r.request_count(), r.subscription_count()), (0, 0));
 }
@@ -71,7 +82,12 @@ fn subscribes_before_lookup_and_never_targets_itself() {
         },
     );
     assert_eq!(drain(&mut r), vec![attempt(1, Target::Kas(kas(2)))]);
-    r.handle_input(Time(3), RouterInput::Finished { request: RequestId(1) });
+    r.handle_input(
+        Time(3),
+        RouterInput::Finished {
+            request: RequestId(1),
+        },
+    );
     assert_eq!(drain(&mut r), vec![RouterOutput::Unsubscribe(A)]);
 }
 
@@ -91,11 +107,21 @@ fn refused_attempts_move_on_and_failed_kas_go_last_next_time() {
     let RouterOutput::Attempt { target: first, .. } = drain(&mut r).remove(0) else {
         panic!("expected an attempt");
     };
-    r.handle_input(Time(1), RouterInput::AttemptRefused { request: RequestId(1) });
+    r.handle_input(
+        Time(1),
+        RouterInput::AttemptRefused {
+            request: RequestId(1),
+        },
+    );
     let second = drain(&mut r);
     assert_eq!(second.len(), 1);
     assert_ne!(second[0], attempt(1, first.clone()));
-    r.handle_input(Time(1), RouterInput::Finished { request: RequestId(1) });
+    r.handle_input(
+        Time(1),
+        RouterInput::Finished {
+            request: RequestId(1),
+        },
+    );
     drain(&mut r);
     // Every later call tries the failed kas last.
     for id in 2..20 {
@@ -111,7 +137,12 @@ fn refused_attempts_move_on_and_failed_kas_go_last_next_time() {
         );
         let out = drain(&mut r);
         assert!(!out.contains(&attempt(id, first.clone())), "{out:?}");
-        r.handle_input(Time(2), RouterInput::Finished { request: RequestId(id) });
+        r.handle_input(
+            Time(2),
+            RouterInput::Finished {
+                request: RequestId(id),
+            },
+        );
         drain(&mut r);
     }
 }
@@ -121,8 +152,17 @@ fn waiting_call_wakes_on_tunnel_event_and_goes_straight_there() {
     let mut r = router();
     start(&mut r, 0, 1, 1000);
     r.handle_input(Time(0), RouterInput::Subscribed { agent: A });
-    r.handle_input(Time(0), RouterInput::LookupDone { agent: A, kas: vec![] });
-    assert_eq!(drain(&mut r), vec![RouterOutput::Subscribe(A), RouterOutput::Lookup(A)]);
+    r.handle_input(
+        Time(0),
+        RouterInput::LookupDone {
+            agent: A,
+            kas: vec![],
+        },
+    );
+    assert_eq!(
+        drain(&mut r),
+        vec![RouterOutput::Subscribe(A), RouterOutput::Lookup(A)]
+    );
     r.handle_input(
         Time(5),
         RouterInput::TunnelEvent {
@@ -139,7 +179,13 @@ fn waiting_call_polls_with_backoff_when_no_event_comes() {
     let mut r = router();
     start(&mut r, 0, 1, 10_000);
     r.handle_input(Time(0), RouterInput::Subscribed { agent: A });
-    r.handle_input(Time(0), RouterInput::LookupDone { agent: A, kas: vec![] });
+    r.handle_input(
+        Time(0),
+        RouterInput::LookupDone {
+            agent: A,
+            kas: vec![],
+        },
+    );
     drain(&mut r);
     let mut polls = Vec::new();
     let mut now = Time(0);
@@ -148,12 +194,21 @@ fn waiting_call_polls_with_backoff_when_no_event_comes() {
         r.handle_timeout(now);
         if drain(&mut r) == vec![RouterOutput::Lookup(A)] {
             polls.push(now.0);
-            r.handle_input(now, RouterInput::LookupDone { agent: A, kas: vec![] });
+            r.handle_input(
+                now,
+                RouterInput::LookupDone {
+                    agent: A,
+                    kas: vec![],
+                },
+            );
         }
     }
     let gaps: Vec<u64> = polls.windows(2).map(|w| w[1] - w[0]).collect();
     assert!(polls[0] >= 50 && polls[0] <= 100, "first poll {polls:?}");
-    assert!(gaps.iter().all(|g| (100..=400).contains(g)), "gaps {gaps:?}");
+    assert!(
+        gaps.iter().all(|g| (100..=400).contains(g)),
+        "gaps {gaps:?}"
+    );
     assert!(now < Time(10_000));
 }
 
@@ -162,16 +217,26 @@ fn deadline_fails_with_not_connected_and_releases_everything() {
     let mut r = router();
     start(&mut r, 0, 1, 300);
     r.handle_input(Time(0), RouterInput::Subscribed { agent: A });
-    r.handle_input(Time(0), RouterInput::LookupDone { agent: A, kas: vec![] });
+    r.handle_input(
+        Time(0),
+        RouterInput::LookupDone {
+            agent: A,
+            kas: vec![],
+        },
+    );
     drain(&mut r);
     while r.request_count() > 0 {
         let t = r.poll_timeout().unwrap();
         r.handle_timeout(t);
         for o in drain(&mut r) {
             match o {
-                RouterOutput::Lookup(_) => {
-                    r.handle_input(t, RouterInput::LookupDone { agent: A, kas: vec![] })
-                }
+                RouterOutput::Lookup(_) => r.handle_input(
+                    t,
+                    RouterInput::LookupDone {
+                        agent: A,
+                        kas: vec![],
+                    },
+                ),
                 RouterOutput::Fail { request, error } => {
                     assert_eq!((request, t), (RequestId(1), Time(300)));
                     assert_eq!(error.to_string(), "agent 1 is not connected");
@@ -187,7 +252,13 @@ fn deadline_fails_with_not_connected_and_releases_everything() {
 #[test]
 fn attempt_running_past_deadline_is_failed_after_grace() {
     let mut r = router();
-    r.handle_input(Time(0), RouterInput::LocalPresence { agent: A, present: true });
+    r.handle_input(
+        Time(0),
+        RouterInput::LocalPresence {
+            agent: A,
+            present: true,
+        },
+    );
     start(&mut r, 0, 1, 100);
     drain(&mut r);
     r.handle_timeout(Time(100));
@@ -205,10 +276,21 @@ fn attempt_running_past_deadline_is_failed_after_grace() {
 #[test]
 fn refused_local_attempt_falls_back_to_discovery() {
     let mut r = router();
-    r.handle_input(Time(0), RouterInput::LocalPresence { agent: A, present: true });
+    r.handle_input(
+        Time(0),
+        RouterInput::LocalPresence {
+            agent: A,
+            present: true,
+        },
+    );
     start(&mut r, 0, 1, 1000);
     drain(&mut r);
-    r.handle_input(Time(1), RouterInput::AttemptRefused { request: RequestId(1) });
+    r.handle_input(
+        Time(1),
+        RouterInput::AttemptRefused {
+            request: RequestId(1),
+        },
+    );
     assert_eq!(drain(&mut r), vec![RouterOutput::Subscribe(A)]);
 }
 
@@ -220,5 +302,8 @@ fn one_lookup_serves_all_calls_for_an_agent() {
     }
     r.handle_input(Time(0), RouterInput::Subscribed { agent: A });
     let out = drain(&mut r);
-    assert_eq!(out, vec![RouterOutput::Subscribe(A), RouterOutput::Lookup(A)]);
+    assert_eq!(
+        out,
+        vec![RouterOutput::Subscribe(A), RouterOutput::Lookup(A)]
+    );
 }

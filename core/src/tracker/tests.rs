@@ -21,7 +21,14 @@ fn tracker() -> Tracker {
         version: "v1".into(),
         ..Default::default()
     };
-    Tracker::new(Time(0), config(), Keys::new("kas"), KasId("k1:1".into()), &info, 1)
+    Tracker::new(
+        Time(0),
+        config(),
+        Keys::new("kas"),
+        KasId("k1:1".into()),
+        &info,
+        1,
+    )
 }
 
 fn next_batch(t: &mut Tracker) -> Batch {
@@ -60,7 +67,10 @@ fn registers_the_instance_at_start_with_ttl() {
     assert_eq!(w.expire, Some(TTL));
     let (expires_at, payload) = expiring::decode(&w.set[0].1).unwrap();
     assert_eq!(expires_at, Time(300));
-    assert_eq!(KasInstanceInfo::decode(payload.as_slice()).unwrap().version, "v1");
+    assert_eq!(
+        KasInstanceInfo::decode(payload.as_slice()).unwrap().version,
+        "v1"
+    );
 }
 
 #[test]
@@ -73,7 +83,10 @@ fn connection_writes_both_indexes_and_changes_wait_for_the_batch_in_flight() {
     let b = next_batch(&mut t);
     assert_eq!(
         keys_of(&b),
-        vec!["kas:conn_by_agent:{agent:7}", "kas:conn_by_project:{project:100}"]
+        vec![
+            "kas:conn_by_agent:{agent:7}",
+            "kas:conn_by_project:{project:100}"
+        ]
     );
     assert_eq!(b.writes[0].set[0].0, "70");
     ack(&mut t, 3, &b, true);
@@ -86,7 +99,11 @@ fn connection_writes_both_indexes_and_changes_wait_for_the_batch_in_flight() {
         },
     );
     let b = next_batch(&mut t);
-    assert!(b.writes.iter().all(|w| w.delete == vec!["70".to_string()] && w.set.is_empty()));
+    assert!(
+        b.writes
+            .iter()
+            .all(|w| w.delete == vec!["70".to_string()] && w.set.is_empty())
+    );
     assert!(b.writes.iter().all(|w| w.expire.is_none()));
     ack(&mut t, 5, &b, true);
     assert_eq!(t.desired().len(), 1, "only the instance record remains");
@@ -110,7 +127,10 @@ fn tunnel_presence_publishes_with_its_write() {
     assert_eq!(w.set[0].0, "k1:1");
     assert_eq!(w.publish.len(), 1);
     let event = TunnelEvent::decode(w.publish[0].1.as_slice()).unwrap();
-    assert_eq!((event.agent_id, event.kas_id.as_str(), event.connected), (3, "k1:1", true));
+    assert_eq!(
+        (event.agent_id, event.kas_id.as_str(), event.connected),
+        (3, "k1:1", true)
+    );
 }
 
 #[test]
@@ -129,7 +149,10 @@ fn failed_batch_is_retried_after_backoff_with_its_deletes_and_events() {
     ack(&mut t, 2, &b, false);
     assert!(t.poll_output().is_none());
     let retry = t.poll_timeout().unwrap();
-    assert!(retry >= Time(7) && retry <= Time(12), "backoff 10ms jittered: {retry:?}");
+    assert!(
+        retry >= Time(7) && retry <= Time(12),
+        "backoff 10ms jittered: {retry:?}"
+    );
     t.handle_timeout(retry);
     let again = next_batch(&mut t);
     assert_eq!(again.writes, b.writes, "same deletes and publish again");
@@ -187,7 +210,11 @@ fn shutdown_deletes_everything_then_completes() {
     ack(&mut t, 2, &b, true);
     let del = next_batch(&mut t);
     assert_eq!(del.writes.len(), 3);
-    assert!(del.writes.iter().all(|w| w.set.is_empty() && !w.delete.is_empty()));
+    assert!(
+        del.writes
+            .iter()
+            .all(|w| w.set.is_empty() && !w.delete.is_empty())
+    );
     t.handle_input(Time(3), TrackerInput::AgentConnected(info(8, 80)));
     assert!(t.poll_output().is_none(), "no new writes after shutdown");
     ack(&mut t, 3, &del, true);

@@ -116,12 +116,30 @@ fn connection_waiter_takes_only_its_connection() {
     request(&mut r, 0, 2, A, Some(C1));
     drain(&mut r);
     request(&mut r, 0, 3, A, None);
-    assert_eq!(drain(&mut r), vec![matched(3, 2)], "any-connection call takes C2");
-    r.handle_input(Time(1), RegistryInput::Release { request: RequestId(3) })
-        .unwrap();
-    assert_eq!(drain(&mut r), vec![], "C2 goes idle: request 2 wants C1 only");
-    r.handle_input(Time(1), RegistryInput::Release { request: RequestId(1) })
-        .unwrap();
+    assert_eq!(
+        drain(&mut r),
+        vec![matched(3, 2)],
+        "any-connection call takes C2"
+    );
+    r.handle_input(
+        Time(1),
+        RegistryInput::Release {
+            request: RequestId(3),
+        },
+    )
+    .unwrap();
+    assert_eq!(
+        drain(&mut r),
+        vec![],
+        "C2 goes idle: request 2 wants C1 only"
+    );
+    r.handle_input(
+        Time(1),
+        RegistryInput::Release {
+            request: RequestId(1),
+        },
+    )
+    .unwrap();
     assert_eq!(drain(&mut r), vec![matched(2, 1)]);
 }
 
@@ -152,8 +170,13 @@ fn silent_tunnels_close_and_active_ones_stay() {
     open(&mut r, 0, 2, A, C1);
     request(&mut r, 0, 9, A, None);
     drain(&mut r);
-    r.handle_input(Time(80), RegistryInput::TunnelActivity { tunnel: TunnelId(1) })
-        .unwrap();
+    r.handle_input(
+        Time(80),
+        RegistryInput::TunnelActivity {
+            tunnel: TunnelId(1),
+        },
+    )
+    .unwrap();
     r.handle_timeout(Time(100));
     let out = drain(&mut r);
     // Tunnel 2 was claimed by request 9 (LIFO among idle tunnels) and went silent.
@@ -188,8 +211,13 @@ fn losing_the_last_tunnel_refuses_its_waiters() {
     request(&mut r, 0, 1, A, None);
     request(&mut r, 0, 2, A, None);
     drain(&mut r);
-    r.handle_input(Time(1), RegistryInput::TunnelClosed { tunnel: TunnelId(1) })
-        .unwrap();
+    r.handle_input(
+        Time(1),
+        RegistryInput::TunnelClosed {
+            tunnel: TunnelId(1),
+        },
+    )
+    .unwrap();
     assert_eq!(
         drain(&mut r),
         vec![
@@ -214,9 +242,17 @@ fn driver_mistakes_are_errors_not_panics() {
         agent: A,
         connection: C1,
     };
-    assert_eq!(r.handle_input(Time(0), dup), Err(RegistryError::DuplicateTunnel(TunnelId(1))));
-    let unknown = RegistryInput::TunnelClosed { tunnel: TunnelId(5) };
-    assert_eq!(r.handle_input(Time(0), unknown), Err(RegistryError::UnknownTunnel(TunnelId(5))));
+    assert_eq!(
+        r.handle_input(Time(0), dup),
+        Err(RegistryError::DuplicateTunnel(TunnelId(1)))
+    );
+    let unknown = RegistryInput::TunnelClosed {
+        tunnel: TunnelId(5),
+    };
+    assert_eq!(
+        r.handle_input(Time(0), unknown),
+        Err(RegistryError::UnknownTunnel(TunnelId(5)))
+    );
     request(&mut r, 0, 3, A, None);
     let again = RegistryInput::Request {
         request: RequestId(3),
@@ -224,7 +260,10 @@ fn driver_mistakes_are_errors_not_panics() {
         connection: None,
         deadline: Time(9),
     };
-    assert_eq!(r.handle_input(Time(0), again), Err(RegistryError::DuplicateRequest(RequestId(3))));
+    assert_eq!(
+        r.handle_input(Time(0), again),
+        Err(RegistryError::DuplicateRequest(RequestId(3)))
+    );
     r.check_invariants().unwrap();
 }
 
@@ -232,7 +271,13 @@ fn driver_mistakes_are_errors_not_panics() {
 fn holds_a_hundred_thousand_tunnels() {
     let mut r = registry();
     for t in 0..100_000u64 {
-        open(&mut r, 0, t, AgentId((t % 10_000) as i64), ConnectionId(t as i64 % 3));
+        open(
+            &mut r,
+            0,
+            t,
+            AgentId((t % 10_000) as i64),
+            ConnectionId(t as i64 % 3),
+        );
     }
     for id in 0..100_000u64 {
         request(&mut r, 1, id, AgentId((id % 10_000) as i64), None);
@@ -242,8 +287,13 @@ fn holds_a_hundred_thousand_tunnels() {
         .count();
     assert_eq!(matches, 100_000);
     for id in 0..100_000u64 {
-        r.handle_input(Time(2), RegistryInput::Release { request: RequestId(id) })
-            .unwrap();
+        r.handle_input(
+            Time(2),
+            RegistryInput::Release {
+                request: RequestId(id),
+            },
+        )
+        .unwrap();
     }
     assert_eq!((r.claimed_count(), r.tunnel_count()), (0, 100_000));
     r.check_invariants().unwrap();
