@@ -38,6 +38,19 @@ fn start(r: &mut Router, now: u64, id: u64, deadline: u64) {
     );
 }
 
+fn answer_lookup(r: &mut Router, now: u64, kas: Vec<KasId>) {
+    r.handle_input(Time(now), RouterInput::LookupDone { agent: A, kas });
+}
+
+fn finish(r: &mut Router, now: u64, id: u64) {
+    r.handle_input(
+        Time(now),
+        RouterInput::Finished {
+            request: RequestId(id),
+        },
+    );
+}
+
 fn attempt(id: u64, target: Target) -> RouterOutput {
     RouterOutput::Attempt {
         request: RequestId(id),
@@ -57,12 +70,7 @@ fn local_tunnel_is_used_without_touching_redis() {
     );
     start(&mut r, 0, 1, 1000);
     assert_eq!(drain(&mut r), vec![attempt(1, Target::Local)]);
-    r.handle_input(
-        Time(1),
-        RouterInput::Finished {
-            request: RequestId(1),
-        },
-    );
+    finish(&mut r, 1, 1);
     assert_eq!(drain(&mut r), vec![]);
     assert_eq!((r.request_count(), r.subscription_count()), (0, 0));
 }
@@ -74,20 +82,9 @@ fn subscribes_before_lookup_and_never_targets_itself() {
     assert_eq!(drain(&mut r), vec![RouterOutput::Subscribe(A)]);
     r.handle_input(Time(1), RouterInput::Subscribed { agent: A });
     assert_eq!(drain(&mut r), vec![RouterOutput::Lookup(A)]);
-    r.handle_input(
-        Time(2),
-        RouterInput::LookupDone {
-            agent: A,
-            kas: vec![kas(0), kas(2)],
-        },
-    );
+    answer_lookup(&mut r, 2, vec![kas(0), kas(2)]);
     assert_eq!(drain(&mut r), vec![attempt(1, Target::Kas(kas(2)))]);
-    r.handle_input(
-        Time(3),
-        RouterInput::Finished {
-            request: RequestId(1),
-        },
-    );
+    finish(&mut r, 3, 1);
     assert_eq!(drain(&mut r), vec![RouterOutput::Unsubscribe(A)]);
 }
 
@@ -97,13 +94,7 @@ fn refused_attempts_move_on_and_failed_kas_go_last_next_time() {
     start(&mut r, 0, 1, 1000);
     r.handle_input(Time(0), RouterInput::Subscribed { agent: A });
     drain(&mut r);
-    r.handle_input(
-        Time(0),
-        RouterInput::LookupDone {
-            agent: A,
-            kas: vec![kas(1), kas(2)],
-        },
-    );
+    answer_lookup(&mut r, 0, vec![kas(1), kas(2)]);
     let RouterOutput::Attempt { target: first, .. } = drain(&mut r).remove(0) else {
         panic!("expected an attempt");
     };
@@ -116,33 +107,17 @@ fn refused_attempts_move_on_and_failed_kas_go_last_next_time() {
     let second = drain(&mut r);
     assert_eq!(second.len(), 1);
     assert_ne!(second[0], attempt(1, first.clone()));
-    r.handle_input(
-        Time(1),
-        RouterInput::Finished {
-            request: RequestId(1),
-        },
-    );
+    finish(&mut r, 1, 1);
     drain(&mut r);
     // Every later call tries the failed kas last.
     for id in 2..20 {
         start(&mut r, 2, id, 1000);
         r.handle_input(Time(2), RouterInput::Subscribed { agent: A });
         drain(&mut r);
-        r.handle_input(
-            Time(2),
-            RouterInput::LookupDone {
-                agent: A,
-                kas: vec![kas(1), kas(2)],
-            },
-        );
+        answer_lookup(&mut r, 2, vec![kas(1), kas(2)]);
         let out = drain(&mut r);
         assert!(!out.contains(&attempt(id, first.clone())), "{out:?}");
-        r.handle_input(
-            Time(2),
-            RouterInput::Finished {
-                request: RequestId(id),
-            },
-        );
+        finish(&mut r, 2, id);
         drain(&mut r);
     }
 }
@@ -152,13 +127,7 @@ fn waiting_call_wakes_on_tunnel_event_and_goes_straight_there() {
     let mut r = router();
     start(&mut r, 0, 1, 1000);
     r.handle_input(Time(0), RouterInput::Subscribed { agent: A });
-    r.handle_input(
-        Time(0),
-        RouterInput::LookupDone {
-            agent: A,
-            kas: vec![],
-        },
-    );
+    answer_lookup(&mut r, 0, vec![]);
     assert_eq!(
         drain(&mut r),
         vec![RouterOutput::Subscribe(A), RouterOutput::Lookup(A)]
@@ -179,13 +148,7 @@ fn waiting_call_polls_with_backoff_when_no_event_comes() {
     let mut r = router();
     start(&mut r, 0, 1, 10_000);
     r.handle_input(Time(0), RouterInput::Subscribed { agent: A });
-    r.handle_input(
-        Time(0),
-        RouterInput::LookupDone {
-            agent: A,
-            kas: vec![],
-        },
-    );
+    answer_lookup(&mut r, 0, vec![]);
     drain(&mut r);
     let mut polls = Vec::new();
     let mut now = Time(0);
@@ -194,13 +157,7 @@ fn waiting_call_polls_with_backoff_when_no_event_comes() {
         r.handle_timeout(now);
         if drain(&mut r) == vec![RouterOutput::Lookup(A)] {
             polls.push(now.0);
-            r.handle_input(
-                now,
-                RouterInput::LookupDone {
-                    agent: A,
-                    kas: vec![],
-                },
-            );
+            answer_lookup(&mut r, now.0, vec![]);
         }
     }
     let gaps: Vec<u64> = polls.windows(2).map(|w| w[1] - w[0]).collect();
@@ -217,26 +174,14 @@ fn deadline_fails_with_not_connected_and_releases_everything() {
     let mut r = router();
     start(&mut r, 0, 1, 300);
     r.handle_input(Time(0), RouterInput::Subscribed { agent: A });
-    r.handle_input(
-        Time(0),
-        RouterInput::LookupDone {
-            agent: A,
-            kas: vec![],
-        },
-    );
+    answer_lookup(&mut r, 0, vec![]);
     drain(&mut r);
     while r.request_count() > 0 {
         let t = r.poll_timeout().unwrap();
         r.handle_timeout(t);
         for o in drain(&mut r) {
             match o {
-                RouterOutput::Lookup(_) => r.handle_input(
-                    t,
-                    RouterInput::LookupDone {
-                        agent: A,
-                        kas: vec![],
-                    },
-                ),
+                RouterOutput::Lookup(_) => answer_lookup(&mut r, t.0, vec![]),
                 RouterOutput::Fail { request, error } => {
                     assert_eq!((request, t), (RequestId(1), Time(300)));
                     assert_eq!(error.to_string(), "agent 1 is not connected");

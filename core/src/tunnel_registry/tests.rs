@@ -41,6 +41,16 @@ fn request(r: &mut TunnelRegistry, now: u64, id: u64, agent: AgentId, c: Option<
     .unwrap();
 }
 
+fn release(r: &mut TunnelRegistry, now: u64, id: u64) {
+    r.handle_input(
+        Time(now),
+        RegistryInput::Release {
+            request: RequestId(id),
+        },
+    )
+    .unwrap();
+}
+
 fn matched(request: u64, tunnel: u64) -> RegistryOutput {
     RegistryOutput::Matched {
         request: RequestId(request),
@@ -96,13 +106,7 @@ fn busy_agent_waiters_are_served_fifo_on_release() {
     drain(&mut r);
     assert_eq!(r.waiter_count(), 3);
     for (released, next) in [(1, 2), (2, 3), (3, 4)] {
-        r.handle_input(
-            Time(5),
-            RegistryInput::Release {
-                request: RequestId(released),
-            },
-        )
-        .unwrap();
+        release(&mut r, 5, released);
         assert_eq!(drain(&mut r), vec![matched(next, 1)]);
     }
 }
@@ -121,25 +125,13 @@ fn connection_waiter_takes_only_its_connection() {
         vec![matched(3, 2)],
         "any-connection call takes C2"
     );
-    r.handle_input(
-        Time(1),
-        RegistryInput::Release {
-            request: RequestId(3),
-        },
-    )
-    .unwrap();
+    release(&mut r, 1, 3);
     assert_eq!(
         drain(&mut r),
         vec![],
         "C2 goes idle: request 2 wants C1 only"
     );
-    r.handle_input(
-        Time(1),
-        RegistryInput::Release {
-            request: RequestId(1),
-        },
-    )
-    .unwrap();
+    release(&mut r, 1, 1);
     assert_eq!(drain(&mut r), vec![matched(2, 1)]);
 }
 
@@ -287,13 +279,7 @@ fn holds_a_hundred_thousand_tunnels() {
         .count();
     assert_eq!(matches, 100_000);
     for id in 0..100_000u64 {
-        r.handle_input(
-            Time(2),
-            RegistryInput::Release {
-                request: RequestId(id),
-            },
-        )
-        .unwrap();
+        release(&mut r, 2, id);
     }
     assert_eq!((r.claimed_count(), r.tunnel_count()), (0, 100_000));
     r.check_invariants().unwrap();
