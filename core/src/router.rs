@@ -275,18 +275,15 @@ impl Router {
                 kas,
                 connected,
             } => {
-                let target = if kas == self.self_id {
-                    Target::Local
+                // This kas's own tunnels are reported first-hand, as `LocalPresence`.
+                if kas == self.self_id {
+                    return;
+                }
+                if connected {
+                    self.failed_at.remove(&kas);
+                    self.wake(now, agent, Target::Kas(kas));
                 } else {
-                    Target::Kas(kas)
-                };
-                if connected && target != Target::Local {
-                    if let Target::Kas(k) = &target {
-                        self.failed_at.remove(k);
-                    }
-                    self.wake(now, agent, target);
-                } else if !connected {
-                    self.drop_candidate(agent, &target);
+                    self.drop_candidate(agent, &Target::Kas(kas));
                 }
             }
             RouterInput::PubSubReconnected => {

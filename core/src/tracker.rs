@@ -234,7 +234,7 @@ impl Tracker {
                 self.mark_all_dirty();
             }
         }
-        if now >= self.next_gc {
+        if now >= self.next_gc && !self.shutting_down {
             self.next_gc = now + self.config.gc;
             let mut keys: Vec<String> = self
                 .state
@@ -243,7 +243,7 @@ impl Tracker {
                 .map(|(k, _)| k.clone())
                 .collect();
             keys.sort();
-            if !keys.is_empty() && !self.shutting_down {
+            if !keys.is_empty() {
                 self.outputs.push_back(TrackerOutput::Gc { keys });
             }
         }

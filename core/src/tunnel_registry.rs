@@ -466,7 +466,7 @@ impl TunnelRegistry {
         };
         if let Some((_, &request)) = oldest {
             self.remove_waiter(request);
-            self.claim_idle_or_fresh(tunnel, request);
+            self.claim(tunnel, request);
         } else {
             self.idle_by_agent.entry(agent).or_default().insert(tunnel);
             self.idle_by_conn
@@ -476,13 +476,9 @@ impl TunnelRegistry {
         }
     }
 
-    /// Claims `tunnel`, taking it out of the idle sets.
+    /// Claims `tunnel` for `request`, taking it out of the idle sets if it was there.
     fn claim(&mut self, tunnel: TunnelId, request: RequestId) {
         self.unfile_idle(tunnel);
-        self.claim_idle_or_fresh(tunnel, request);
-    }
-
-    fn claim_idle_or_fresh(&mut self, tunnel: TunnelId, request: RequestId) {
         if let Some(t) = self.tunnels.get_mut(&tunnel) {
             t.claimed_by = Some(request);
             self.claims.insert(request, tunnel);
