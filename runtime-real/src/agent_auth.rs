@@ -1,0 +1,64 @@
+//! Agent authentication: an agent's bearer token resolves to (agent id, project id).
+//!
+//! Two resolvers: a static tokens file (local runs, tests) and GitLab's internal API,
+//! whose answers are cached. [`AgentAuth`] picks one from the configuration.
+
+mod cache;
+mod gitlab;
+mod static_tokens;
+
+pub use cache::CachedResolver;
+pub use gitlab::GitLabClient;
+pub use static_tokens::StaticTokens;
+
+use kas_core::{AgentId, ProjectId};
+
+/// Who an agent token belongs to.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct AgentIdentity {
+    /// The agent.
+    pub agent_id: AgentId,
+    /// Its configuration project.
+    pub project_id: ProjectId,
+    /// The agent's configuration file (YAML) served on `GetConfiguration`.
+    pub config: String,
+}
+
+/// Why a token did not resolve.
+#[derive(Clone, Debug, PartialEq, Eq, thiserror::Error)]
+pub enum AuthError {
+    /// The token is unknown or revoked.
+    #[error("agent token is not valid")]
+    InvalidToken,
+    /// The resolver could not answer (GitLab unreachable or erroring).
+    #[error("cannot check the agent token: {0}")]
+    Unavailable(String),
+}
+
+/// The configured resolver.
+#[derive(Clone)]
+pub enum AgentAuth {
+    /// Tokens from a file.
+    Static(std::sync::Arc<StaticTokens>),
+    /// GitLab's internal API, cached.
+    GitLab(std::sync::Arc<CachedResolver>),
+}
+
+impl AgentAuth {
+    /// Resolves `token`.
+    pub async fn resolve(&self, token: &str) -> Result<AgentIdentity, AuthError> {
+        match self {
+            AgentAuth::Static(s) => s.resolve(token),
+            AgentAuth::GitLab(g) => g.resolve(token).await,
+        }
+    }
+
+    /// Resolves the token of an `authorization: Bearer <token>` header.
+    pub async fn resolve_bearer(&self, header: Option<&str>) -> Result<AgentIdentity, AuthError> {
+        let token = header
+            .and_then(|h| h.strip_prefix("Bearer "))
+            .filter(|t| !t.is_empty())
+            .ok_or(AuthError::InvalidToken)?;
+        self.resolve(token).await
+    }
+}

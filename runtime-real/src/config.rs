@@ -1,0 +1,380 @@
+//! The kas configuration file (YAML, laid out like GitLab's kas configuration), its
+//! defaults and its validation.
+//!
+//! Every problem found is reported with the dotted path of the key at fault, and all of
+//! them at once, so one edit fixes a file.
+
+use serde::Deserialize;
+use std::net::SocketAddr;
+use std::path::{Path, PathBuf};
+use std::time::Duration;
+
+/// The whole kas configuration.
+#[derive(Clone, Debug, Deserialize)]
+#[serde(deny_unknown_fields, default)]
+pub struct Config {
+    /// GitLab's internal API (agent token resolution).
+    pub gitlab: Option<GitLab>,
+    /// agentk -> kas listener and agent tracking.
+    pub agent: Agent,
+    /// GitLab -> kas listener.
+    pub api: Api,
+    /// kas -> kas listener.
+    pub private_api: PrivateApi,
+    /// Metrics and probes.
+    pub observability: Observability,
+    /// The shared registry; without it kas runs alone on an in-memory store.
+    pub redis: Option<Redis>,
+    /// How long running calls may take to finish after SIGTERM.
+    #[serde(with = "humantime_serde")]
+    pub shutdown_grace: Duration,
+}
+
+/// `gitlab:`
+#[derive(Clone, Debug, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct GitLab {
+    /// Base URL, e.g. `https://gitlab.example.com`.
+    pub address: String,
+    /// File holding the base64 shared secret GitLab and kas sign JWTs with.
+    pub authentication_secret_file: PathBuf,
+}
+
+/// `agent:`
+#[derive(Clone, Debug, Deserialize)]
+#[serde(deny_unknown_fields, default)]
+pub struct Agent {
+    /// Where agentk connects.
+    pub listen: Listen,
+    /// Static agent tokens (YAML); when unset, tokens are resolved through `gitlab`.
+    pub tokens_file: Option<PathBuf>,
+    /// How long a resolved agent token is cached.
+    #[serde(with = "humantime_serde")]
+    pub info_cache_ttl: Duration,
+    /// How long a failed token resolution is cached.
+    #[serde(with = "humantime_serde")]
+    pub info_cache_error_ttl: Duration,
+    /// Lifetime of a registry record unless refreshed.
+    #[serde(with = "humantime_serde")]
+    pub redis_conn_info_ttl: Duration,
+    /// How often this kas rewrites its records.
+    #[serde(with = "humantime_serde")]
+    pub redis_conn_info_refresh: Duration,
+    /// How often expired records are collected.
+    #[serde(with = "humantime_serde")]
+    pub redis_conn_info_gc: Duration,
+    /// A tunnel silent (no heartbeat) for this long is closed.
+    #[serde(with = "humantime_serde")]
+    pub heartbeat_timeout: Duration,
+}
+
+/// `api:`
+#[derive(Clone, Debug, Deserialize)]
+#[serde(deny_unknown_fields, default)]
+pub struct Api {
+    /// Where GitLab connects; `authentication_secret_file` is GitLab's shared secret.
+    pub listen: Listen,
+    /// Deadline of a call that carries no `grpc-timeout`.
+    #[serde(with = "humantime_serde")]
+    pub default_timeout: Duration,
+    /// Longest deadline honoured.
+    #[serde(with = "humantime_serde")]
+    pub max_timeout: Duration,
+}
+
+/// `private_api:`
+#[derive(Clone, Debug, Deserialize)]
+#[serde(deny_unknown_fields, default)]
+pub struct PrivateApi {
+    /// Where other kas connect; `authentication_secret_file` is shared by kas only.
+    pub listen: Listen,
+    /// Address other kas use to reach this one (default: `listen.address`); it is also
+    /// this kas's id in the registry.
+    pub advertise_address: Option<SocketAddr>,
+}
+
+/// `observability:`
+#[derive(Clone, Debug, Deserialize)]
+#[serde(deny_unknown_fields, default)]
+pub struct Observability {
+    /// `/metrics`, `/liveness`, `/readiness`.
+    pub listen: Listen,
+}
+
+/// A listener.
+#[derive(Clone, Debug, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct Listen {
+    /// `host:port` (IP literal).
+    pub address: SocketAddr,
+    /// JWT secret file, where the listener checks tokens.
+    #[serde(default)]
+    pub authentication_secret_file: Option<PathBuf>,
+}
+
+/// `redis:`
+#[derive(Clone, Debug, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct Redis {
+    /// The server.
+    pub server: RedisServer,
+    /// Prefix of every key and channel.
+    #[serde(default = "default_key_prefix")]
+    pub key_prefix: String,
+    /// File holding the Redis password (AUTH), if any.
+    #[serde(default)]
+    pub password_file: Option<PathBuf>,
+    /// Timeout of one Redis command or connection attempt.
+    #[serde(default = "default_redis_timeout", with = "humantime_serde")]
+    pub timeout: Duration,
+}
+
+/// `redis.server:`
+#[derive(Clone, Debug, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct RedisServer {
+    /// `host:port`.
+    pub address: String,
+}
+
+fn default_key_prefix() -> String {
+    "gitlab-kas".into()
+}
+
+fn default_redis_timeout() -> Duration {
+    Duration::from_secs(5)
+}
+
+fn listen(port: u16) -> Listen {
+    Listen {
+        address: SocketAddr::from(([127, 0, 0, 1], port)),
+        authentication_secret_file: None,
+    }
+}
+
+impl Default for Config {
+    fn default() -> Self {
+        Config {
+            gitlab: None,
+            agent: Agent::default(),
+            api: Api::default(),
+            private_api: PrivateApi::default(),
+            observability: Observability::default(),
+            redis: None,
+            shutdown_grace: Duration::from_secs(10),
+        }
+    }
+}
+
+impl Default for Agent {
+    fn default() -> Self {
+        Agent {
+            listen: listen(8150),
+            tokens_file: None,
+            info_cache_ttl: Duration::from_secs(300),
+            info_cache_error_ttl: Duration::from_secs(60),
+            redis_conn_info_ttl: Duration::from_secs(300),
+            redis_conn_info_refresh: Duration::from_secs(240),
+            redis_conn_info_gc: Duration::from_secs(600),
+            heartbeat_timeout: Duration::from_secs(60),
+        }
+    }
+}
+
+impl Default for Api {
+    fn default() -> Self {
+        Api {
+            listen: listen(8153),
+            default_timeout: Duration::from_secs(30),
+            max_timeout: Duration::from_secs(600),
+        }
+    }
+}
+
+impl Default for PrivateApi {
+    fn default() -> Self {
+        PrivateApi {
+            listen: listen(8155),
+            advertise_address: None,
+        }
+    }
+}
+
+impl Default for Observability {
+    fn default() -> Self {
+        Observability { listen: listen(8151) }
+    }
+}
+
+/// Why a configuration was rejected: one line per problem, each naming its key.
+#[derive(Debug, thiserror::Error)]
+#[error("invalid configuration {file}:\n  - {}", problems.join("\n  - "))]
+pub struct ConfigError {
+    /// The file (or `<defaults>`).
+    pub file: String,
+    /// Every problem found.
+    pub problems: Vec<String>,
+}
+
+impl Config {
+    /// Reads, parses and validates a configuration file.
+    pub fn load(path: &Path) -> Result<Config, ConfigError> {
+        let file = path.display().to_string();
+        let fail = |p: String| ConfigError {
+            file: file.clone(),
+            problems: vec![p],
+        };
+        let text = std::fs::read_to_string(path).map_err(|e| fail(format!("cannot read: {e}")))?;
+        Self::parse(&text, &file)
+    }
+
+    /// Parses and validates YAML text; `file` names it in errors.
+    pub fn parse(text: &str, file: &str) -> Result<Config, ConfigError> {
+        let config: Config = if text.trim().is_empty() {
+            Config::default()
+        } else {
+            serde_yaml::from_str(text).map_err(|e| ConfigError {
+                file: file.into(),
+                problems: vec![yaml_problem(&e)],
+            })?
+        };
+        config.validate().map_err(|problems| ConfigError {
+            file: file.into(),
+            problems,
+        })?;
+        Ok(config)
+    }
+
+    /// The address other kas reach this one on, which is also its registry id.
+    pub fn advertise_address(&self) -> SocketAddr {
+        self.private_api
+            .advertise_address
+            .unwrap_or(self.private_api.listen.address)
+    }
+
+    fn validate(&self) -> Result<(), Vec<String>> {
+        let mut p = Vec::new();
+        let a = &self.agent;
+        for (key, d) in [
+            ("agent.redis_conn_info_ttl", a.redis_conn_info_ttl),
+            ("agent.redis_conn_info_refresh", a.redis_conn_info_refresh),
+            ("agent.redis_conn_info_gc", a.redis_conn_info_gc),
+            ("agent.heartbeat_timeout", a.heartbeat_timeout),
+            ("api.default_timeout", self.api.default_timeout),
+        ] {
+            if d.is_zero() {
+                p.push(format!("{key} must be greater than zero"));
+            }
+        }
+        if a.redis_conn_info_refresh >= a.redis_conn_info_ttl {
+            p.push(format!(
+                "agent.redis_conn_info_refresh ({}) must be less than agent.redis_conn_info_ttl ({}), or records expire before they are refreshed",
+                humantime::format_duration(a.redis_conn_info_refresh),
+                humantime::format_duration(a.redis_conn_info_ttl)
+            ));
+        }
+        if self.api.max_timeout < self.api.default_timeout {
+            p.push("api.max_timeout must not be less than api.default_timeout".into());
+        }
+        for (key, l) in [
+            ("api.listen", &self.api.listen),
+            ("private_api.listen", &self.private_api.listen),
+        ] {
+            match &l.authentication_secret_file {
+                None => p.push(format!("{key}.authentication_secret_file is required")),
+                Some(f) => {
+                    if let Err(e) = crate::jwt::Secret::load(f) {
+                        p.push(format!("{key}.authentication_secret_file: {e}"));
+                    }
+                }
+            }
+        }
+        let listeners = [
+            ("agent.listen.address", self.agent.listen.address),
+            ("api.listen.address", self.api.listen.address),
+            ("private_api.listen.address", self.private_api.listen.address),
+            (
+                "observability.listen.address",
+                self.observability.listen.address,
+            ),
+        ];
+        for (i, (k1, a1)) in listeners.iter().enumerate() {
+            for (k2, a2) in &listeners[i + 1..] {
+                if a1 == a2 && a1.port() != 0 {
+                    p.push(format!("{k1} and {k2} are both {a1}: each listener needs its own socket"));
+                }
+            }
+        }
+        let adv = self.advertise_address();
+        if adv.ip().is_unspecified() || adv.port() == 0 {
+            p.push(format!(
+                "private_api.advertise_address is required when private_api.listen.address is {} (other kas cannot dial it)",
+                self.private_api.listen.address
+            ));
+        }
+        match (&a.tokens_file, &self.gitlab) {
+            (Some(f), _) => {
+                if let Err(e) = crate::agent_auth::StaticTokens::load(f) {
+                    p.push(format!("agent.tokens_file: {e}"));
+                }
+            }
+            (None, None) => p.push(
+                "agent.tokens_file or gitlab (address and authentication_secret_file) is required to authenticate agents".into(),
+            ),
+            (None, Some(g)) => {
+                if !(g.address.starts_with("http://") || g.address.starts_with("https://")) {
+                    p.push(format!(
+                        "gitlab.address {:?} must start with http:// or https://",
+                        g.address
+                    ));
+                }
+                if let Err(e) = crate::jwt::Secret::load(&g.authentication_secret_file) {
+                    p.push(format!("gitlab.authentication_secret_file: {e}"));
+                }
+            }
+        }
+        if let Some(r) = &self.redis {
+            if r.key_prefix.is_empty() || r.key_prefix.contains(['{', '}', ' ']) {
+                p.push(format!(
+                    "redis.key_prefix {:?} must be non-empty without braces or spaces",
+                    r.key_prefix
+                ));
+            }
+            if r.server.address.is_empty() {
+                p.push("redis.server.address is required".into());
+            }
+            if let Some(f) = &r.password_file
+                && let Err(e) = std::fs::read_to_string(f)
+            {
+                p.push(format!("redis.password_file {}: {e}", f.display()));
+            }
+        }
+        if p.is_empty() { Ok(()) } else { Err(p) }
+    }
+}
+
+/// A YAML error with the dotted path serde_yaml reports, when it has one.
+fn yaml_problem(e: &serde_yaml::Error) -> String {
+    match e.location() {
+        Some(l) => format!("line {} column {}: {e}", l.line(), l.column()),
+        None => e.to_string(),
+    }
+}
+
+/// Durations written as `300s`, `5m`, `250ms`.
+mod humantime_serde {
+    use serde::{Deserialize, Deserializer};
+    use std::time::Duration;
+
+    pub fn deserialize<'de, D: Deserializer<'de>>(d: D) -> Result<Duration, D::Error> {
+        let s = String::deserialize(d)?;
+        humantime::parse_duration(&s).map_err(|e| {
+            serde::de::Error::custom(format!(
+                "invalid duration {s:?} ({e}); write e.g. \"300s\", \"5m\" or \"250ms\""
+            ))
+        })
+    }
+}
+
+#[cfg(test)]
+mod tests;

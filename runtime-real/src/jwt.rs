@@ -1,0 +1,210 @@
+//! JWTs between GitLab and kas, and between kas replicas: HS256 with a shared secret.
+//!
+//! | who -> whom | secret | `iss` | `aud` |
+//! |---|---|---|---|
+//! | GitLab -> kas (public API) | GitLab's | `gitlab` | `gitlab-kas` |
+//! | kas -> kas (private API) | kas-only | `gitlab-kas` | `gitlab-kas` |
+//! | kas -> GitLab (internal API) | GitLab's | `gitlab-kas` | `gitlab` |
+//!
+//! Tokens travel as `authorization: Bearer <jwt>` gRPC metadata (and in the
+//! `Gitlab-Kas-Api-Request` HTTP header towards GitLab).
+
+use base64::Engine;
+use jsonwebtoken::{Algorithm, DecodingKey, EncodingKey, Header, Validation};
+use serde::{Deserialize, Serialize};
+use std::path::Path;
+use std::sync::Arc;
+use std::time::{Duration, SystemTime, UNIX_EPOCH};
+
+/// Issuer and audience names.
+pub const GITLAB: &str = "gitlab";
+/// Issuer and audience names.
+pub const GITLAB_KAS: &str = "gitlab-kas";
+/// Shortest secret accepted, in bytes (GitLab generates 32).
+const MIN_SECRET_LEN: usize = 32;
+/// Lifetime of tokens kas mints.
+const TOKEN_LIFETIME: Duration = Duration::from_secs(60);
+
+/// A shared HS256 secret, as GitLab stores it: base64 of at least 32 random bytes.
+#[derive(Clone)]
+pub struct Secret(Arc<Vec<u8>>);
+
+impl std::fmt::Debug for Secret {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str("Secret(..)")
+    }
+}
+
+/// Why a secret file is unusable.
+#[derive(Debug, thiserror::Error)]
+pub enum SecretError {
+    /// The file could not be read.
+    #[error("cannot read {path}: {source}")]
+    Read {
+        /// The file.
+        path: String,
+        /// The I/O error.
+        source: std::io::Error,
+    },
+    /// The content is not base64.
+    #[error("{path} is not base64 ({source}); generate one with `head -c 32 /dev/urandom | base64`")]
+    Base64 {
+        /// The file.
+        path: String,
+        /// The decoding error.
+        source: base64::DecodeError,
+    },
+    /// Fewer than 32 bytes.
+    #[error("{path} holds {len} bytes after base64 decoding; at least {MIN_SECRET_LEN} are needed")]
+    TooShort {
+        /// The file.
+        path: String,
+        /// Its decoded length.
+        len: usize,
+    },
+}
+
+impl Secret {
+    /// Reads a base64 secret file (surrounding whitespace is ignored).
+    pub fn load(path: &Path) -> Result<Secret, SecretError> {
+        let p = path.display().to_string();
+        let text = std::fs::read_to_string(path).map_err(|source| SecretError::Read {
+            path: p.clone(),
+            source,
+        })?;
+        Self::from_base64(text.trim()).map_err(|e| match e {
+            SecretError::Base64 { source, .. } => SecretError::Base64 { path: p, source },
+            SecretError::TooShort { len, .. } => SecretError::TooShort { path: p, len },
+            other => other,
+        })
+    }
+
+    /// Decodes a base64 secret.
+    pub fn from_base64(text: &str) -> Result<Secret, SecretError> {
+        let bytes = base64::engine::general_purpose::STANDARD
+            .decode(text)
+            .map_err(|source| SecretError::Base64 {
+                path: "secret".into(),
+                source,
+            })?;
+        if bytes.len() < MIN_SECRET_LEN {
+            return Err(SecretError::TooShort {
+                path: "secret".into(),
+                len: bytes.len(),
+            });
+        }
+        Ok(Secret(Arc::new(bytes)))
+    }
+
+    /// The secret's base64 text, for writing a secret file.
+    pub fn to_base64(&self) -> String {
+        base64::engine::general_purpose::STANDARD.encode(self.0.as_slice())
+    }
+}
+
+#[derive(Debug, Serialize, Deserialize)]
+struct Claims {
+    iss: String,
+    aud: String,
+    exp: u64,
+    iat: u64,
+    nbf: u64,
+}
+
+/// Checks the tokens one listener accepts.
+#[derive(Clone)]
+pub struct Verifier {
+    key: DecodingKey,
+    validation: Validation,
+}
+
+impl Verifier {
+    /// Accepts HS256 tokens signed with `secret` from `issuer` to `audience`; `exp` is
+    /// required and checked.
+    pub fn new(secret: &Secret, issuer: &str, audience: &str) -> Self {
+        let mut validation = Validation::new(Algorithm::HS256);
+        validation.set_issuer(&[issuer]);
+        validation.set_audience(&[audience]);
+        validation.set_required_spec_claims(&["exp", "iss", "aud"]);
+        validation.leeway = 5;
+        Verifier {
+            key: DecodingKey::from_secret(&secret.0),
+            validation,
+        }
+    }
+
+    /// Checks the value of an `authorization` header (`Bearer <jwt>`); the error says why
+    /// the token is refused.
+    pub fn check_bearer(&self, header: Option<&str>) -> Result<(), String> {
+        let header = header.ok_or("no authorization metadata")?;
+        let token = header
+            .strip_prefix("Bearer ")
+            .ok_or("authorization metadata is not \"Bearer <token>\"")?;
+        self.check(token)
+    }
+
+    /// Checks a bare token.
+    pub fn check(&self, token: &str) -> Result<(), String> {
+        jsonwebtoken::decode::<Claims>(token, &self.key, &self.validation)
+            .map(|_| ())
+            .map_err(|e| describe(&e))
+    }
+}
+
+fn describe(e: &jsonwebtoken::errors::Error) -> String {
+    use jsonwebtoken::errors::ErrorKind as K;
+    match e.kind() {
+        K::ExpiredSignature => "token expired".into(),
+        K::InvalidSignature => "token signature does not match the secret".into(),
+        K::InvalidIssuer => "token issuer is wrong".into(),
+        K::InvalidAudience => "token audience is wrong".into(),
+        K::InvalidAlgorithm | K::InvalidAlgorithmName => "token algorithm is not HS256".into(),
+        K::MissingRequiredClaim(c) => format!("token lacks the {c} claim"),
+        K::ImmatureSignature => "token is not valid yet".into(),
+        _ => format!("malformed token: {e}"),
+    }
+}
+
+/// Mints tokens for one (issuer, audience) pair.
+#[derive(Clone)]
+pub struct Signer {
+    key: EncodingKey,
+    issuer: String,
+    audience: String,
+}
+
+impl Signer {
+    /// Signs with `secret` as `issuer` for `audience`.
+    pub fn new(secret: &Secret, issuer: &str, audience: &str) -> Self {
+        Signer {
+            key: EncodingKey::from_secret(&secret.0),
+            issuer: issuer.into(),
+            audience: audience.into(),
+        }
+    }
+
+    /// A fresh token valid for a minute.
+    pub fn token(&self) -> String {
+        let now = SystemTime::now()
+            .duration_since(UNIX_EPOCH)
+            .unwrap_or_default()
+            .as_secs();
+        let claims = Claims {
+            iss: self.issuer.clone(),
+            aud: self.audience.clone(),
+            iat: now,
+            nbf: now.saturating_sub(5),
+            exp: now + TOKEN_LIFETIME.as_secs(),
+        };
+        jsonwebtoken::encode(&Header::new(Algorithm::HS256), &claims, &self.key)
+            .expect("HS256 signing with a byte key cannot fail")
+    }
+
+    /// `Bearer <fresh token>`.
+    pub fn bearer(&self) -> String {
+        format!("Bearer {}", self.token())
+    }
+}
+
+#[cfg(test)]
+mod tests;

@@ -1,0 +1,136 @@
+//! The registry store: where kas replicas publish who is connected where.
+//!
+//! Two implementations behind one enum: Redis (shared by many kas) and in-memory (one kas
+//! alone, used when the configuration has no `redis` section). Both apply the tracker's
+//! per-key transactions (`HDEL; HSET; PEXPIRE; PUBLISH`), read hashes, collect expired
+//! fields without ever deleting a field that was refreshed meanwhile, and carry pub-sub on
+//! a connection of its own.
+
+mod memory;
+mod redis;
+
+pub use self::memory::MemoryStore;
+pub use self::redis::RedisStore;
+
+use kas_core::Time;
+use kas_core::tracker::KeyWrite;
+use tokio::sync::mpsc;
+
+/// A failed store operation.
+#[derive(Clone, Debug, thiserror::Error)]
+#[error("registry store: {0}")]
+pub struct StoreError(pub String);
+
+/// The configured store.
+#[derive(Clone)]
+pub enum Store {
+    /// Redis, shared by all kas replicas.
+    Redis(RedisStore),
+    /// This process only.
+    Memory(MemoryStore),
+}
+
+impl Store {
+    /// Applies each write as one transaction; all writes go in one round trip.
+    pub async fn execute(&self, writes: &[KeyWrite]) -> Result<(), StoreError> {
+        match self {
+            Store::Redis(s) => s.execute(writes).await,
+            Store::Memory(s) => {
+                s.execute(writes);
+                Ok(())
+            }
+        }
+    }
+
+    /// Every field of a hash with its stored bytes.
+    pub async fn read(&self, key: &str) -> Result<Vec<(String, Vec<u8>)>, StoreError> {
+        match self {
+            Store::Redis(s) => s.read(key).await,
+            Store::Memory(s) => Ok(s.read(key)),
+        }
+    }
+
+    /// Deletes the fields of `key` that are expired (or undecodable) at `now`, each only if
+    /// it still holds the value that was judged garbage. Returns how many went.
+    pub async fn gc(&self, key: &str, now: Time) -> Result<usize, StoreError> {
+        let fields = self.read(key).await?;
+        let garbage: Vec<(String, Vec<u8>)> = {
+            let dead = kas_core::expiring::garbage_fields(
+                fields.iter().map(|(f, v)| (f.as_str(), v.as_slice())),
+                now,
+            );
+            fields
+                .into_iter()
+                .filter(|(f, _)| dead.contains(f))
+                .collect()
+        };
+        if garbage.is_empty() {
+            return Ok(0);
+        }
+        match self {
+            Store::Redis(s) => s.delete_unchanged(key, &garbage).await,
+            Store::Memory(s) => Ok(s.delete_unchanged(key, &garbage)),
+        }
+    }
+
+    /// Checks the store answers.
+    pub async fn ping(&self) -> Result<(), StoreError> {
+        match self {
+            Store::Redis(s) => s.ping().await,
+            Store::Memory(_) => Ok(()),
+        }
+    }
+
+    /// Starts the pub-sub connection: subscribe through the handle, receive events.
+    pub fn pubsub(&self) -> (PubSub, mpsc::Receiver<PubSubEvent>) {
+        let (cmd_tx, cmd_rx) = mpsc::unbounded_channel();
+        let (ev_tx, ev_rx) = mpsc::channel(1024);
+        match self {
+            Store::Redis(s) => s.spawn_pubsub(cmd_rx, ev_tx),
+            Store::Memory(s) => s.spawn_pubsub(cmd_rx, ev_tx),
+        }
+        (PubSub(cmd_tx), ev_rx)
+    }
+}
+
+/// A request to the pub-sub connection.
+#[derive(Debug)]
+pub enum PubSubCommand {
+    /// Start receiving a channel; answered by [`PubSubEvent::Subscribed`].
+    Subscribe(String),
+    /// Stop receiving a channel.
+    Unsubscribe(String),
+}
+
+/// What the pub-sub connection reports.
+#[derive(Debug)]
+pub enum PubSubEvent {
+    /// The subscription is active: messages published from now on arrive.
+    Subscribed(String),
+    /// A message on a subscribed channel.
+    Message {
+        /// The channel.
+        channel: String,
+        /// The payload.
+        payload: Vec<u8>,
+    },
+    /// The connection was lost and is back, with every subscription restored; messages
+    /// published in between are lost.
+    Reconnected,
+}
+
+/// The handle of a pub-sub connection. Dropping it ends the connection.
+#[derive(Clone, Debug)]
+pub struct PubSub(mpsc::UnboundedSender<PubSubCommand>);
+
+impl PubSub {
+    /// Subscribes to `channel`.
+    pub fn subscribe(&self, channel: String) {
+        let _ = self.0.send(PubSubCommand::Subscribe(channel));
+    }
+
+    /// Unsubscribes from `channel`.
+    pub fn unsubscribe(&self, channel: String) {
+        let _ = self.0.send(PubSubCommand::Unsubscribe(channel));
+    }
+}

@@ -1,0 +1,232 @@
+//! The Redis store: an auto-reconnecting multiplexed connection for commands and a
+//! separate connection for pub-sub, re-established (with every subscription) after a loss.
+
+use super::{PubSubCommand, PubSubEvent, StoreError};
+use ::redis::aio::{ConnectionManager, ConnectionManagerConfig};
+use ::redis::{Client, Script, Value};
+use futures::StreamExt;
+use kas_core::tracker::KeyWrite;
+use std::collections::HashSet;
+use std::sync::Arc;
+use std::time::Duration;
+use tokio::sync::mpsc;
+
+/// Deletes each field (ARGV pairs: field, value) only while it still holds that value, so
+/// a field refreshed after the GC read it survives.
+const DELETE_UNCHANGED: &str = r"
+local n = 0
+for i = 1, #ARGV, 2 do
+  if redis.call('HGET', KEYS[1], ARGV[i]) == ARGV[i + 1] then
+    n = n + redis.call('HDEL', KEYS[1], ARGV[i])
+  end
+end
+return n
+";
+
+/// A Redis server shared by the kas replicas.
+#[derive(Clone)]
+pub struct RedisStore {
+    client: Client,
+    conn: ConnectionManager,
+    timeout: Duration,
+    delete_unchanged: Arc<Script>,
+}
+
+fn err(e: impl std::fmt::Display) -> StoreError {
+    StoreError(e.to_string())
+}
+
+impl RedisStore {
+    /// Connects lazily to `address` (`host:port`, or a `redis://` URL); commands and
+    /// connection attempts time out after `timeout`.
+    pub fn new(address: &str, password: Option<&str>, timeout: Duration) -> Result<Self, StoreError> {
+        let url = if address.starts_with("redis://") || address.starts_with("rediss://") {
+            address.to_string()
+        } else {
+            format!("redis://{address}")
+        };
+        let mut info = ::redis::IntoConnectionInfo::into_connection_info(url.as_str()).map_err(err)?;
+        if let Some(p) = password {
+            let redis = info.redis_settings().clone().set_password(p);
+            info = info.set_redis_settings(redis);
+        }
+        let client = Client::open(info).map_err(err)?;
+        let config = ConnectionManagerConfig::new()
+            .set_connection_timeout(Some(timeout))
+            .set_response_timeout(Some(timeout))
+            .set_number_of_retries(1)
+            .set_max_delay(Duration::from_secs(2));
+        let conn = ConnectionManager::new_lazy_with_config(client.clone(), config).map_err(err)?;
+        Ok(RedisStore {
+            client,
+            conn,
+            timeout,
+            delete_unchanged: Arc::new(Script::new(DELETE_UNCHANGED)),
+        })
+    }
+
+    pub(super) async fn execute(&self, writes: &[KeyWrite]) -> Result<(), StoreError> {
+        let mut pipe = ::redis::pipe();
+        for w in writes {
+            pipe.cmd("MULTI").ignore();
+            if !w.delete.is_empty() {
+                pipe.cmd("HDEL").arg(&w.key).arg(&w.delete).ignore();
+            }
+            if !w.set.is_empty() {
+                pipe.cmd("HSET").arg(&w.key);
+                for (f, v) in &w.set {
+                    pipe.arg(f).arg(v);
+                }
+                pipe.ignore();
+            }
+            if let Some(ttl) = w.expire {
+                let ms = u64::try_from(ttl.as_millis()).unwrap_or(u64::MAX);
+                pipe.cmd("PEXPIRE").arg(&w.key).arg(ms).ignore();
+            }
+            for (channel, payload) in &w.publish {
+                pipe.cmd("PUBLISH").arg(channel).arg(payload).ignore();
+            }
+            pipe.cmd("EXEC");
+        }
+        let mut conn = self.conn.clone();
+        let results: Vec<Value> = pipe.query_async(&mut conn).await.map_err(err)?;
+        for (w, r) in writes.iter().zip(&results) {
+            match r {
+                Value::Array(items) => {
+                    if let Some(Value::ServerError(e)) =
+                        items.iter().find(|v| matches!(v, Value::ServerError(_)))
+                    {
+                        return Err(StoreError(format!("transaction on {}: {e:?}", w.key)));
+                    }
+                }
+                other => {
+                    return Err(StoreError(format!(
+                        "transaction on {} did not run: {other:?}",
+                        w.key
+                    )));
+                }
+            }
+        }
+        Ok(())
+    }
+
+    pub(super) async fn read(&self, key: &str) -> Result<Vec<(String, Vec<u8>)>, StoreError> {
+        let mut conn = self.conn.clone();
+        ::redis::cmd("HGETALL")
+            .arg(key)
+            .query_async(&mut conn)
+            .await
+            .map_err(err)
+    }
+
+    pub(super) async fn delete_unchanged(
+        &self,
+        key: &str,
+        fields: &[(String, Vec<u8>)],
+    ) -> Result<usize, StoreError> {
+        let mut conn = self.conn.clone();
+        let mut inv = self.delete_unchanged.key(key);
+        for (f, v) in fields {
+            inv.arg(f).arg(v);
+        }
+        inv.invoke_async(&mut conn).await.map_err(err)
+    }
+
+    pub(super) async fn ping(&self) -> Result<(), StoreError> {
+        let mut conn = self.conn.clone();
+        ::redis::cmd("PING")
+            .query_async::<()>(&mut conn)
+            .await
+            .map_err(err)
+    }
+
+    pub(super) fn spawn_pubsub(
+        &self,
+        cmds: mpsc::UnboundedReceiver<PubSubCommand>,
+        events: mpsc::Sender<PubSubEvent>,
+    ) {
+        tokio::spawn(run_pubsub(self.client.clone(), self.timeout, cmds, events));
+    }
+}
+
+/// Keeps one pub-sub connection up: (re)connects with backoff, restores subscriptions,
+/// relays messages. Ends when the handle or the event receiver is dropped.
+async fn run_pubsub(
+    client: Client,
+    timeout: Duration,
+    mut cmds: mpsc::UnboundedReceiver<PubSubCommand>,
+    events: mpsc::Sender<PubSubEvent>,
+) {
+    let mut channels: HashSet<String> = HashSet::new();
+    let mut connected_before = false;
+    let mut delay = Duration::from_millis(50);
+    loop {
+        let conn = tokio::time::timeout(timeout, client.get_async_pubsub()).await;
+        let Ok(Ok(pubsub)) = conn else {
+            // Down: keep track of what is wanted, retry after a growing delay.
+            let sleep = tokio::time::sleep(delay);
+            tokio::pin!(sleep);
+            loop {
+                tokio::select! {
+                    biased;
+                    () = &mut sleep => break,
+                    cmd = cmds.recv() => match cmd {
+                        None => return,
+                        Some(PubSubCommand::Subscribe(ch)) => { channels.insert(ch); }
+                        Some(PubSubCommand::Unsubscribe(ch)) => { channels.remove(&ch); }
+                    },
+                }
+            }
+            delay = (delay * 2).min(Duration::from_secs(2));
+            continue;
+        };
+        let (mut sink, mut stream) = pubsub.split();
+        let all: Vec<&String> = channels.iter().collect();
+        if !all.is_empty() && sink.subscribe(all).await.is_err() {
+            continue;
+        }
+        delay = Duration::from_millis(50);
+        if connected_before && events.send(PubSubEvent::Reconnected).await.is_err() {
+            return;
+        }
+        for ch in &channels {
+            if events.send(PubSubEvent::Subscribed(ch.clone())).await.is_err() {
+                return;
+            }
+        }
+        connected_before = true;
+        loop {
+            tokio::select! {
+                biased;
+                cmd = cmds.recv() => match cmd {
+                    None => return,
+                    Some(PubSubCommand::Subscribe(ch)) => {
+                        channels.insert(ch.clone());
+                        if sink.subscribe(&ch).await.is_err() {
+                            break;
+                        }
+                        if events.send(PubSubEvent::Subscribed(ch)).await.is_err() {
+                            return;
+                        }
+                    }
+                    Some(PubSubCommand::Unsubscribe(ch)) => {
+                        channels.remove(&ch);
+                        if sink.unsubscribe(&ch).await.is_err() {
+                            break;
+                        }
+                    }
+                },
+                msg = stream.next() => {
+                    let Some(msg) = msg else { break };
+                    let event = PubSubEvent::Message {
+                        channel: msg.get_channel_name().to_string(),
+                        payload: msg.get_payload_bytes().to_vec(),
+                    };
+                    if events.send(event).await.is_err() {
+                        return;
+                    }
+                }
+            }
+        }
+    }
+}
