@@ -6,3 +6,5 @@ pub mod clock;
 pub mod config;
 pub mod jwt;
 pub mod store;
+pub mod frames;
+pub mod kas;

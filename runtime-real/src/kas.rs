@@ -1,0 +1,399 @@
+//! The kas server: four listeners around the engine that drives the core machines.
+//!
+//! [`Kas::start`] binds every listener and starts serving; [`Kas::stop`] shuts down
+//! gracefully: not ready, no new calls, running calls finish (up to `shutdown_grace`),
+//! agents are told to reconnect elsewhere, and this kas's registry records are deleted.
+
+mod agent_api;
+mod call;
+mod deadline;
+mod engine;
+mod forward;
+mod metrics;
+mod observability;
+mod private_api;
+mod public_api;
+mod tunnel;
+
+pub use deadline::parse_grpc_timeout;
+pub use public_api::PODS_LIST;
+
+use crate::agent_auth::{AgentAuth, CachedResolver, GitLabClient, StaticTokens};
+use crate::config::Config;
+use crate::jwt::{self, Secret, Signer, Verifier};
+use crate::store::{MemoryStore, RedisStore, Store};
+use crate::clock;
+use kas_core::backoff::Backoff;
+use kas_core::keys::Keys;
+use kas_core::router::{Router, RouterConfig};
+use kas_core::tracker::{Tracker, TrackerConfig};
+use kas_core::tunnel_registry::{RegistryConfig, TunnelRegistry};
+use kas_core::KasId;
+use kas_proto::agent_api::agent_api_server::AgentApiServer;
+use kas_proto::private_api::kas_private_server::KasPrivateServer;
+use kas_proto::public_api::kas_api_server::KasApiServer;
+use kas_proto::registry::{KasAddress, KasInstanceInfo};
+use std::net::SocketAddr;
+use std::sync::Arc;
+use std::time::Duration;
+use tokio::net::TcpListener;
+use tokio::sync::{oneshot, watch};
+use tokio::task::JoinHandle;
+use tokio_stream::wrappers::TcpListenerStream;
+use tonic::service::Interceptor;
+use tonic::transport::Server;
+use tonic::{Request, Status};
+
+/// Why kas could not start.
+#[derive(Debug, thiserror::Error)]
+pub enum StartError {
+    /// A listener could not bind.
+    #[error("cannot listen on {what} {addr}: {source}")]
+    Bind {
+        /// Which listener.
+        what: &'static str,
+        /// Its address.
+        addr: SocketAddr,
+        /// Why.
+        source: std::io::Error,
+    },
+    /// Anything else in the configuration that only shows at start.
+    #[error("{0}")]
+    Setup(String),
+}
+
+/// The bound addresses of a running kas.
+#[derive(Clone, Copy, Debug)]
+pub struct Addresses {
+    /// agentk -> kas.
+    pub agent: SocketAddr,
+    /// GitLab -> kas.
+    pub api: SocketAddr,
+    /// kas -> kas (also this kas's id).
+    pub private_api: SocketAddr,
+    /// Metrics and probes.
+    pub observability: SocketAddr,
+}
+
+/// A running kas.
+pub struct Kas {
+    /// Where it listens.
+    pub addresses: Addresses,
+    engine: engine::EngineHandle,
+    closing: watch::Sender<bool>,
+    stop_agents: Option<oneshot::Sender<()>>,
+    stop_observability: Option<oneshot::Sender<()>>,
+    calls_server: JoinHandle<()>,
+    agents_server: JoinHandle<()>,
+    observability_server: JoinHandle<()>,
+    grace: Duration,
+}
+
+/// Checks the JWT of every call on a listener.
+#[derive(Clone)]
+struct JwtCheck {
+    verifier: Verifier,
+    listener: &'static str,
+}
+
+impl Interceptor for JwtCheck {
+    fn call(&mut self, req: Request<()>) -> Result<Request<()>, Status> {
+        let header = req
+            .metadata()
+            .get("authorization")
+            .and_then(|v| v.to_str().ok());
+        self.verifier.check_bearer(header).map_err(|reason| {
+            tracing::info!(listener = self.listener, %reason, "call refused");
+            Status::unauthenticated(format!("{} listener: {reason}", self.listener))
+        })?;
+        Ok(req)
+    }
+}
+
+async fn bind(what: &'static str, addr: SocketAddr) -> Result<TcpListener, StartError> {
+    TcpListener::bind(addr)
+        .await
+        .map_err(|source| StartError::Bind { what, addr, source })
+}
+
+fn secret(path: Option<&std::path::PathBuf>, key: &str) -> Result<Secret, StartError> {
+    let path = path.ok_or_else(|| StartError::Setup(format!("{key} is required")))?;
+    Secret::load(path).map_err(|e| StartError::Setup(format!("{key}: {e}")))
+}
+
+impl Kas {
+    /// Binds all listeners and starts serving.
+    pub async fn start(config: Config) -> Result<Kas, StartError> {
+        let agent_l = bind("agent.listen.address", config.agent.listen.address).await?;
+        let api_l = bind("api.listen.address", config.api.listen.address).await?;
+        let private_l = bind("private_api.listen.address", config.private_api.listen.address).await?;
+        let obs_l = bind("observability.listen.address", config.observability.listen.address).await?;
+        let local = |l: &TcpListener| l.local_addr().map_err(|e| StartError::Setup(e.to_string()));
+        let addresses = Addresses {
+            agent: local(&agent_l)?,
+            api: local(&api_l)?,
+            private_api: local(&private_l)?,
+            observability: local(&obs_l)?,
+        };
+        let advertise = match config.private_api.advertise_address {
+            Some(a) => a,
+            None => addresses.private_api,
+        };
+        let kas_id = KasId(advertise.to_string());
+
+        let gitlab_secret = secret(
+            config.api.listen.authentication_secret_file.as_ref(),
+            "api.listen.authentication_secret_file",
+        )?;
+        let private_secret = secret(
+            config.private_api.listen.authentication_secret_file.as_ref(),
+            "private_api.listen.authentication_secret_file",
+        )?;
+        let auth = agent_auth(&config)?;
+        let (store, keys) = match &config.redis {
+            None => (Store::Memory(MemoryStore::default()), Keys::new("gitlab-kas")),
+            Some(r) => {
+                let password = match &r.password_file {
+                    None => None,
+                    Some(f) => Some(
+                        std::fs::read_to_string(f)
+                            .map_err(|e| StartError::Setup(format!("redis.password_file: {e}")))?
+                            .trim()
+                            .to_string(),
+                    ),
+                };
+                let s = RedisStore::new(&r.server.address, password.as_deref(), r.timeout)
+                    .map_err(|e| StartError::Setup(format!("redis.server.address: {e}")))?;
+                (Store::Redis(s), Keys::new(r.key_prefix.clone()))
+            }
+        };
+
+        let now = clock::now();
+        let seed: u64 = rand::random();
+        let a = &config.agent;
+        let instance = KasInstanceInfo {
+            version: env!("CARGO_PKG_VERSION").into(),
+            commit: String::new(),
+            address: Some(KasAddress {
+                ip: advertise.ip().to_string(),
+                port: u32::from(advertise.port()),
+            }),
+        };
+        let tracker = Tracker::new(
+            now,
+            TrackerConfig {
+                ttl: a.redis_conn_info_ttl,
+                refresh: a.redis_conn_info_refresh,
+                gc: a.redis_conn_info_gc,
+                backoff: Backoff {
+                    initial: Duration::from_millis(100),
+                    max: Duration::from_secs(5),
+                    factor: 2,
+                },
+                max_keys_per_batch: 256,
+            },
+            keys.clone(),
+            kas_id.clone(),
+            &instance,
+            seed,
+        );
+        let router = Router::new(
+            RouterConfig {
+                poll_backoff: Backoff {
+                    initial: Duration::from_millis(500),
+                    max: Duration::from_secs(10),
+                    factor: 2,
+                },
+                failure_memory: Duration::from_secs(30),
+                grace: Duration::from_secs(2),
+            },
+            kas_id.clone(),
+            seed.rotate_left(17),
+        );
+        let registry = TunnelRegistry::new(RegistryConfig {
+            heartbeat_timeout: a.heartbeat_timeout,
+        });
+        let metrics = metrics::Metrics::default();
+        let (store_ready_tx, store_ready) = watch::channel(true);
+        let (closing, closing_rx) = watch::channel(false);
+        let signer = Signer::new(&private_secret, jwt::GITLAB_KAS, jwt::GITLAB_KAS);
+        let engine = engine::spawn(engine::EngineParts {
+            kas_id: kas_id.clone(),
+            registry,
+            tracker,
+            router,
+            keys: keys.clone(),
+            store: store.clone(),
+            forwarder: forward::Forwarder::new(signer, metrics.clone()),
+            metrics: metrics.clone(),
+            store_ready: store_ready_tx,
+        });
+
+        let public = KasApiServer::with_interceptor(
+            public_api::PublicService {
+                engine: engine.clone(),
+                store,
+                keys,
+                default_timeout: config.api.default_timeout,
+                max_timeout: config.api.max_timeout,
+            },
+            JwtCheck {
+                verifier: Verifier::new(&gitlab_secret, jwt::GITLAB, jwt::GITLAB_KAS),
+                listener: "api",
+            },
+        );
+        let private = KasPrivateServer::with_interceptor(
+            private_api::PrivateService {
+                engine: engine.clone(),
+                default_timeout: config.api.default_timeout,
+                max_timeout: config.api.max_timeout,
+            },
+            JwtCheck {
+                verifier: Verifier::new(&private_secret, jwt::GITLAB_KAS, jwt::GITLAB_KAS),
+                listener: "private_api",
+            },
+        );
+        let agents = AgentApiServer::new(agent_api::AgentService {
+            auth,
+            engine: engine.clone(),
+            kas_address: advertise,
+            closing: closing_rx.clone(),
+            activity_every: a.heartbeat_timeout / 4,
+            next_tunnel: Arc::default(),
+        });
+
+        let (stop_agents, agents_rx) = oneshot::channel::<()>();
+        let (stop_obs, obs_rx) = oneshot::channel::<()>();
+        // The public and private listeners stop together, when `closing` turns true: no
+        // new calls during shutdown, running ones finish.
+        let stop_signal = |mut rx: watch::Receiver<bool>| async move {
+            let _ = rx.wait_for(|c| *c).await;
+        };
+        let api_server = Server::builder()
+            .tcp_nodelay(true)
+            .add_service(public)
+            .serve_with_incoming_shutdown(
+                TcpListenerStream::new(api_l),
+                stop_signal(closing_rx.clone()),
+            );
+        let private_server = Server::builder()
+            .tcp_nodelay(true)
+            .add_service(private)
+            .serve_with_incoming_shutdown(
+                TcpListenerStream::new(private_l),
+                stop_signal(closing_rx.clone()),
+            );
+        let calls_server = tokio::spawn(async move {
+            let (a, p) = tokio::join!(api_server, private_server);
+            for r in [a, p] {
+                if let Err(e) = r {
+                    tracing::error!(error = %e, "call listener failed");
+                }
+            }
+        });
+        let agents_server = tokio::spawn(async move {
+            let r = Server::builder()
+                .tcp_nodelay(true)
+                .http2_keepalive_interval(Some(Duration::from_secs(30)))
+                .add_service(agents)
+                .serve_with_incoming_shutdown(TcpListenerStream::new(agent_l), async {
+                    let _ = agents_rx.await;
+                })
+                .await;
+            if let Err(e) = r {
+                tracing::error!(error = %e, "agent listener failed");
+            }
+        });
+        let health = observability::Health {
+            metrics,
+            store_ready,
+            closing: closing_rx,
+        };
+        let observability_server = tokio::spawn(async move {
+            let r = axum::serve(obs_l, observability::routes(health))
+                .with_graceful_shutdown(async {
+                    let _ = obs_rx.await;
+                })
+                .await;
+            if let Err(e) = r {
+                tracing::error!(error = %e, "observability listener failed");
+            }
+        });
+        tracing::info!(
+            kas = %kas_id,
+            agent = %addresses.agent,
+            api = %addresses.api,
+            private_api = %addresses.private_api,
+            observability = %addresses.observability,
+            "kas started"
+        );
+        Ok(Kas {
+            addresses,
+            engine,
+            closing,
+            stop_agents: Some(stop_agents),
+            stop_observability: Some(stop_obs),
+            calls_server,
+            agents_server,
+            observability_server,
+            grace: config.shutdown_grace,
+        })
+    }
+
+    /// Shuts down gracefully (see the module docs).
+    pub async fn stop(mut self) {
+        tracing::info!("shutting down");
+        let _ = self.closing.send(true);
+        if tokio::time::timeout(self.grace, &mut self.calls_server)
+            .await
+            .is_err()
+        {
+            tracing::warn!("calls still running after the shutdown grace period: cut off");
+            self.calls_server.abort();
+        }
+        let (done_tx, done) = oneshot::channel();
+        self.engine.send(engine::Command::Shutdown(done_tx));
+        if tokio::time::timeout(Duration::from_secs(10), done).await.is_err() {
+            tracing::warn!("could not delete this kas's registry records in 10s; they expire by TTL");
+        }
+        if let Some(s) = self.stop_agents.take() {
+            let _ = s.send(());
+        }
+        if tokio::time::timeout(Duration::from_secs(2), &mut self.agents_server)
+            .await
+            .is_err()
+        {
+            self.agents_server.abort();
+        }
+        if let Some(s) = self.stop_observability.take() {
+            let _ = s.send(());
+        }
+        let _ = self.observability_server.await;
+        tracing::info!("stopped");
+    }
+}
+
+fn agent_auth(config: &Config) -> Result<AgentAuth, StartError> {
+    if let Some(f) = &config.agent.tokens_file {
+        let tokens = StaticTokens::load(f)
+            .map_err(|e| StartError::Setup(format!("agent.tokens_file: {e}")))?;
+        return Ok(AgentAuth::Static(Arc::new(tokens)));
+    }
+    let g = config
+        .gitlab
+        .as_ref()
+        .ok_or_else(|| StartError::Setup("agent.tokens_file or gitlab is required".into()))?;
+    let secret = Secret::load(&g.authentication_secret_file)
+        .map_err(|e| StartError::Setup(format!("gitlab.authentication_secret_file: {e}")))?;
+    let client = GitLabClient::new(
+        &g.address,
+        Signer::new(&secret, jwt::GITLAB_KAS, jwt::GITLAB),
+        Duration::from_secs(10),
+    )
+    .map_err(StartError::Setup)?;
+    Ok(AgentAuth::GitLab(Arc::new(CachedResolver::new(
+        client,
+        config.agent.info_cache_ttl,
+        config.agent.info_cache_error_ttl,
+    ))))
+}

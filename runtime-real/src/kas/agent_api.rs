@@ -1,0 +1,167 @@
+//! The agent listener (agentk -> kas): `GetConfiguration`, one open stream per agent
+//! replica, and `OpenTunnel`, the reverse tunnels calls travel down.
+
+use super::engine::{Command, EngineHandle};
+use super::tunnel::Tunnel;
+use crate::agent_auth::{AgentAuth, AgentIdentity, AuthError};
+use kas_core::frame_sequence::{Direction, FrameSequence, StreamKind};
+use kas_core::{ConnectionId, TunnelId};
+use kas_proto::agent_api::agent_api_server::AgentApi;
+use kas_proto::agent_api::{ConfigurationRequest, ConfigurationResponse};
+use kas_proto::frame::{Frame, frame::Kind};
+use kas_proto::registry::{ConnectedAgentInfo, KasAddress};
+use sha2::{Digest, Sha256};
+use std::net::SocketAddr;
+use std::sync::Arc;
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::time::{Duration, SystemTime};
+use tokio::sync::{mpsc, oneshot, watch};
+use tokio_stream::wrappers::ReceiverStream;
+use tonic::{Request, Response, Status, Streaming};
+
+/// How long an agent has to send its tunnel descriptor.
+const DESCRIPTOR_TIMEOUT: Duration = Duration::from_secs(10);
+
+/// The agent API service.
+pub struct AgentService {
+    /// Resolves agent tokens.
+    pub auth: AgentAuth,
+    /// The engine.
+    pub engine: EngineHandle,
+    /// This kas's private API address (recorded with each connection).
+    pub kas_address: SocketAddr,
+    /// Turns true when kas shuts down.
+    pub closing: watch::Receiver<bool>,
+    /// Idle tunnels report activity at most this often.
+    pub activity_every: Duration,
+    /// Tunnel ids.
+    pub next_tunnel: Arc<AtomicU64>,
+}
+
+impl AgentService {
+    async fn authenticate<T>(&self, req: &Request<T>) -> Result<AgentIdentity, Status> {
+        let header = req
+            .metadata()
+            .get("authorization")
+            .and_then(|v| v.to_str().ok());
+        self.auth.resolve_bearer(header).await.map_err(|e| {
+            tracing::info!(error = %e, "agent refused");
+            match e {
+                AuthError::InvalidToken => Status::unauthenticated(e.to_string()),
+                AuthError::Unavailable(_) => Status::unavailable(e.to_string()),
+            }
+        })
+    }
+}
+
+#[tonic::async_trait]
+impl AgentApi for AgentService {
+    type GetConfigurationStream = ReceiverStream<Result<ConfigurationResponse, Status>>;
+    type OpenTunnelStream = ReceiverStream<Result<Frame, Status>>;
+
+    async fn get_configuration(
+        &self,
+        req: Request<ConfigurationRequest>,
+    ) -> Result<Response<Self::GetConfigurationStream>, Status> {
+        let identity = self.authenticate(&req).await?;
+        let meta = req.into_inner().agent_meta.unwrap_or_default();
+        let connection = ConnectionId(rand::random::<i64>().unsigned_abs() as i64 | 1);
+        let info = ConnectedAgentInfo {
+            agent_id: identity.agent_id.0,
+            project_id: identity.project_id.0,
+            connection_id: connection.0,
+            agent_meta: Some(meta),
+            connected_at: Some(kas_proto::prost_types::Timestamp::from(SystemTime::now())),
+            kas_address: Some(KasAddress {
+                ip: self.kas_address.ip().to_string(),
+                port: u32::from(self.kas_address.port()),
+            }),
+        };
+        tracing::info!(agent = %identity.agent_id, %connection, "agent connected");
+        self.engine.send(Command::AgentConnected(info));
+        let (tx, rx) = mpsc::channel(2);
+        let commit_id = hex(&Sha256::digest(identity.config.as_bytes())[..8]);
+        let first = ConfigurationResponse {
+            config: identity.config.clone(),
+            commit_id,
+            connection_id: connection.0,
+        };
+        let _ = tx.send(Ok(first)).await;
+        let engine = self.engine.clone();
+        let mut closing = self.closing.clone();
+        tokio::spawn(async move {
+            let closed = async { closing.wait_for(|c| *c).await.is_ok() };
+            let shutting_down = tokio::select! {
+                () = tx.closed() => false,
+                closed = closed => closed,
+            };
+            if shutting_down {
+                let status = Status::unavailable("kas is shutting down: reconnect to another kas");
+                let _ = tx.send(Err(status)).await;
+            }
+            tracing::info!(agent = %identity.agent_id, %connection, "agent disconnected");
+            engine.send(Command::AgentDisconnected {
+                agent: identity.agent_id,
+                project: identity.project_id,
+                connection,
+            });
+        });
+        Ok(Response::new(ReceiverStream::new(rx)))
+    }
+
+    async fn open_tunnel(
+        &self,
+        req: Request<Streaming<Frame>>,
+    ) -> Result<Response<Self::OpenTunnelStream>, Status> {
+        if *self.closing.borrow() {
+            return Err(Status::unavailable("kas is shutting down: connect to another kas"));
+        }
+        let identity = self.authenticate(&req).await?;
+        let mut inbound = req.into_inner();
+        let mut sequence = FrameSequence::new(StreamKind::Tunnel);
+        let first = match tokio::time::timeout(DESCRIPTOR_TIMEOUT, inbound.message()).await {
+            Err(_) => return Err(Status::deadline_exceeded("no tunnel descriptor within 10s")),
+            Ok(Err(s)) => return Err(s),
+            Ok(Ok(None)) => return Err(Status::invalid_argument("tunnel closed before its descriptor")),
+            Ok(Ok(Some(f))) => f,
+        };
+        sequence
+            .check(Direction::FromAgent, &first)
+            .map_err(|e| Status::invalid_argument(format!("tunnel protocol error: {e}")))?;
+        let Some(Kind::Descriptor(descriptor)) = first.kind else {
+            return Err(Status::invalid_argument(
+                "tunnel protocol error: tunnel must begin with a descriptor",
+            ));
+        };
+        let tunnel = TunnelId(self.next_tunnel.fetch_add(1, Ordering::Relaxed));
+        let (orders_tx, orders) = mpsc::channel(1);
+        let (reply_tx, reply) = oneshot::channel();
+        self.engine.send(Command::TunnelOpened {
+            tunnel,
+            agent: identity.agent_id,
+            connection: ConnectionId(descriptor.connection_id),
+            orders: orders_tx,
+            reply: reply_tx,
+        });
+        reply
+            .await
+            .map_err(|_| Status::unavailable("kas is shutting down"))??;
+        let (outbound, rx) = mpsc::channel(16);
+        let task = Tunnel {
+            id: tunnel,
+            inbound,
+            outbound,
+            orders,
+            sequence,
+            engine: self.engine.clone(),
+            activity_every: self.activity_every,
+            closing: self.closing.clone(),
+        };
+        tokio::spawn(task.run());
+        Ok(Response::new(ReceiverStream::new(rx)))
+    }
+}
+
+fn hex(bytes: &[u8]) -> String {
+    bytes.iter().map(|b| format!("{b:02x}")).collect()
+}

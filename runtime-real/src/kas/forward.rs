@@ -1,0 +1,168 @@
+//! Sending a call to the kas that holds a tunnel of its agent (kas -> kas, private API).
+//!
+//! A refusal — the kas is unreachable, rejects the request, or answers with an `Error`
+//! frame — means no agent saw the call, and the router may try another kas. Anything
+//! after the first answer frame is relayed to the caller and the call is never retried.
+
+use super::call::Call;
+use super::engine::{Command, EngineHandle};
+use super::metrics::Metrics;
+use crate::clock;
+use crate::frames;
+use crate::jwt::Signer;
+use kas_core::frame_sequence::{Direction, FrameSequence, Progress, StreamKind};
+use kas_core::{KasId, RequestId};
+use kas_proto::frame::{Frame, frame::Kind};
+use kas_proto::private_api::kas_private_client::KasPrivateClient;
+use std::collections::HashMap;
+use std::sync::{Arc, Mutex};
+use std::time::Duration;
+use tokio::task::AbortHandle;
+use tonic::Status;
+use tonic::transport::{Channel, Endpoint};
+
+/// Opens (and reuses) connections to other kas and runs forwards.
+#[derive(Clone)]
+pub struct Forwarder {
+    channels: Arc<Mutex<HashMap<KasId, Channel>>>,
+    signer: Signer,
+    metrics: Metrics,
+}
+
+/// How a forward ended.
+enum Forwarded {
+    /// Not delivered: the router may try elsewhere.
+    Refused(String),
+    /// Delivered (completely or not): the call is over.
+    Done,
+}
+
+impl Forwarder {
+    /// Forwards sign their requests with `signer` (the kas-only secret).
+    pub fn new(signer: Signer, metrics: Metrics) -> Self {
+        Forwarder {
+            channels: Arc::default(),
+            signer,
+            metrics,
+        }
+    }
+
+    /// Starts forwarding `call` to `kas`; the task reports `CallDone` or `Bounced`.
+    pub fn spawn(
+        &self,
+        kas: KasId,
+        request: RequestId,
+        call: Call,
+        engine: EngineHandle,
+        started: tokio::time::Instant,
+    ) -> AbortHandle {
+        let this = self.clone();
+        tokio::spawn(async move {
+            match this.forward(&kas, request, call, started).await {
+                Forwarded::Done => engine.send(Command::CallDone(request)),
+                Forwarded::Refused(why) => {
+                    tracing::debug!(%kas, %request, %why, "forward refused");
+                    engine.send(Command::Bounced(request));
+                }
+            }
+        })
+        .abort_handle()
+    }
+
+    fn channel(&self, kas: &KasId) -> Result<Channel, String> {
+        let mut channels = self.channels.lock().unwrap_or_else(|p| p.into_inner());
+        if let Some(c) = channels.get(kas) {
+            return Ok(c.clone());
+        }
+        let channel = Endpoint::from_shared(format!("http://{kas}"))
+            .map_err(|e| format!("bad kas address {kas}: {e}"))?
+            .connect_timeout(Duration::from_secs(2))
+            .tcp_nodelay(true)
+            .connect_lazy();
+        channels.insert(kas.clone(), channel.clone());
+        Ok(channel)
+    }
+
+    async fn forward(
+        &self,
+        kas: &KasId,
+        request: RequestId,
+        call: Call,
+        started: tokio::time::Instant,
+    ) -> Forwarded {
+        let channel = match self.channel(kas) {
+            Ok(c) => c,
+            Err(e) => return Forwarded::Refused(e),
+        };
+        let id = request.0;
+        let mut start = call.start.clone();
+        start.request_id = id;
+        start.hops = 1;
+        let mut sequence = FrameSequence::new(StreamKind::Forward);
+        let up: Vec<Frame> = std::iter::once(frames::frame(Kind::RequestStart(start)))
+            .chain(call.requests.iter().map(|f| frames::with_request_id(f.clone(), id)))
+            .collect();
+        for f in &up {
+            if let Err(e) = sequence.check(Direction::ToAgent, f) {
+                let _ = call
+                    .responses
+                    .send(Err(Status::internal(format!("malformed call: {e}"))))
+                    .await;
+                return Forwarded::Done;
+            }
+        }
+        let mut req = tonic::Request::new(futures::stream::iter(up));
+        req.set_timeout(clock::until(call.deadline).max(Duration::from_millis(1)));
+        match self.signer.bearer().parse() {
+            Ok(v) => {
+                req.metadata_mut().insert("authorization", v);
+            }
+            Err(_) => return Forwarded::Refused("token is not valid metadata".into()),
+        }
+        let mut inbound = match KasPrivateClient::new(channel).forward(req).await {
+            Ok(resp) => resp.into_inner(),
+            Err(status) => return Forwarded::Refused(status.to_string()),
+        };
+        let mut first = true;
+        loop {
+            let frame = match inbound.message().await {
+                Ok(Some(f)) => f,
+                Ok(None) => {
+                    if first {
+                        return Forwarded::Refused("stream ended without an answer".into());
+                    }
+                    let _ = call.responses.send(Err(Status::unavailable(format!("kas {kas} ended the call without a trailer")))).await;
+                    return Forwarded::Done;
+                }
+                Err(status) => {
+                    // Possibly delivered: at most once, so no retry.
+                    let _ = call.responses.send(Err(status)).await;
+                    return Forwarded::Done;
+                }
+            };
+            if first {
+                if let Some(Kind::Error(e)) = &frame.kind {
+                    return Forwarded::Refused(e.message.clone());
+                }
+                self.metrics
+                    .routing_latency
+                    .observe(started.elapsed().as_secs_f64());
+                first = false;
+            }
+            let progress = match sequence.check(Direction::FromAgent, &frame) {
+                Ok(p) => p,
+                Err(e) => {
+                    let msg = format!("kas {kas} broke the forward protocol: {e}");
+                    let _ = call.responses.send(Err(Status::internal(msg))).await;
+                    return Forwarded::Done;
+                }
+            };
+            if call.responses.send(Ok(frame)).await.is_err() {
+                return Forwarded::Done; // the caller went away; dropping the stream cancels
+            }
+            if let Progress::Finished(_) = progress {
+                return Forwarded::Done;
+            }
+        }
+    }
+}

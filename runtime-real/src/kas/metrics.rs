@@ -1,0 +1,154 @@
+//! Prometheus metrics of one kas.
+
+use prometheus_client::encoding::EncodeLabelSet;
+use prometheus_client::metrics::counter::Counter;
+use prometheus_client::metrics::family::Family;
+use prometheus_client::metrics::gauge::Gauge;
+use prometheus_client::metrics::histogram::{Histogram, exponential_buckets};
+use prometheus_client::registry::Registry;
+use std::sync::Arc;
+
+/// How a call ended.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Outcome {
+    /// It reached an agent.
+    Delivered,
+    /// No tunnel of the agent became reachable by the deadline.
+    NotConnected,
+    /// The deadline passed while waiting for a busy agent or during an attempt.
+    DeadlineExceeded,
+    /// The caller went away first.
+    Cancelled,
+    /// A call from another kas this kas could not serve.
+    Refused,
+}
+
+impl Outcome {
+    fn label(self) -> &'static str {
+        match self {
+            Outcome::Delivered => "delivered",
+            Outcome::NotConnected => "not_connected",
+            Outcome::DeadlineExceeded => "deadline_exceeded",
+            Outcome::Cancelled => "cancelled",
+            Outcome::Refused => "refused",
+        }
+    }
+}
+
+#[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
+struct RoutedLabels {
+    outcome: &'static str,
+    hops: u32,
+}
+
+#[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
+struct OutcomeLabels {
+    outcome: &'static str,
+}
+
+#[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
+struct OpLabels {
+    op: &'static str,
+}
+
+/// The metrics, cheap to clone.
+#[derive(Clone)]
+pub struct Metrics {
+    registry: Arc<Registry>,
+    /// Agent connections (`GetConfiguration` streams) on this kas.
+    pub connections: Gauge,
+    /// Open tunnels on this kas.
+    pub tunnels: Gauge,
+    /// Calls this kas is routing or serving.
+    pub calls: Gauge,
+    /// Seconds from a call's arrival until a tunnel (local) or the holding kas (remote)
+    /// took it.
+    pub routing_latency: Histogram,
+    routed: Family<RoutedLabels, Counter>,
+    served: Family<OutcomeLabels, Counter>,
+    store_errors: Family<OpLabels, Counter>,
+}
+
+impl Default for Metrics {
+    fn default() -> Self {
+        let mut registry = Registry::with_prefix("kas");
+        let connections = Gauge::default();
+        let tunnels = Gauge::default();
+        let calls = Gauge::default();
+        let routing_latency = Histogram::new(exponential_buckets(0.0001, 2.0, 20));
+        let routed = Family::<RoutedLabels, Counter>::default();
+        let served = Family::<OutcomeLabels, Counter>::default();
+        let store_errors = Family::<OpLabels, Counter>::default();
+        registry.register(
+            "connected_agents",
+            "Agent connections (GetConfiguration streams) on this kas",
+            connections.clone(),
+        );
+        registry.register("tunnels", "Open agent tunnels on this kas", tunnels.clone());
+        registry.register("calls", "Calls being routed or served", calls.clone());
+        registry.register(
+            "routing_latency_seconds",
+            "From a call's arrival until a local tunnel or the holding kas took it",
+            routing_latency.clone(),
+        );
+        registry.register(
+            "routed_requests",
+            "Calls from GitLab by outcome and kas hops (0 local, 1 through another kas)",
+            routed.clone(),
+        );
+        registry.register(
+            "served_forwarded_requests",
+            "Calls from other kas served from this kas's tunnels, by outcome",
+            served.clone(),
+        );
+        registry.register(
+            "redis_errors",
+            "Failed registry store operations by operation",
+            store_errors.clone(),
+        );
+        Metrics {
+            registry: Arc::new(registry),
+            connections,
+            tunnels,
+            calls,
+            routing_latency,
+            routed,
+            served,
+            store_errors,
+        }
+    }
+}
+
+impl Metrics {
+    /// Counts a routed call's end.
+    pub fn routed(&self, outcome: Outcome, hops: u32) {
+        self.routed
+            .get_or_create(&RoutedLabels {
+                outcome: outcome.label(),
+                hops,
+            })
+            .inc();
+    }
+
+    /// Counts a forwarded call's end at the serving kas.
+    pub fn served(&self, outcome: Outcome) {
+        self.served
+            .get_or_create(&OutcomeLabels {
+                outcome: outcome.label(),
+            })
+            .inc();
+    }
+
+    /// Counts a failed store operation.
+    pub fn store_error(&self, op: &'static str) {
+        self.store_errors.get_or_create(&OpLabels { op }).inc();
+    }
+
+    /// The text exposition format.
+    pub fn encode(&self) -> String {
+        let mut out = String::new();
+        // Writing into a String cannot fail.
+        let _ = prometheus_client::encoding::text::encode(&mut out, &self.registry);
+        out
+    }
+}

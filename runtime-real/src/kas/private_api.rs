@@ -1,0 +1,133 @@
+//! The private listener (kas -> kas): serves a forwarded call from this kas's own tunnels,
+//! never routing it further, so a call takes at most two kas hops.
+
+use super::call::Call;
+use super::deadline::deadline;
+use super::engine::{CancelOnDrop, Command, EngineHandle};
+use kas_core::frame_sequence::{Direction, FrameSequence, StreamKind};
+use kas_core::{AgentId, ConnectionId};
+use kas_proto::frame::{Frame, frame::Kind};
+use kas_proto::private_api::kas_private_server::KasPrivate;
+use std::pin::Pin;
+use std::sync::Arc;
+use std::task::{Context, Poll};
+use std::time::Duration;
+use tokio::sync::mpsc;
+use tokio_stream::Stream;
+use tokio_stream::wrappers::ReceiverStream;
+use tonic::{Request, Response, Status, Streaming};
+
+/// Request bytes buffered per forwarded call at most.
+const MAX_REQUEST_BYTES: usize = 16 << 20;
+
+/// The private API service.
+pub struct PrivateService {
+    /// The engine.
+    pub engine: EngineHandle,
+    /// Deadline of calls without `grpc-timeout`.
+    pub default_timeout: Duration,
+    /// Longest deadline honoured.
+    pub max_timeout: Duration,
+}
+
+/// The answer stream of a forwarded call; dropping it (the routing kas went away) cancels
+/// the call.
+pub struct Answer {
+    rx: ReceiverStream<Result<Frame, Status>>,
+    _cancel: CancelOnDrop,
+}
+
+impl Stream for Answer {
+    type Item = Result<Frame, Status>;
+    fn poll_next(mut self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<Option<Self::Item>> {
+        Pin::new(&mut self.rx).poll_next(cx)
+    }
+}
+
+#[tonic::async_trait]
+impl KasPrivate for PrivateService {
+    type ForwardStream = Answer;
+
+    async fn forward(
+        &self,
+        req: Request<Streaming<Frame>>,
+    ) -> Result<Response<Self::ForwardStream>, Status> {
+        let deadline = deadline(req.metadata(), self.default_timeout, self.max_timeout);
+        let mut inbound = req.into_inner();
+        let id = self.engine.next_request_id();
+        let (tx, rx) = mpsc::channel(16);
+        let engine = self.engine.clone();
+        tokio::spawn(async move {
+            let limit = tokio::time::Instant::now() + crate::clock::until(deadline);
+            match tokio::time::timeout_at(limit, read_call(&mut inbound)).await {
+                Ok(Ok((start, requests))) => {
+                    let call = Call {
+                        agent: AgentId(start.agent_id),
+                        connection: start.connection_id.map(ConnectionId),
+                        deadline,
+                        start,
+                        requests: Arc::new(requests),
+                        responses: tx,
+                    };
+                    engine.send(Command::Serve(id, call));
+                }
+                Ok(Err(status)) => {
+                    tracing::info!(error = %status.message(), "malformed forwarded call refused");
+                    let _ = tx.send(Err(status)).await;
+                }
+                Err(_) => {
+                    let _ = tx
+                        .send(Err(Status::deadline_exceeded("call not received by its deadline")))
+                        .await;
+                }
+            }
+        });
+        Ok(Response::new(Answer {
+            rx: ReceiverStream::new(rx),
+            _cancel: CancelOnDrop(self.engine.clone(), id),
+        }))
+    }
+}
+
+/// Reads `RequestStart, Message*, CloseSend`, checking the grammar and the hop count.
+async fn read_call(
+    inbound: &mut Streaming<Frame>,
+) -> Result<(kas_proto::frame::RequestStart, Vec<Frame>), Status> {
+    let mut sequence = FrameSequence::new(StreamKind::Forward);
+    let mut start = None;
+    let mut requests = Vec::new();
+    let mut bytes = 0usize;
+    loop {
+        let frame = inbound
+            .message()
+            .await?
+            .ok_or_else(|| Status::invalid_argument("forward stream ended before close-send"))?;
+        sequence
+            .check(Direction::ToAgent, &frame)
+            .map_err(|e| Status::invalid_argument(format!("forward protocol error: {e}")))?;
+        match &frame.kind {
+            Some(Kind::RequestStart(s)) => {
+                if s.hops != 1 {
+                    return Err(Status::invalid_argument(format!(
+                        "forwarded call has hop count {}, expected 1: kas never forwards a forwarded call",
+                        s.hops
+                    )));
+                }
+                start = Some(s.clone());
+            }
+            Some(Kind::Message(m)) => {
+                bytes += m.data.len();
+                if bytes > MAX_REQUEST_BYTES {
+                    return Err(Status::resource_exhausted("forwarded request exceeds 16 MiB"));
+                }
+                requests.push(frame);
+            }
+            Some(Kind::CloseSend(_)) => {
+                requests.push(frame);
+                let start = start.ok_or_else(|| Status::invalid_argument("no request start"))?;
+                return Ok((start, requests));
+            }
+            _ => {}
+        }
+    }
+}

@@ -1,0 +1,200 @@
+//! One agent tunnel on the kas side: a task that owns the stream, echoes heartbeats while
+//! idle, and carries one call at a time when the engine hands it one.
+
+use super::call::Call;
+use super::engine::{Command, EngineHandle};
+use crate::clock;
+use crate::frames;
+use kas_core::frame_sequence::{Direction, FrameSequence, Progress};
+use kas_core::{RequestId, TunnelId};
+use kas_proto::frame::{Frame, frame::Kind};
+use std::time::Duration;
+use tokio::sync::{mpsc, watch};
+use tokio::time::Instant;
+use tonic::{Status, Streaming};
+
+/// A call for the tunnel to carry.
+pub struct TunnelOrder {
+    /// The call's id at this kas.
+    pub request: RequestId,
+    /// The call.
+    pub call: Call,
+}
+
+/// How long past its deadline a call may hold a tunnel before the tunnel is given up.
+const CALL_GRACE: Duration = Duration::from_secs(2);
+
+/// Everything the tunnel task needs.
+pub struct Tunnel {
+    /// Its id.
+    pub id: TunnelId,
+    /// Frames from the agent (the descriptor already read).
+    pub inbound: Streaming<Frame>,
+    /// Frames to the agent.
+    pub outbound: mpsc::Sender<Result<Frame, Status>>,
+    /// Calls from the engine; closed when the engine drops the tunnel.
+    pub orders: mpsc::Receiver<TunnelOrder>,
+    /// The checker, past the descriptor.
+    pub sequence: FrameSequence,
+    /// The engine.
+    pub engine: EngineHandle,
+    /// Report activity to the engine at most this often.
+    pub activity_every: Duration,
+    /// Turns true when kas shuts down.
+    pub closing: watch::Receiver<bool>,
+}
+
+enum End {
+    /// The agent closed the stream or it broke.
+    Gone,
+    /// The engine dropped the tunnel (missed heartbeats, shutdown, connection ended).
+    Dropped,
+    /// The agent broke the protocol or overran a deadline: close the stream with this.
+    Fault(Status),
+}
+
+impl Tunnel {
+    /// Runs until the tunnel ends, then tells the engine.
+    pub async fn run(mut self) {
+        let end = self.serve().await;
+        self.engine.send(Command::TunnelClosed(self.id));
+        // Calls handed over after the end never reached the agent: offer them elsewhere.
+        self.orders.close();
+        while let Ok(order) = self.orders.try_recv() {
+            self.engine.send(Command::Bounced(order.request));
+        }
+        let status = match end {
+            End::Gone => return,
+            End::Dropped if *self.closing.borrow() => {
+                Status::unavailable("kas is shutting down: reconnect to another kas")
+            }
+            End::Dropped => Status::unavailable("tunnel closed by kas: reconnect"),
+            End::Fault(s) => s,
+        };
+        tracing::info!(tunnel = %self.id, reason = %status.message(), "closing tunnel");
+        let _ = self.outbound.send(Err(status)).await;
+    }
+
+    async fn serve(&mut self) -> End {
+        let mut last_report = Instant::now();
+        loop {
+            tokio::select! {
+                biased;
+                order = self.orders.recv() => match order {
+                    None => return End::Dropped,
+                    Some(order) => {
+                        let request = order.request;
+                        match self.carry(order).await {
+                            Ok(()) => self.engine.send(Command::CallDone(request)),
+                            Err(end) => {
+                                // Closed first, so that the tunnel is never offered again.
+                                self.engine.send(Command::TunnelClosed(self.id));
+                                self.engine.send(Command::CallDone(request));
+                                return end;
+                            }
+                        }
+                    }
+                },
+                frame = self.inbound.message() => {
+                    let frame = match frame {
+                        Ok(Some(f)) => f,
+                        Ok(None) | Err(_) => return End::Gone,
+                    };
+                    if let Err(e) = self.sequence.check(Direction::FromAgent, &frame) {
+                        return End::Fault(Status::invalid_argument(format!("tunnel protocol error: {e}")));
+                    }
+                    let Some(Kind::Heartbeat(hb)) = frame.kind else {
+                        return End::Fault(Status::invalid_argument("tunnel protocol error: call frame while idle"));
+                    };
+                    let _ = self.outbound.try_send(Ok(frames::heartbeat(hb.sequence)));
+                    self.report_activity(&mut last_report, true);
+                },
+                _ = self.closing.changed() => return End::Dropped,
+            }
+        }
+    }
+
+    fn report_activity(&self, last: &mut Instant, force: bool) {
+        if force || last.elapsed() >= self.activity_every {
+            *last = Instant::now();
+            self.engine.send(Command::TunnelActivity(self.id));
+        }
+    }
+
+    /// Carries one call: request frames down, answer frames up, until the trailer.
+    async fn carry(&mut self, order: TunnelOrder) -> Result<(), End> {
+        let TunnelOrder { request, call } = order;
+        let id = request.0;
+        let responses = call.responses;
+        let mut caller_gone = false;
+        let mut start = call.start;
+        start.request_id = id;
+        let down = std::iter::once(frames::frame(Kind::RequestStart(start)))
+            .chain(call.requests.iter().map(|f| frames::with_request_id(f.clone(), id)));
+        for frame in down {
+            if let Err(e) = self.sequence.check(Direction::ToAgent, &frame) {
+                let status = Status::internal(format!("malformed call: {e}"));
+                let _ = responses.send(Err(status.clone())).await;
+                return Err(End::Fault(Status::internal("kas sent a malformed call")));
+            }
+            if self.outbound.send(Ok(frame)).await.is_err() {
+                let _ = responses.send(Err(agent_gone())).await;
+                return Err(End::Gone);
+            }
+        }
+        let give_up = Instant::now() + clock::until(call.deadline) + CALL_GRACE;
+        let mut last_report = Instant::now();
+        loop {
+            let frame = tokio::select! {
+                biased;
+                order = self.orders.recv() => match order {
+                    None => {
+                        let _ = responses.send(Err(Status::unavailable("the agent's tunnel was closed during the call"))).await;
+                        return Err(End::Dropped);
+                    }
+                    Some(other) => {
+                        // Never sent while a call is running; refuse it rather than mix calls.
+                        self.engine.send(Command::Bounced(other.request));
+                        continue;
+                    }
+                },
+                () = tokio::time::sleep_until(give_up) => {
+                    let _ = responses.send(Err(Status::deadline_exceeded(format!("agent {} did not answer by the deadline", call.agent)))).await;
+                    return Err(End::Fault(Status::deadline_exceeded("call overran its deadline")));
+                }
+                frame = self.inbound.message() => frame,
+            };
+            let frame = match frame {
+                Ok(Some(f)) => f,
+                Ok(None) | Err(_) => {
+                    let _ = responses.send(Err(agent_gone())).await;
+                    return Err(End::Gone);
+                }
+            };
+            let progress = match self.sequence.check(Direction::FromAgent, &frame) {
+                Ok(p) => p,
+                Err(e) => {
+                    let msg = format!("agent {} broke the tunnel protocol: {e}", call.agent);
+                    let _ = responses.send(Err(Status::internal(msg))).await;
+                    return Err(End::Fault(Status::invalid_argument(format!(
+                        "tunnel protocol error: {e}"
+                    ))));
+                }
+            };
+            self.report_activity(&mut last_report, false);
+            if matches!(frame.kind, Some(Kind::Heartbeat(_))) {
+                continue;
+            }
+            if !caller_gone && responses.send(Ok(frame)).await.is_err() {
+                caller_gone = true; // keep draining: the tunnel is reused after the trailer
+            }
+            if let Progress::Finished(_) = progress {
+                return Ok(());
+            }
+        }
+    }
+}
+
+fn agent_gone() -> Status {
+    Status::unavailable("the agent disconnected during the call")
+}
