@@ -127,6 +127,14 @@ pub struct Redis {
     /// Timeout of one Redis command or connection attempt.
     #[serde(default = "default_redis_timeout", with = "humantime_serde")]
     pub timeout: Duration,
+    /// Wake waiting calls through pub-sub tunnel events (default). `false` leaves only the
+    /// backoff poll: for measurements and tests, never for production.
+    #[serde(default = "default_true")]
+    pub pubsub_wakeups: bool,
+}
+
+fn default_true() -> bool {
+    true
 }
 
 /// `redis.server:`

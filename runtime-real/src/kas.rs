@@ -227,6 +227,7 @@ impl Kas {
             forwarder: forward::Forwarder::new(signer, metrics.clone()),
             metrics: metrics.clone(),
             store_ready: store_ready_tx,
+            wakeups: config.redis.as_ref().is_none_or(|r| r.pubsub_wakeups),
         });
 
         let public = KasApiServer::with_interceptor(

@@ -8,3 +8,4 @@ pub mod jwt;
 pub mod store;
 pub mod frames;
 pub mod kas;
+pub mod agent;

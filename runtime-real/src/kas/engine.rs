@@ -130,6 +130,8 @@ pub struct EngineParts {
     pub metrics: Metrics,
     /// Set to the store's health.
     pub store_ready: watch::Sender<bool>,
+    /// Subscribe to tunnel events (otherwise waiting calls rely on the poll alone).
+    pub wakeups: bool,
 }
 
 #[derive(Clone, Copy, PartialEq, Eq)]
@@ -168,6 +170,7 @@ struct Engine {
     calls: HashMap<RequestId, CallState>,
     channels: HashMap<String, AgentId>,
     store_healthy: bool,
+    wakeups: bool,
     shutdown: Option<oneshot::Sender<()>>,
 }
 
@@ -197,6 +200,7 @@ pub fn spawn(parts: EngineParts) -> EngineHandle {
         calls: HashMap::new(),
         channels: HashMap::new(),
         store_healthy: true,
+        wakeups: parts.wakeups,
         shutdown: None,
     };
     tokio::spawn(engine.run(rx, events));
@@ -536,11 +540,16 @@ impl Engine {
 
     fn router_output(&mut self, now: Time, out: RouterOutput) {
         match out {
+            RouterOutput::Subscribe(agent) if !self.wakeups => {
+                self.router
+                    .handle_input(now, RouterInput::Subscribed { agent });
+            }
             RouterOutput::Subscribe(agent) => {
                 let channel = self.keys.tunnel_events(agent);
                 self.channels.insert(channel.clone(), agent);
                 self.pubsub.subscribe(channel);
             }
+            RouterOutput::Unsubscribe(_) if !self.wakeups => {}
             RouterOutput::Unsubscribe(agent) => {
                 let channel = self.keys.tunnel_events(agent);
                 self.channels.remove(&channel);
