@@ -117,13 +117,24 @@ impl AgentClient {
     pub async fn connect(
         &self,
         meta: AgentMeta,
-    ) -> Result<(ConnectionId, ConfigurationResponse, Streaming<ConfigurationResponse>), Status>
-    {
+    ) -> Result<
+        (
+            ConnectionId,
+            ConfigurationResponse,
+            Streaming<ConfigurationResponse>,
+        ),
+        Status,
+    > {
         let req = self.request(ConfigurationRequest {
             agent_meta: Some(meta),
             commit_id: String::new(),
         })?;
-        let mut stream = self.client.clone().get_configuration(req).await?.into_inner();
+        let mut stream = self
+            .client
+            .clone()
+            .get_configuration(req)
+            .await?
+            .into_inner();
         let first = stream
             .message()
             .await?

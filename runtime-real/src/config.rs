@@ -210,7 +210,9 @@ impl Default for PrivateApi {
 
 impl Default for Observability {
     fn default() -> Self {
-        Observability { listen: listen(8151) }
+        Observability {
+            listen: listen(8151),
+        }
     }
 }
 
@@ -300,7 +302,10 @@ impl Config {
         let listeners = [
             ("agent.listen.address", self.agent.listen.address),
             ("api.listen.address", self.api.listen.address),
-            ("private_api.listen.address", self.private_api.listen.address),
+            (
+                "private_api.listen.address",
+                self.private_api.listen.address,
+            ),
             (
                 "observability.listen.address",
                 self.observability.listen.address,
@@ -309,7 +314,9 @@ impl Config {
         for (i, (k1, a1)) in listeners.iter().enumerate() {
             for (k2, a2) in &listeners[i + 1..] {
                 if a1 == a2 && a1.port() != 0 {
-                    p.push(format!("{k1} and {k2} are both {a1}: each listener needs its own socket"));
+                    p.push(format!(
+                        "{k1} and {k2} are both {a1}: each listener needs its own socket"
+                    ));
                 }
             }
         }

@@ -47,7 +47,9 @@ pub enum SecretError {
         source: std::io::Error,
     },
     /// The content is not base64.
-    #[error("{path} is not base64 ({source}); generate one with `head -c 32 /dev/urandom | base64`")]
+    #[error(
+        "{path} is not base64 ({source}); generate one with `head -c 32 /dev/urandom | base64`"
+    )]
     Base64 {
         /// The file.
         path: String,

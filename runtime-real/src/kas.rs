@@ -19,16 +19,16 @@ pub use deadline::parse_grpc_timeout;
 pub use public_api::PODS_LIST;
 
 use crate::agent_auth::{AgentAuth, CachedResolver, GitLabClient, StaticTokens};
+use crate::clock;
 use crate::config::Config;
 use crate::jwt::{self, Secret, Signer, Verifier};
 use crate::store::{MemoryStore, RedisStore, Store};
-use crate::clock;
+use kas_core::KasId;
 use kas_core::backoff::Backoff;
 use kas_core::keys::Keys;
 use kas_core::router::{Router, RouterConfig};
 use kas_core::tracker::{Tracker, TrackerConfig};
 use kas_core::tunnel_registry::{RegistryConfig, TunnelRegistry};
-use kas_core::KasId;
 use kas_proto::agent_api::agent_api_server::AgentApiServer;
 use kas_proto::private_api::kas_private_server::KasPrivateServer;
 use kas_proto::public_api::kas_api_server::KasApiServer;
@@ -126,8 +126,16 @@ impl Kas {
     pub async fn start(config: Config) -> Result<Kas, StartError> {
         let agent_l = bind("agent.listen.address", config.agent.listen.address).await?;
         let api_l = bind("api.listen.address", config.api.listen.address).await?;
-        let private_l = bind("private_api.listen.address", config.private_api.listen.address).await?;
-        let obs_l = bind("observability.listen.address", config.observability.listen.address).await?;
+        let private_l = bind(
+            "private_api.listen.address",
+            config.private_api.listen.address,
+        )
+        .await?;
+        let obs_l = bind(
+            "observability.listen.address",
+            config.observability.listen.address,
+        )
+        .await?;
         let local = |l: &TcpListener| l.local_addr().map_err(|e| StartError::Setup(e.to_string()));
         let addresses = Addresses {
             agent: local(&agent_l)?,
@@ -146,12 +154,19 @@ impl Kas {
             "api.listen.authentication_secret_file",
         )?;
         let private_secret = secret(
-            config.private_api.listen.authentication_secret_file.as_ref(),
+            config
+                .private_api
+                .listen
+                .authentication_secret_file
+                .as_ref(),
             "private_api.listen.authentication_secret_file",
         )?;
         let auth = agent_auth(&config)?;
         let (store, keys) = match &config.redis {
-            None => (Store::Memory(MemoryStore::default()), Keys::new("gitlab-kas")),
+            None => (
+                Store::Memory(MemoryStore::default()),
+                Keys::new("gitlab-kas"),
+            ),
             Some(r) => {
                 let password = match &r.password_file {
                     None => None,
@@ -354,8 +369,13 @@ impl Kas {
         }
         let (done_tx, done) = oneshot::channel();
         self.engine.send(engine::Command::Shutdown(done_tx));
-        if tokio::time::timeout(Duration::from_secs(10), done).await.is_err() {
-            tracing::warn!("could not delete this kas's registry records in 10s; they expire by TTL");
+        if tokio::time::timeout(Duration::from_secs(10), done)
+            .await
+            .is_err()
+        {
+            tracing::warn!(
+                "could not delete this kas's registry records in 10s; they expire by TTL"
+            );
         }
         if let Some(s) = self.stop_agents.take() {
             let _ = s.send(());

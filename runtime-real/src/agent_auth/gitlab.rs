@@ -52,8 +52,7 @@ impl GitLabClient {
             .await
             .map_err(|e| AuthError::Unavailable(format!("GitLab request failed: {e}")))?;
         let status = resp.status();
-        if status == reqwest::StatusCode::UNAUTHORIZED || status == reqwest::StatusCode::NOT_FOUND
-        {
+        if status == reqwest::StatusCode::UNAUTHORIZED || status == reqwest::StatusCode::NOT_FOUND {
             return Err(AuthError::InvalidToken);
         }
         if !status.is_success() {
@@ -61,10 +60,9 @@ impl GitLabClient {
                 "GitLab answered {status} to agent_info"
             )));
         }
-        let info: AgentInfo = resp
-            .json()
-            .await
-            .map_err(|e| AuthError::Unavailable(format!("GitLab's agent_info is malformed: {e}")))?;
+        let info: AgentInfo = resp.json().await.map_err(|e| {
+            AuthError::Unavailable(format!("GitLab's agent_info is malformed: {e}"))
+        })?;
         Ok(AgentIdentity {
             agent_id: AgentId(info.agent_id),
             project_id: ProjectId(info.project_id),

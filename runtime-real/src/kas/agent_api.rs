@@ -114,7 +114,9 @@ impl AgentApi for AgentService {
         req: Request<Streaming<Frame>>,
     ) -> Result<Response<Self::OpenTunnelStream>, Status> {
         if *self.closing.borrow() {
-            return Err(Status::unavailable("kas is shutting down: connect to another kas"));
+            return Err(Status::unavailable(
+                "kas is shutting down: connect to another kas",
+            ));
         }
         let identity = self.authenticate(&req).await?;
         let mut inbound = req.into_inner();
@@ -122,7 +124,11 @@ impl AgentApi for AgentService {
         let first = match tokio::time::timeout(DESCRIPTOR_TIMEOUT, inbound.message()).await {
             Err(_) => return Err(Status::deadline_exceeded("no tunnel descriptor within 10s")),
             Ok(Err(s)) => return Err(s),
-            Ok(Ok(None)) => return Err(Status::invalid_argument("tunnel closed before its descriptor")),
+            Ok(Ok(None)) => {
+                return Err(Status::invalid_argument(
+                    "tunnel closed before its descriptor",
+                ));
+            }
             Ok(Ok(Some(f))) => f,
         };
         sequence

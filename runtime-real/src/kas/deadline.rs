@@ -5,7 +5,12 @@ use kas_core::Time;
 use std::time::Duration;
 use tonic::metadata::MetadataMap;
 
+/// Longest margin kept between kas's deadline for a call and the caller's.
+const MAX_MARGIN: Duration = Duration::from_millis(500);
+
 /// The call's deadline: `grpc-timeout` when present (capped at `max`), else `default`.
+/// kas gives up a tenth of the timeout (at most half a second) early, so that the caller
+/// hears why ("agent N is not connected") before its own timer fires.
 pub fn deadline(metadata: &MetadataMap, default: Duration, max: Duration) -> Time {
     let timeout = metadata
         .get("grpc-timeout")
@@ -13,7 +18,7 @@ pub fn deadline(metadata: &MetadataMap, default: Duration, max: Duration) -> Tim
         .and_then(parse_grpc_timeout)
         .unwrap_or(default)
         .min(max);
-    clock::now() + timeout
+    clock::now() + (timeout - (timeout / 10).min(MAX_MARGIN))
 }
 
 /// Parses `grpc-timeout` (`<up to 8 digits><H|M|S|m|u|n>`).

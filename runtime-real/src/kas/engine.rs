@@ -102,11 +102,25 @@ impl EngineHandle {
 
 /// Cancels a call when dropped: held by whoever waits for the call's answer, so that a
 /// caller going away frees what the call holds.
-pub struct CancelOnDrop(pub EngineHandle, pub RequestId);
+pub struct CancelOnDrop(Option<(EngineHandle, RequestId)>);
+
+impl CancelOnDrop {
+    /// Arms the guard for `request`.
+    pub fn new(engine: EngineHandle, request: RequestId) -> Self {
+        CancelOnDrop(Some((engine, request)))
+    }
+
+    /// The call ended by itself (its end was received): nothing to cancel.
+    pub fn disarm(&mut self) {
+        self.0 = None;
+    }
+}
 
 impl Drop for CancelOnDrop {
     fn drop(&mut self) {
-        self.0.send(Command::Cancel(self.1));
+        if let Some((engine, request)) = self.0.take() {
+            engine.send(Command::Cancel(request));
+        }
     }
 }
 
@@ -220,7 +234,8 @@ impl Engine {
                 kas_core::time::earliest(self.registry.poll_timeout(), self.tracker.poll_timeout()),
                 self.router.poll_timeout(),
             );
-            let sleep = tokio::time::sleep(next.map_or(std::time::Duration::from_secs(3600), clock::until));
+            let sleep =
+                tokio::time::sleep(next.map_or(std::time::Duration::from_secs(3600), clock::until));
             tokio::select! {
                 biased;
                 cmd = commands.recv() => match cmd {
@@ -328,7 +343,8 @@ impl Engine {
                     connection: call.connection,
                     deadline: call.deadline,
                 };
-                self.calls.insert(request, CallState::new(call, Origin::Public));
+                self.calls
+                    .insert(request, CallState::new(call, Origin::Public));
                 self.router.handle_input(now, input);
             }
             Command::Serve(request, call) => {
@@ -419,7 +435,8 @@ impl Engine {
             }
             PubSubEvent::Reconnected => {
                 tracing::info!("pub-sub connection re-established");
-                self.router.handle_input(now, RouterInput::PubSubReconnected);
+                self.router
+                    .handle_input(now, RouterInput::PubSubReconnected);
                 self.tracker.handle_input(now, TrackerInput::RewriteAll);
             }
         }
@@ -604,9 +621,10 @@ impl Engine {
                     return;
                 };
                 let (status, outcome) = match &error {
-                    RouteError::NotConnected { .. } => {
-                        (Status::unavailable(error.to_string()), Outcome::NotConnected)
-                    }
+                    RouteError::NotConnected { .. } => (
+                        Status::unavailable(error.to_string()),
+                        Outcome::NotConnected,
+                    ),
                     RouteError::DeadlineExceeded { .. } => (
                         Status::deadline_exceeded(error.to_string()),
                         Outcome::DeadlineExceeded,

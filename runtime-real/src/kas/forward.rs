@@ -100,7 +100,11 @@ impl Forwarder {
         start.hops = 1;
         let mut sequence = FrameSequence::new(StreamKind::Forward);
         let up: Vec<Frame> = std::iter::once(frames::frame(Kind::RequestStart(start)))
-            .chain(call.requests.iter().map(|f| frames::with_request_id(f.clone(), id)))
+            .chain(
+                call.requests
+                    .iter()
+                    .map(|f| frames::with_request_id(f.clone(), id)),
+            )
             .collect();
         for f in &up {
             if let Err(e) = sequence.check(Direction::ToAgent, f) {
@@ -126,12 +130,18 @@ impl Forwarder {
         let mut first = true;
         loop {
             let frame = match inbound.message().await {
-                Ok(Some(f)) => f,
+                // The serving kas numbers the call its own way.
+                Ok(Some(f)) => frames::with_request_id(f, id),
                 Ok(None) => {
                     if first {
                         return Forwarded::Refused("stream ended without an answer".into());
                     }
-                    let _ = call.responses.send(Err(Status::unavailable(format!("kas {kas} ended the call without a trailer")))).await;
+                    let _ = call
+                        .responses
+                        .send(Err(Status::unavailable(format!(
+                            "kas {kas} ended the call without a trailer"
+                        ))))
+                        .await;
                     return Forwarded::Done;
                 }
                 Err(status) => {

@@ -42,7 +42,10 @@ async fn readiness(State(h): State<Health>) -> (StatusCode, &'static str) {
     if *h.closing.borrow() {
         (StatusCode::SERVICE_UNAVAILABLE, "shutting down\n")
     } else if !*h.store_ready.borrow() {
-        (StatusCode::SERVICE_UNAVAILABLE, "registry store unreachable\n")
+        (
+            StatusCode::SERVICE_UNAVAILABLE,
+            "registry store unreachable\n",
+        )
     } else {
         (StatusCode::OK, "ready\n")
     }

@@ -77,14 +77,16 @@ impl KasPrivate for PrivateService {
                 }
                 Err(_) => {
                     let _ = tx
-                        .send(Err(Status::deadline_exceeded("call not received by its deadline")))
+                        .send(Err(Status::deadline_exceeded(
+                            "call not received by its deadline",
+                        )))
                         .await;
                 }
             }
         });
         Ok(Response::new(Answer {
             rx: ReceiverStream::new(rx),
-            _cancel: CancelOnDrop(self.engine.clone(), id),
+            _cancel: CancelOnDrop::new(self.engine.clone(), id),
         }))
     }
 }
@@ -118,7 +120,9 @@ async fn read_call(
             Some(Kind::Message(m)) => {
                 bytes += m.data.len();
                 if bytes > MAX_REQUEST_BYTES {
-                    return Err(Status::resource_exhausted("forwarded request exceeds 16 MiB"));
+                    return Err(Status::resource_exhausted(
+                        "forwarded request exceeds 16 MiB",
+                    ));
                 }
                 requests.push(frame);
             }

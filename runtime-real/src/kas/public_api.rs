@@ -9,7 +9,7 @@ use crate::frames;
 use crate::store::Store;
 use kas_core::keys::Keys;
 use kas_core::{AgentId, ConnectionId, ProjectId, Time};
-use kas_proto::frame::{RequestStart, frame::Kind};
+use kas_proto::frame::{Frame, RequestStart, frame::Kind};
 use kas_proto::pods::{ListRequest, ListResponse};
 use kas_proto::public_api::kas_api_server::KasApi;
 use kas_proto::public_api::{
@@ -85,14 +85,29 @@ impl PublicService {
             requests: Arc::new(vec![frames::message(0, request), frames::close_send(0)]),
             responses: tx,
         };
-        let _cancel = CancelOnDrop(self.engine.clone(), id);
+        let mut cancel = CancelOnDrop::new(self.engine.clone(), id);
         self.engine.send(Command::Route(id, call));
         let give_up = tokio::time::Instant::now() + clock::until(deadline) + ANSWER_GRACE;
         let mut body = None;
         loop {
             let item = tokio::time::timeout_at(give_up, rx.recv())
                 .await
-                .map_err(|_| Status::deadline_exceeded(format!("agent {agent} did not answer by the deadline")))?;
+                .map_err(|_| {
+                    Status::deadline_exceeded(format!(
+                        "agent {agent} did not answer by the deadline"
+                    ))
+                })?;
+            // Whatever ends the call from here on came from the engine, a tunnel or a
+            // forward, which end it themselves.
+            if matches!(
+                &item,
+                None | Some(Err(_))
+                    | Some(Ok(Frame {
+                        kind: Some(Kind::Trailer(_) | Kind::Error(_))
+                    }))
+            ) {
+                cancel.disarm();
+            }
             let frame = match item {
                 None => return Err(Status::unavailable("the call ended without an answer")),
                 Some(Err(status)) => return Err(status),
@@ -101,10 +116,14 @@ impl PublicService {
             match frame.kind {
                 Some(Kind::Message(m)) if body.is_none() => body = Some(m.data),
                 Some(Kind::Message(_)) => {
-                    return Err(Status::internal("agent sent more than one response to a unary call"));
+                    return Err(Status::internal(
+                        "agent sent more than one response to a unary call",
+                    ));
                 }
                 Some(Kind::Trailer(t)) if t.code == 0 => {
-                    return body.ok_or_else(|| Status::internal("agent answered without a response message"));
+                    return body.ok_or_else(|| {
+                        Status::internal("agent answered without a response message")
+                    });
                 }
                 Some(Kind::Trailer(t)) => return Err(frames::status(t.code, &t.message)),
                 Some(Kind::Error(e)) => return Err(frames::status(e.code, &e.message)),
@@ -132,7 +151,9 @@ impl KasApi for PublicService {
         req: Request<ConnectedAgentsByIdRequest>,
     ) -> Result<Response<ConnectedAgentsByIdResponse>, Status> {
         let agent = AgentId(req.into_inner().agent_id);
-        let agents = self.connections(self.keys.connections_by_agent(agent)).await?;
+        let agents = self
+            .connections(self.keys.connections_by_agent(agent))
+            .await?;
         Ok(Response::new(ConnectedAgentsByIdResponse { agents }))
     }
 

@@ -129,8 +129,11 @@ impl Tunnel {
         let mut caller_gone = false;
         let mut start = call.start;
         start.request_id = id;
-        let down = std::iter::once(frames::frame(Kind::RequestStart(start)))
-            .chain(call.requests.iter().map(|f| frames::with_request_id(f.clone(), id)));
+        let down = std::iter::once(frames::frame(Kind::RequestStart(start))).chain(
+            call.requests
+                .iter()
+                .map(|f| frames::with_request_id(f.clone(), id)),
+        );
         for frame in down {
             if let Err(e) = self.sequence.check(Direction::ToAgent, &frame) {
                 let status = Status::internal(format!("malformed call: {e}"));

@@ -62,7 +62,12 @@ impl MemoryStore {
         self.lock()
             .get(key)
             .filter(|h| h.expires.is_none_or(|at| at > now))
-            .map(|h| h.fields.iter().map(|(f, v)| (f.clone(), v.clone())).collect())
+            .map(|h| {
+                h.fields
+                    .iter()
+                    .map(|(f, v)| (f.clone(), v.clone()))
+                    .collect()
+            })
             .unwrap_or_default()
     }
 

@@ -39,13 +39,18 @@ fn err(e: impl std::fmt::Display) -> StoreError {
 impl RedisStore {
     /// Connects lazily to `address` (`host:port`, or a `redis://` URL); commands and
     /// connection attempts time out after `timeout`.
-    pub fn new(address: &str, password: Option<&str>, timeout: Duration) -> Result<Self, StoreError> {
+    pub fn new(
+        address: &str,
+        password: Option<&str>,
+        timeout: Duration,
+    ) -> Result<Self, StoreError> {
         let url = if address.starts_with("redis://") || address.starts_with("rediss://") {
             address.to_string()
         } else {
             format!("redis://{address}")
         };
-        let mut info = ::redis::IntoConnectionInfo::into_connection_info(url.as_str()).map_err(err)?;
+        let mut info =
+            ::redis::IntoConnectionInfo::into_connection_info(url.as_str()).map_err(err)?;
         if let Some(p) = password {
             let redis = info.redis_settings().clone().set_password(p);
             info = info.set_redis_settings(redis);
@@ -190,7 +195,11 @@ async fn run_pubsub(
             return;
         }
         for ch in &channels {
-            if events.send(PubSubEvent::Subscribed(ch.clone())).await.is_err() {
+            if events
+                .send(PubSubEvent::Subscribed(ch.clone()))
+                .await
+                .is_err()
+            {
                 return;
             }
         }

@@ -1,0 +1,223 @@
+//! Three kas processes sharing one redis-server, agents on different kas.
+
+mod support;
+
+use std::time::{Duration, Instant};
+use support::*;
+
+const TTL_MS: u64 = 2000;
+
+struct Cluster {
+    redis: Redis,
+    secrets: Secrets,
+    kas: Vec<KasProc>,
+}
+
+async fn cluster(extra_redis: &[&str]) -> Cluster {
+    let redis = Redis::start();
+    let secrets = Secrets::new();
+    let mut kas = Vec::new();
+    for (i, extra) in extra_redis.iter().enumerate() {
+        kas.push(KasProc::start(&secrets, &format!("kas{i}"), Some(&redis), TTL_MS, extra).await);
+    }
+    Cluster {
+        redis,
+        secrets,
+        kas,
+    }
+}
+
+impl Cluster {
+    async fn gitlab(&self, i: usize) -> GitLab {
+        GitLab::new(&self.secrets, self.kas[i].api).await
+    }
+
+    /// Waits until `agent` has `n` live connections in the registry.
+    async fn await_connections(&self, agent: i64, n: usize) -> Vec<(i64, String)> {
+        let gl = self.gitlab(0).await;
+        let gl = &gl;
+        eventually(
+            Duration::from_secs(10),
+            "agent connections",
+            || async move { gl.connections(agent).await.ok().filter(|c| c.len() == n) },
+        )
+        .await
+    }
+}
+
+#[tokio::test(flavor = "multi_thread")]
+async fn calls_through_every_kas_reach_the_right_agent_and_replica() {
+    let c = cluster(&["", "", ""]).await;
+    let _a1 = TestAgent::connect(c.kas[0].agent, 1, "agent1-pod", 2).await;
+    let a2x = TestAgent::connect(c.kas[1].agent, 2, "agent2-pod-x", 2).await;
+    let a2y = TestAgent::connect(c.kas[2].agent, 2, "agent2-pod-y", 2).await;
+    c.await_connections(1, 1).await;
+    let replicas = c.await_connections(2, 2).await;
+    let mut names: Vec<&str> = replicas.iter().map(|(_, p)| p.as_str()).collect();
+    names.sort();
+    assert_eq!(names, ["agent2-pod-x", "agent2-pod-y"]);
+
+    for i in 0..3 {
+        let gl = c.gitlab(i).await;
+        let t = Duration::from_secs(5);
+        assert_eq!(
+            gl.pods(1, None, t).await.unwrap(),
+            ["agent1-pod"],
+            "agent 1 via kas{i}"
+        );
+        let any = gl.pods(2, None, t).await.unwrap();
+        assert!(
+            any == ["agent2-pod-x"] || any == ["agent2-pod-y"],
+            "agent 2 via kas{i}: {any:?}"
+        );
+        for (agent, pod) in [(&a2x, "agent2-pod-x"), (&a2y, "agent2-pod-y")] {
+            let got = gl.pods(2, Some(agent.connection), t).await.unwrap();
+            assert_eq!(got, [pod], "replica {} via kas{i}", agent.connection);
+        }
+    }
+    // Local calls took no hop, the others one: both kinds happened.
+    let m0 = c.kas[0].metrics().await;
+    assert!(
+        m0.contains("kas_routed_requests_total{outcome=\"delivered\",hops=\"0\"}"),
+        "{m0}"
+    );
+    assert!(
+        m0.contains("kas_routed_requests_total{outcome=\"delivered\",hops=\"1\"}"),
+        "{m0}"
+    );
+
+    // Every registry key carries a TTL.
+    let keys = c.redis.keys();
+    assert!(
+        keys.contains(&"kas:conn_by_agent:{agent:2}".to_string()),
+        "{keys:?}"
+    );
+    assert!(
+        keys.contains(&"kas:tunnels_by_agent:{agent:1}".to_string()),
+        "{keys:?}"
+    );
+    assert!(keys.contains(&"kas:kas_instances".to_string()), "{keys:?}");
+    for k in &keys {
+        let ttl: i64 = c.redis.cli(&["PTTL", k]).trim().parse().unwrap();
+        assert!(ttl > 0 && ttl <= TTL_MS as i64, "{k} has PTTL {ttl}");
+    }
+}
+
+#[tokio::test(flavor = "multi_thread")]
+async fn waiting_call_completes_when_its_agent_connects_elsewhere() {
+    // kas0 is woken by pub-sub; kas2 has pub-sub wake-ups off, so only its poll finds it.
+    let c = cluster(&["", "", "  pubsub_wakeups: false\n"]).await;
+    for (via, agent) in [(0usize, 3i64), (2, 4)] {
+        let gl = c.gitlab(via).await;
+        let call = tokio::spawn(async move { gl.pods(agent, None, Duration::from_secs(15)).await });
+        tokio::time::sleep(Duration::from_millis(700)).await;
+        assert!(
+            !call.is_finished(),
+            "the call for agent {agent} waits for it"
+        );
+        let _agent = TestAgent::connect(c.kas[1].agent, agent, "late-pod", 1).await;
+        let pods = call.await.unwrap().expect("the waiting call completes");
+        assert_eq!(pods, ["late-pod"], "via kas{via}");
+    }
+}
+
+#[tokio::test(flavor = "multi_thread")]
+async fn call_for_absent_agent_fails_at_its_deadline() {
+    let c = cluster(&["", ""]).await;
+    let gl = c.gitlab(0).await;
+    let err = gl
+        .pods(7, None, Duration::from_millis(800))
+        .await
+        .expect_err("agent 7 never connects");
+    assert_eq!(err.code(), tonic::Code::Unavailable, "{err}");
+    assert!(err.message().contains("agent 7 is not connected"), "{err}");
+}
+
+#[tokio::test(flavor = "multi_thread")]
+async fn killed_kas_expires_and_calls_stop_going_there() {
+    let mut c = cluster(&["", "", ""]).await;
+    let _a1 = TestAgent::connect(c.kas[0].agent, 1, "agent1-pod", 1).await;
+    let _a5 = TestAgent::connect(c.kas[2].agent, 5, "agent5-pod", 1).await;
+    c.await_connections(5, 1).await;
+    let gl = c.gitlab(0).await;
+    assert_eq!(
+        gl.pods(5, None, Duration::from_secs(5)).await.unwrap(),
+        ["agent5-pod"]
+    );
+    let dead = c.kas[2].id();
+    c.kas[2].kill9();
+    let killed = Instant::now();
+
+    // Its records expire (ttl) and the GC removes them; kas0 stops listing agent 5.
+    c.await_connections(5, 0).await;
+    let gl = &gl;
+    eventually(
+        Duration::from_secs(10),
+        "expired fields collected",
+        || async {
+            let tunnels = c.redis.cli(&["HKEYS", "kas:tunnels_by_agent:{agent:5}"]);
+            let instances = c.redis.cli(&["HKEYS", "kas:kas_instances"]);
+            (!tunnels.contains(&dead) && !instances.contains(&dead)).then_some(())
+        },
+    )
+    .await;
+    assert!(
+        killed.elapsed() >= Duration::from_millis(TTL_MS / 2),
+        "records outlived the kill"
+    );
+    let err = gl
+        .pods(5, None, Duration::from_millis(700))
+        .await
+        .unwrap_err();
+    assert!(err.message().contains("agent 5 is not connected"), "{err}");
+    // Live agents are unaffected.
+    assert_eq!(
+        gl.pods(1, None, Duration::from_secs(5)).await.unwrap(),
+        ["agent1-pod"]
+    );
+}
+
+#[tokio::test(flavor = "multi_thread")]
+async fn registry_is_complete_again_after_redis_restarts_empty() {
+    let mut c = cluster(&["", ""]).await;
+    let _a1 = TestAgent::connect(c.kas[0].agent, 1, "agent1-pod", 1).await;
+    let _a6 = TestAgent::connect(c.kas[1].agent, 6, "agent6-pod", 1).await;
+    c.await_connections(6, 1).await;
+    let before = c.redis.keys();
+    c.redis.restart_empty();
+    assert!(c.redis.keys().is_empty());
+    // Within one refresh period (ttl / 2) plus reconnection, everything is back.
+    let redis = &c.redis;
+    let after = eventually(
+        Duration::from_millis(TTL_MS * 3),
+        "registry rewritten",
+        || async {
+            let keys = redis.keys();
+            (keys == before).then_some(keys)
+        },
+    )
+    .await;
+    assert_eq!(after, before);
+    let gl = c.gitlab(0).await;
+    assert_eq!(
+        gl.pods(6, None, Duration::from_secs(5)).await.unwrap(),
+        ["agent6-pod"]
+    );
+    let _ = &mut c;
+}
+
+#[tokio::test(flavor = "multi_thread")]
+async fn sigterm_deletes_records_and_sends_agents_away() {
+    let mut c = cluster(&["", ""]).await;
+    let _a8 = TestAgent::connect(c.kas[1].agent, 8, "agent8-pod", 1).await;
+    c.await_connections(8, 1).await;
+    let status = c.kas[1].terminate();
+    assert!(status.success(), "kas exits cleanly on SIGTERM: {status}");
+    // Deleted at once, not left to expire.
+    let fields = c.redis.cli(&["HKEYS", "kas:conn_by_agent:{agent:8}"]);
+    assert!(fields.trim().is_empty(), "left behind: {fields}");
+    let instances = c.redis.cli(&["HKEYS", "kas:kas_instances"]);
+    assert!(!instances.contains(&c.kas[1].id()), "{instances}");
+    assert!(instances.contains(&c.kas[0].id()), "{instances}");
+    assert!(c.kas[1].log_text().contains("stopped"));
+}

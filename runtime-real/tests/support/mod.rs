@@ -1,0 +1,422 @@
+//! Test fixtures: a private redis-server, kas processes, agents and a GitLab-side client,
+//! all on loopback.
+#![allow(dead_code, missing_docs)] // each test binary uses a different part
+
+use kas_core::ConnectionId;
+use kas_proto::pods::Pod;
+use kas_proto::public_api::kas_api_client::KasApiClient;
+use kas_proto::registry::AgentMeta;
+use kas_runtime::agent::{AgentClient, Modules};
+use kas_runtime::jwt::{self, Secret, Signer};
+use std::net::SocketAddr;
+use std::path::{Path, PathBuf};
+use std::process::{Child, Command, Stdio};
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+use tokio::io::{AsyncReadExt, AsyncWriteExt};
+use tokio::task::JoinHandle;
+use tonic::transport::Channel;
+
+/// A free TCP port on 127.0.0.1 (bound, then released).
+pub fn free_port() -> u16 {
+    std::net::TcpListener::bind("127.0.0.1:0")
+        .and_then(|l| l.local_addr())
+        .map(|a| a.port())
+        .expect("a free loopback port")
+}
+
+/// Polls `f` every 50 ms until it returns `Some`, or panics after `within` naming `what`.
+pub async fn eventually<T, F, Fut>(within: Duration, what: &str, mut f: F) -> T
+where
+    F: FnMut() -> Fut,
+    Fut: Future<Output = Option<T>>,
+{
+    let end = Instant::now() + within;
+    loop {
+        if let Some(v) = f().await {
+            return v;
+        }
+        assert!(
+            Instant::now() < end,
+            "timed out after {within:?} waiting for {what}"
+        );
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+}
+
+/// A redis-server of this test alone, on a free port, keeping nothing on disk.
+pub struct Redis {
+    child: Option<Child>,
+    pub port: u16,
+}
+
+impl Redis {
+    pub fn start() -> Redis {
+        let mut r = Redis {
+            child: None,
+            port: free_port(),
+        };
+        r.launch();
+        r
+    }
+
+    fn launch(&mut self) {
+        let child = Command::new("redis-server")
+            .args(["--port", &self.port.to_string(), "--bind", "127.0.0.1"])
+            .args(["--save", "", "--appendonly", "no", "--protected-mode", "no"])
+            .stdout(Stdio::null())
+            .spawn()
+            .expect("redis-server must be installed (scripts/test installs it)");
+        self.child = Some(child);
+        let end = Instant::now() + Duration::from_secs(10);
+        while self.cli(&["PING"]).trim() != "PONG" {
+            assert!(Instant::now() < end, "redis-server did not start");
+            std::thread::sleep(Duration::from_millis(20));
+        }
+    }
+
+    /// Kills the server (SIGKILL: nothing saved) and starts an empty one on the same port.
+    pub fn restart_empty(&mut self) {
+        self.stop();
+        self.launch();
+    }
+
+    pub fn stop(&mut self) {
+        if let Some(mut c) = self.child.take() {
+            let _ = c.kill();
+            let _ = c.wait();
+        }
+    }
+
+    pub fn address(&self) -> String {
+        format!("127.0.0.1:{}", self.port)
+    }
+
+    /// Runs `redis-cli` against this server and returns its output.
+    pub fn cli(&self, args: &[&str]) -> String {
+        let out = Command::new("redis-cli")
+            .args(["-p", &self.port.to_string()])
+            .args(args)
+            .output()
+            .expect("redis-cli runs");
+        String::from_utf8_lossy(&out.stdout).into_owned()
+    }
+
+    /// Every key, sorted.
+    pub fn keys(&self) -> Vec<String> {
+        let mut keys: Vec<String> = self
+            .cli(&["--scan"])
+            .lines()
+            .map(str::to_string)
+            .filter(|l| !l.is_empty())
+            .collect();
+        keys.sort();
+        keys
+    }
+}
+
+impl Drop for Redis {
+    fn drop(&mut self) {
+        self.stop();
+    }
+}
+
+/// Secrets and the agent tokens file, in a temporary directory.
+pub struct Secrets {
+    pub dir: tempfile::TempDir,
+    pub gitlab: Secret,
+    pub kas: Secret,
+}
+
+/// The token of agent `n` in the tokens file (agents 1..=9, project 100 + n % 2).
+pub fn agent_token(n: i64) -> String {
+    format!("test-agent-token-{n:04}-abcdefgh")
+}
+
+impl Secrets {
+    pub fn new() -> Secrets {
+        let dir = tempfile::tempdir().expect("temp dir");
+        let gitlab = Secret::from_base64(&"R2l0TGFi".repeat(8)).expect("secret");
+        let kas = Secret::from_base64(&"S2FzS2Fz".repeat(8)).expect("secret");
+        std::fs::write(dir.path().join("gitlab.secret"), gitlab.to_base64()).unwrap();
+        std::fs::write(dir.path().join("kas.secret"), kas.to_base64()).unwrap();
+        let mut tokens = String::from("agents:\n");
+        for n in 1..=9 {
+            tokens += &format!(
+                "  - token: {}\n    agent_id: {n}\n    project_id: {}\n",
+                agent_token(n),
+                100 + n % 2
+            );
+        }
+        std::fs::write(dir.path().join("tokens.yaml"), tokens).unwrap();
+        Secrets { dir, gitlab, kas }
+    }
+
+    pub fn path(&self, name: &str) -> PathBuf {
+        self.dir.path().join(name)
+    }
+
+    /// GitLab's signer (public API).
+    pub fn gitlab_signer(&self) -> Signer {
+        Signer::new(&self.gitlab, jwt::GITLAB, jwt::GITLAB_KAS)
+    }
+
+    /// The kas-only signer (private API).
+    pub fn kas_signer(&self) -> Signer {
+        Signer::new(&self.kas, jwt::GITLAB_KAS, jwt::GITLAB_KAS)
+    }
+}
+
+/// Registry timings for tests: records live `ttl`, refreshed every `ttl / 2`.
+pub fn agent_section(ttl_ms: u64) -> String {
+    format!(
+        "  redis_conn_info_ttl: {ttl_ms}ms\n  redis_conn_info_refresh: {}ms\n  redis_conn_info_gc: {}ms\n  heartbeat_timeout: 3s\n",
+        ttl_ms / 2,
+        ttl_ms / 2
+    )
+}
+
+/// A kas process.
+pub struct KasProc {
+    child: Option<Child>,
+    pub agent: SocketAddr,
+    pub api: SocketAddr,
+    pub private: SocketAddr,
+    pub observability: SocketAddr,
+    pub log: PathBuf,
+}
+
+impl KasProc {
+    /// Starts kas on free ports with `redis` (or the in-memory store) and waits until it is
+    /// live. `extra_redis` is appended to the `redis:` section.
+    pub async fn start(
+        secrets: &Secrets,
+        name: &str,
+        redis: Option<&Redis>,
+        ttl_ms: u64,
+        extra_redis: &str,
+    ) -> KasProc {
+        let addr = |_| SocketAddr::from(([127, 0, 0, 1], free_port()));
+        let (agent, api, private, observability) = (addr(0), addr(1), addr(2), addr(3));
+        let mut config = format!(
+            "agent:\n  listen:\n    address: {agent}\n  tokens_file: {}\n{}api:\n  listen:\n    address: {api}\n    authentication_secret_file: {}\nprivate_api:\n  listen:\n    address: {private}\n    authentication_secret_file: {}\nobservability:\n  listen:\n    address: {observability}\nshutdown_grace: 2s\n",
+            secrets.path("tokens.yaml").display(),
+            agent_section(ttl_ms),
+            secrets.path("gitlab.secret").display(),
+            secrets.path("kas.secret").display(),
+        );
+        if let Some(r) = redis {
+            config += &format!(
+                "redis:\n  server:\n    address: {}\n  key_prefix: kas\n  timeout: 1s\n{extra_redis}",
+                r.address()
+            );
+        }
+        let path = secrets.path(&format!("{name}.yaml"));
+        std::fs::write(&path, config).unwrap();
+        let log = secrets.path(&format!("{name}.log"));
+        let child = Command::new(env!("CARGO_BIN_EXE_kas"))
+            .arg("--config")
+            .arg(&path)
+            .args(["--log", "info,kas_runtime=debug"])
+            .stdout(Stdio::null())
+            .stderr(std::fs::File::create(&log).unwrap())
+            .spawn()
+            .expect("kas starts");
+        let k = KasProc {
+            child: Some(child),
+            agent,
+            api,
+            private,
+            observability,
+            log,
+        };
+        let obs = k.observability;
+        eventually(Duration::from_secs(20), "kas liveness", || async move {
+            http_get(obs, "/liveness").await.filter(|(c, _)| *c == 200)
+        })
+        .await;
+        k
+    }
+
+    /// SIGKILL: no goodbye, nothing deleted.
+    pub fn kill9(&mut self) {
+        if let Some(mut c) = self.child.take() {
+            let _ = c.kill();
+            let _ = c.wait();
+        }
+    }
+
+    /// SIGTERM, then waits for the exit status.
+    pub fn terminate(&mut self) -> std::process::ExitStatus {
+        let mut c = self.child.take().expect("running");
+        let _ = Command::new("kill")
+            .args(["-TERM", &c.id().to_string()])
+            .status();
+        c.wait().expect("kas exits")
+    }
+
+    pub fn log_text(&self) -> String {
+        std::fs::read_to_string(&self.log).unwrap_or_default()
+    }
+
+    pub fn id(&self) -> String {
+        self.private.to_string()
+    }
+
+    pub async fn metrics(&self) -> String {
+        http_get(self.observability, "/metrics")
+            .await
+            .map(|(_, b)| b)
+            .unwrap_or_default()
+    }
+}
+
+impl Drop for KasProc {
+    fn drop(&mut self) {
+        self.kill9();
+    }
+}
+
+/// A minimal HTTP/1.0 GET: (status, body), or `None` when nothing answers.
+pub async fn http_get(addr: SocketAddr, path: &str) -> Option<(u16, String)> {
+    let mut s = tokio::net::TcpStream::connect(addr).await.ok()?;
+    s.write_all(format!("GET {path} HTTP/1.0\r\nHost: kas\r\n\r\n").as_bytes())
+        .await
+        .ok()?;
+    let mut out = String::new();
+    s.read_to_string(&mut out).await.ok()?;
+    let code = out.split_whitespace().nth(1)?.parse().ok()?;
+    let body = out.split_once("\r\n\r\n").map(|(_, b)| b.to_string())?;
+    Some((code, body))
+}
+
+/// A loopback channel to `addr`.
+pub async fn channel(addr: SocketAddr) -> Channel {
+    tonic::transport::Endpoint::from_shared(format!("http://{addr}"))
+        .unwrap()
+        .connect()
+        .await
+        .expect("connect")
+}
+
+/// GitLab's side: a public API client that signs every call.
+pub struct GitLab {
+    client: KasApiClient<Channel>,
+    signer: Signer,
+}
+
+impl GitLab {
+    pub async fn new(secrets: &Secrets, api: SocketAddr) -> GitLab {
+        GitLab {
+            client: KasApiClient::new(channel(api).await),
+            signer: secrets.gitlab_signer(),
+        }
+    }
+
+    pub fn request<T>(&self, msg: T, timeout: Duration) -> tonic::Request<T> {
+        let mut r = tonic::Request::new(msg);
+        r.set_timeout(timeout);
+        r.metadata_mut()
+            .insert("authorization", self.signer.bearer().parse().unwrap());
+        r
+    }
+
+    /// The pod names agent `agent` (its replica `connection`) lists.
+    pub async fn pods(
+        &self,
+        agent: i64,
+        connection: Option<ConnectionId>,
+        timeout: Duration,
+    ) -> Result<Vec<String>, tonic::Status> {
+        let req = kas_proto::public_api::GetPodsRequest {
+            agent_id: agent,
+            connection_id: connection.map(|c| c.0),
+        };
+        let resp = self
+            .client
+            .clone()
+            .get_pods(self.request(req, timeout))
+            .await?;
+        Ok(resp.into_inner().pods.into_iter().map(|p| p.name).collect())
+    }
+
+    /// The live connections of agent `agent`: (connection id, pod name), sorted.
+    pub async fn connections(&self, agent: i64) -> Result<Vec<(i64, String)>, tonic::Status> {
+        let req = kas_proto::public_api::ConnectedAgentsByIdRequest { agent_id: agent };
+        let resp = self
+            .client
+            .clone()
+            .connected_agents_by_id(self.request(req, Duration::from_secs(5)))
+            .await?;
+        let mut v: Vec<(i64, String)> = resp
+            .into_inner()
+            .agents
+            .into_iter()
+            .map(|a| (a.connection_id, a.agent_meta.unwrap_or_default().pod_name))
+            .collect();
+        v.sort();
+        Ok(v)
+    }
+}
+
+/// One agent replica: a `GetConfiguration` stream and idle tunnels serving one fixture pod
+/// named `pod`. Dropping it disconnects.
+pub struct TestAgent {
+    pub connection: ConnectionId,
+    tasks: Vec<JoinHandle<()>>,
+}
+
+impl TestAgent {
+    pub async fn connect(
+        kas_agent: SocketAddr,
+        agent: i64,
+        pod: &str,
+        tunnels: usize,
+    ) -> TestAgent {
+        let client = AgentClient::new(channel(kas_agent).await, agent_token(agent));
+        let meta = AgentMeta {
+            version: "test".into(),
+            commit: String::new(),
+            pod_namespace: "default".into(),
+            pod_name: pod.into(),
+        };
+        let (connection, _, mut stream) = client.connect(meta).await.expect("GetConfiguration");
+        let mut tasks = vec![tokio::spawn(async move {
+            while let Ok(Some(_)) = stream.message().await {}
+        })];
+        let modules = Arc::new(Modules::default().with_fixture_pods(vec![Pod {
+            namespace: "default".into(),
+            name: pod.into(),
+            phase: "Running".into(),
+            node_name: "node-1".into(),
+        }]));
+        for _ in 0..tunnels {
+            let (client, modules) = (client.clone(), modules.clone());
+            tasks.push(tokio::spawn(async move {
+                // Reopen after each call-free end, as agentk keeps its pool.
+                loop {
+                    let status = client
+                        .serve_tunnel(connection, modules.clone(), Duration::from_millis(500))
+                        .await;
+                    if status.code() != tonic::Code::Ok {
+                        return;
+                    }
+                }
+            }));
+        }
+        TestAgent { connection, tasks }
+    }
+}
+
+impl Drop for TestAgent {
+    fn drop(&mut self) {
+        for t in &self.tasks {
+            t.abort();
+        }
+    }
+}
+
+/// Reads a file, for assertions on logs.
+pub fn read(path: &Path) -> String {
+    std::fs::read_to_string(path).unwrap_or_default()
+}
