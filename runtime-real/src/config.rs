@@ -88,8 +88,8 @@ pub struct Api {
 pub struct PrivateApi {
     /// Where other kas connect; `authentication_secret_file` is shared by kas only.
     pub listen: Listen,
-    /// Address other kas use to reach this one (default: `listen.address`); it is also
-    /// this kas's id in the registry.
+    /// Address other kas use to reach this one (default: `listen.address`, with the port
+    /// actually bound when that is 0); it is also this kas's id in the registry.
     pub advertise_address: Option<SocketAddr>,
 }
 
@@ -243,10 +243,12 @@ impl Config {
         let config: Config = if text.trim().is_empty() {
             Config::default()
         } else {
-            serde_yaml::from_str(text).map_err(|e| ConfigError {
-                file: file.into(),
-                problems: vec![yaml_problem(&e)],
-            })?
+            serde_path_to_error::deserialize(serde_yaml::Deserializer::from_str(text)).map_err(
+                |e| ConfigError {
+                    file: file.into(),
+                    problems: vec![yaml_problem(&e)],
+                },
+            )?
         };
         config.validate().map_err(|problems| ConfigError {
             file: file.into(),
@@ -321,7 +323,7 @@ impl Config {
             }
         }
         let adv = self.advertise_address();
-        if adv.ip().is_unspecified() || adv.port() == 0 {
+        if adv.ip().is_unspecified() {
             p.push(format!(
                 "private_api.advertise_address is required when private_api.listen.address is {} (other kas cannot dial it)",
                 self.private_api.listen.address
@@ -368,11 +370,21 @@ impl Config {
     }
 }
 
-/// A YAML error with the dotted path serde_yaml reports, when it has one.
-fn yaml_problem(e: &serde_yaml::Error) -> String {
-    match e.location() {
-        Some(l) => format!("line {} column {}: {e}", l.line(), l.column()),
-        None => e.to_string(),
+/// A YAML error with the dotted path of the key at fault and its line, when known.
+fn yaml_problem(e: &serde_path_to_error::Error<serde_yaml::Error>) -> String {
+    let path = e.path().to_string();
+    let inner = e.inner();
+    let at = match inner.location() {
+        Some(l) => format!(" (line {})", l.line()),
+        None => String::new(),
+    };
+    let message = inner.to_string();
+    // serde_yaml appends its own "at line N column M"; the path says more.
+    let message = message.split(" at line ").next().unwrap_or(&message);
+    if path == "." {
+        format!("{message}{at}")
+    } else {
+        format!("{path}: {message}{at}")
     }
 }
 

@@ -109,8 +109,24 @@ struct Claims {
     iss: String,
     aud: String,
     exp: u64,
+    #[serde(default)]
     iat: u64,
+    #[serde(default)]
     nbf: u64,
+}
+
+/// The `alg` of a token's header, read before any verification so that a refusal can say
+/// which algorithm was offered.
+fn algorithm(token: &str) -> Option<String> {
+    #[derive(Deserialize)]
+    struct H {
+        alg: String,
+    }
+    let header = token.split('.').next()?;
+    let bytes = base64::engine::general_purpose::URL_SAFE_NO_PAD
+        .decode(header.trim_end_matches('='))
+        .ok()?;
+    serde_json::from_slice::<H>(&bytes).ok().map(|h| h.alg)
 }
 
 /// Checks the tokens one listener accepts.
@@ -147,6 +163,13 @@ impl Verifier {
 
     /// Checks a bare token.
     pub fn check(&self, token: &str) -> Result<(), String> {
+        match algorithm(token) {
+            None => return Err("malformed token: no readable header".into()),
+            Some(alg) if alg != "HS256" => {
+                return Err(format!("token algorithm {alg:?} is not HS256"));
+            }
+            Some(_) => {}
+        }
         jsonwebtoken::decode::<Claims>(token, &self.key, &self.validation)
             .map(|_| ())
             .map_err(|e| describe(&e))

@@ -27,6 +27,8 @@ pub struct GitLabClient {
 impl GitLabClient {
     /// A client of the GitLab at `base` (e.g. `https://gitlab.example.com`).
     pub fn new(base: &str, signer: Signer, timeout: Duration) -> Result<Self, String> {
+        // TLS to GitLab uses ring; installing it twice is harmless.
+        let _ = rustls::crypto::ring::default_provider().install_default();
         let http = reqwest::Client::builder()
             .timeout(timeout)
             .build()

@@ -59,7 +59,6 @@ fn main() -> ExitCode {
         println!("kas: {} is valid", args.config.display());
         return ExitCode::SUCCESS;
     }
-    let _ = rustls::crypto::ring::default_provider().install_default();
     let runtime = match tokio::runtime::Runtime::new() {
         Ok(r) => r,
         Err(e) => {

@@ -1,1 +1,112 @@
+use super::*;
 
+/// A directory with valid secret and tokens files, and YAML naming them.
+struct Files {
+    dir: tempfile::TempDir,
+}
+
+impl Files {
+    fn new() -> Files {
+        let dir = tempfile::tempdir().unwrap();
+        let b64 = "MDEyMzQ1Njc4OWFiY2RlZjAxMjM0NTY3ODlhYmNkZWY="; // 32 bytes
+        std::fs::write(dir.path().join("s"), b64).unwrap();
+        std::fs::write(
+            dir.path().join("t"),
+            "agents:\n  - token: abcdefghijklmnopqrstuvwxyz\n    agent_id: 1\n    project_id: 2\n",
+        )
+        .unwrap();
+        Files { dir }
+    }
+
+    fn yaml(&self, extra: &str) -> String {
+        let d = self.dir.path().display();
+        format!(
+            "agent:\n  tokens_file: {d}/t\napi:\n  listen:\n    address: 127.0.0.1:8153\n    authentication_secret_file: {d}/s\nprivate_api:\n  listen:\n    address: 127.0.0.1:8155\n    authentication_secret_file: {d}/s\n{extra}"
+        )
+    }
+}
+
+fn problems(text: &str) -> Vec<String> {
+    Config::parse(text, "t.yaml").unwrap_err().problems
+}
+
+#[test]
+fn minimal_file_gets_gitlab_defaults() {
+    let f = Files::new();
+    let c = Config::parse(&f.yaml(""), "t.yaml").unwrap();
+    assert_eq!(c.agent.redis_conn_info_ttl, Duration::from_secs(300));
+    assert_eq!(c.agent.redis_conn_info_refresh, Duration::from_secs(240));
+    assert_eq!(c.agent.redis_conn_info_gc, Duration::from_secs(600));
+    assert_eq!(c.agent.info_cache_ttl, Duration::from_secs(300));
+    assert_eq!(c.agent.info_cache_error_ttl, Duration::from_secs(60));
+    assert_eq!(c.agent.listen.address.port(), 8150);
+    assert_eq!(c.observability.listen.address.port(), 8151);
+    assert!(c.redis.is_none(), "no redis section: the in-memory store");
+    assert_eq!(c.advertise_address().port(), 8155);
+}
+
+#[test]
+fn redis_section_and_durations_parse() {
+    let f = Files::new();
+    let text = f
+        .yaml("redis:\n  server:\n    address: 10.0.0.5:6379\nagent:\n  redis_conn_info_ttl: 2s\n");
+    // `agent` twice is a YAML error, named with its line.
+    assert!(
+        problems(&text)[0].contains("duplicate"),
+        "{:?}",
+        problems(&text)
+    );
+    let text = f.yaml("redis:\n  server:\n    address: 10.0.0.5:6379\n  timeout: 250ms\n");
+    let c = Config::parse(&text, "t.yaml").unwrap();
+    let r = c.redis.unwrap();
+    assert_eq!(r.key_prefix, "gitlab-kas");
+    assert_eq!(r.timeout, Duration::from_millis(250));
+    assert!(r.pubsub_wakeups);
+}
+
+#[test]
+fn every_problem_is_reported_with_its_key() {
+    let f = Files::new();
+    let text = f.yaml(
+        "observability:\n  listen:\n    address: 127.0.0.1:8153\nredis:\n  server:\n    address: ''\n  key_prefix: 'a{b}'\n",
+    );
+    let p = problems(&text);
+    assert!(
+        p.iter().any(|x| x.contains(
+            "api.listen.address and observability.listen.address are both 127.0.0.1:8153"
+        )),
+        "{p:?}"
+    );
+    assert!(p.iter().any(|x| x.starts_with("redis.key_prefix")), "{p:?}");
+    assert!(
+        p.iter().any(|x| x == "redis.server.address is required"),
+        "{p:?}"
+    );
+}
+
+#[test]
+fn bad_values_name_their_key() {
+    let f = Files::new();
+    let p = problems(&f.yaml("shutdown_grace: soon\n"));
+    assert!(
+        p[0].contains("shutdown_grace") && p[0].contains("invalid duration \"soon\""),
+        "{p:?}"
+    );
+    let p = problems("private_api:\n  listen:\n    address: 0.0.0.0:8155\n");
+    assert!(
+        p.iter()
+            .any(|x| x.starts_with("private_api.advertise_address is required")),
+        "{p:?}"
+    );
+    assert!(
+        p.iter()
+            .any(|x| x == "api.listen.authentication_secret_file is required"),
+        "{p:?}"
+    );
+    let p = problems("agent:\n  redis_conn_info_ttl: 0s\n");
+    assert!(
+        p.iter()
+            .any(|x| x == "agent.redis_conn_info_ttl must be greater than zero"),
+        "{p:?}"
+    );
+}

@@ -1,1 +1,59 @@
+use super::*;
 
+fn secret(c: char) -> Secret {
+    Secret::from_base64(&base64::engine::general_purpose::STANDARD.encode([c as u8; 32])).unwrap()
+}
+
+#[test]
+fn minted_tokens_verify_only_for_their_pair() {
+    let s = secret('a');
+    let token = Signer::new(&s, GITLAB, GITLAB_KAS).token();
+    assert_eq!(Verifier::new(&s, GITLAB, GITLAB_KAS).check(&token), Ok(()));
+    let err = Verifier::new(&s, GITLAB_KAS, GITLAB_KAS)
+        .check(&token)
+        .unwrap_err();
+    assert_eq!(err, "token issuer is wrong");
+    let err = Verifier::new(&s, GITLAB, GITLAB).check(&token).unwrap_err();
+    assert_eq!(err, "token audience is wrong");
+    let err = Verifier::new(&secret('b'), GITLAB, GITLAB_KAS)
+        .check(&token)
+        .unwrap_err();
+    assert_eq!(err, "token signature does not match the secret");
+}
+
+#[test]
+fn bearer_header_is_required() {
+    let s = secret('a');
+    let v = Verifier::new(&s, GITLAB, GITLAB_KAS);
+    assert_eq!(
+        v.check_bearer(None).unwrap_err(),
+        "no authorization metadata"
+    );
+    let token = Signer::new(&s, GITLAB, GITLAB_KAS).token();
+    assert!(
+        v.check_bearer(Some(&token)).is_err(),
+        "a bare token lacks 'Bearer '"
+    );
+    assert_eq!(v.check_bearer(Some(&format!("Bearer {token}"))), Ok(()));
+}
+
+#[test]
+fn secrets_must_be_base64_of_32_bytes() {
+    assert!(matches!(
+        Secret::from_base64("%%%"),
+        Err(SecretError::Base64 { .. })
+    ));
+    let short = base64::engine::general_purpose::STANDARD.encode([1u8; 16]);
+    assert!(matches!(
+        Secret::from_base64(&short),
+        Err(SecretError::TooShort { len: 16, .. })
+    ));
+    let dir = tempfile::tempdir().unwrap();
+    let path = dir.path().join("secret");
+    std::fs::write(&path, format!("{}\n", secret('z').to_base64())).unwrap();
+    assert!(Secret::load(&path).is_ok(), "a trailing newline is fine");
+    let err = Secret::load(&dir.path().join("missing"))
+        .unwrap_err()
+        .to_string();
+    assert!(err.starts_with("cannot read"), "{err}");
+}
