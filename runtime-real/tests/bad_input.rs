@@ -156,8 +156,7 @@ async fn bad_agent_tokens_are_unauthenticated() {
         let err = client
             .connect(Default::default())
             .await
-            .err()
-            .expect("refused");
+            .expect_err("refused");
         assert_eq!(err.code(), Code::Unauthenticated, "{token:?}: {err}");
         let status = client
             .serve_tunnel(
@@ -198,7 +197,7 @@ async fn malformed_tunnel_frames_are_refused_without_harm_to_others() {
 
     // A tunnel must begin with a descriptor.
     let (_tx, r) = raw_tunnel(&kas, 2, frames::heartbeat(1)).await;
-    let err = r.err().expect("refused");
+    let err = r.expect_err("refused");
     assert_eq!(err.code(), Code::InvalidArgument, "{err}");
     assert!(err.message().contains("descriptor"), "{err}");
 
@@ -208,7 +207,7 @@ async fn malformed_tunnel_frames_are_refused_without_harm_to_others() {
         connection_id: 12345,
     }));
     let (_tx, r) = raw_tunnel(&kas, 2, bogus).await;
-    let err = r.err().expect("refused");
+    let err = r.expect_err("refused");
     assert_eq!(err.code(), Code::FailedPrecondition, "{err}");
 
     // An agent answering for a call that does not exist.
