@@ -227,20 +227,29 @@ pub struct ConfigError {
 }
 
 impl Config {
-    /// Reads, parses and validates a configuration file.
-    pub fn load(path: &Path) -> Result<Config, ConfigError> {
+    /// Reads, parses and validates a configuration file; `advertise_address`, when given
+    /// (from the environment), replaces `private_api.advertise_address` before validation.
+    pub fn load(path: &Path, advertise_address: Option<SocketAddr>) -> Result<Config, ConfigError> {
         let file = path.display().to_string();
         let fail = |p: String| ConfigError {
             file: file.clone(),
             problems: vec![p],
         };
         let text = std::fs::read_to_string(path).map_err(|e| fail(format!("cannot read: {e}")))?;
-        Self::parse(&text, &file)
+        Self::parse_with(&text, &file, advertise_address)
     }
 
     /// Parses and validates YAML text; `file` names it in errors.
     pub fn parse(text: &str, file: &str) -> Result<Config, ConfigError> {
-        let config: Config = if text.trim().is_empty() {
+        Self::parse_with(text, file, None)
+    }
+
+    fn parse_with(
+        text: &str,
+        file: &str,
+        advertise_address: Option<SocketAddr>,
+    ) -> Result<Config, ConfigError> {
+        let mut config: Config = if text.trim().is_empty() {
             Config::default()
         } else {
             serde_path_to_error::deserialize(serde_yaml::Deserializer::from_str(text)).map_err(
@@ -250,6 +259,9 @@ impl Config {
                 },
             )?
         };
+        if advertise_address.is_some() {
+            config.private_api.advertise_address = advertise_address;
+        }
         config.validate().map_err(|problems| ConfigError {
             file: file.into(),
             problems,

@@ -25,6 +25,10 @@ struct Args {
     /// deploy/kas-config.example.yaml).
     #[arg(long, value_name = "FILE", env = "KAS_CONFIG")]
     config: PathBuf,
+    /// Address other kas replicas reach this one on (overrides
+    /// `private_api.advertise_address`); in Kubernetes, `$(POD_IP):8155`.
+    #[arg(long, value_name = "HOST:PORT", env = "OWN_PRIVATE_API_ADDRESS")]
+    advertise_address: Option<std::net::SocketAddr>,
     /// Check the configuration file, print the problems found, and exit.
     #[arg(long)]
     check: bool,
@@ -48,7 +52,7 @@ fn main() -> ExitCode {
         .with_writer(std::io::stderr)
         .with_ansi(std::io::stderr().is_terminal())
         .init();
-    let config = match Config::load(&args.config) {
+    let config = match Config::load(&args.config, args.advertise_address) {
         Ok(c) => c,
         Err(e) => {
             eprintln!("kas: {e}");

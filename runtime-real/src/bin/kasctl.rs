@@ -1,0 +1,243 @@
+//! `kasctl`: GitLab's side of the kas API, from a terminal.
+
+use clap::{Parser, Subcommand};
+use kas_proto::public_api::kas_api_client::KasApiClient;
+use kas_proto::public_api::{
+    ConnectedAgentsByIdRequest, ConnectedAgentsForProjectRequest, GetPodsRequest,
+};
+use kas_proto::registry::ConnectedAgentInfo;
+use kas_runtime::jwt::{self, Secret, Signer};
+use std::path::PathBuf;
+use std::process::ExitCode;
+use std::time::Duration;
+use tonic::{Code, Status};
+
+/// Calls kas's public API as GitLab does: lists connected agents and routes calls to them.
+///
+/// Every call is signed with a JWT made from GitLab's kas secret (`--secret-file`).
+#[derive(Parser)]
+#[command(version, about, long_about)]
+struct Args {
+    /// kas public API address (`api.listen.address`).
+    #[arg(
+        long,
+        value_name = "HOST:PORT",
+        env = "KASCTL_KAS",
+        default_value = "127.0.0.1:8153"
+    )]
+    kas: String,
+    /// GitLab's kas secret (base64), the file kas has as `api.listen.authentication_secret_file`.
+    #[arg(long, value_name = "FILE", env = "KASCTL_SECRET_FILE")]
+    secret_file: PathBuf,
+    /// How long to wait, including for an agent that is not connected yet.
+    #[arg(long, value_name = "DURATION", default_value = "10s", value_parser = humantime::parse_duration)]
+    timeout: Duration,
+    /// Print JSON instead of a table.
+    #[arg(long)]
+    json: bool,
+    #[command(subcommand)]
+    command: Cmd,
+}
+
+#[derive(Subcommand)]
+enum Cmd {
+    /// Connected agent replicas, of a project or of one agent.
+    Agents {
+        /// The agents of this project.
+        #[arg(long, conflicts_with = "agent", required_unless_present = "agent")]
+        project: Option<i64>,
+        /// This agent's replicas.
+        #[arg(long)]
+        agent: Option<i64>,
+    },
+    /// Pods in the agent's cluster, through the agent's tunnel.
+    Pods {
+        /// The agent.
+        #[arg(long)]
+        agent: i64,
+        /// One replica (a connection id from `kasctl agents`).
+        #[arg(long)]
+        connection: Option<i64>,
+    },
+}
+
+fn main() -> ExitCode {
+    let args = Args::parse();
+    let runtime = match tokio::runtime::Runtime::new() {
+        Ok(r) => r,
+        Err(e) => {
+            eprintln!("kasctl: cannot start the async runtime: {e}");
+            return ExitCode::FAILURE;
+        }
+    };
+    match runtime.block_on(run(&args)) {
+        Ok(()) => ExitCode::SUCCESS,
+        Err(e) => {
+            eprintln!("kasctl: {e}");
+            ExitCode::FAILURE
+        }
+    }
+}
+
+async fn run(args: &Args) -> Result<(), String> {
+    let secret = Secret::load(&args.secret_file).map_err(|e| format!("--secret-file: {e}"))?;
+    let signer = Signer::new(&secret, jwt::GITLAB, jwt::GITLAB_KAS);
+    let endpoint = tonic::transport::Endpoint::from_shared(format!("http://{}", args.kas))
+        .map_err(|e| format!("--kas {}: {e}", args.kas))?
+        .connect_timeout(args.timeout);
+    let channel = endpoint
+        .connect()
+        .await
+        .map_err(|e| format!("cannot reach kas at {}: {e}", args.kas))?;
+    let mut client = KasApiClient::new(channel);
+    fn signed<T>(msg: T, signer: &Signer, timeout: Duration) -> tonic::Request<T> {
+        let mut r = tonic::Request::new(msg);
+        r.set_timeout(timeout);
+        if let Ok(v) = signer.bearer().parse() {
+            r.metadata_mut().insert("authorization", v);
+        }
+        r
+    }
+    let explain = |s: Status| explain(&args.kas, s);
+    match args.command {
+        Cmd::Agents { project, agent } => {
+            let agents = match (project, agent) {
+                (Some(p), _) => {
+                    let req = signed(
+                        ConnectedAgentsForProjectRequest { project_id: p },
+                        &signer,
+                        args.timeout,
+                    );
+                    client
+                        .connected_agents_for_project(req)
+                        .await
+                        .map(|r| r.into_inner().agents)
+                }
+                (None, Some(a)) => {
+                    let req = signed(
+                        ConnectedAgentsByIdRequest { agent_id: a },
+                        &signer,
+                        args.timeout,
+                    );
+                    client
+                        .connected_agents_by_id(req)
+                        .await
+                        .map(|r| r.into_inner().agents)
+                }
+                (None, None) => return Err("give --project or --agent".into()),
+            }
+            .map_err(explain)?;
+            print_agents(&agents, args.json);
+        }
+        Cmd::Pods { agent, connection } => {
+            let msg = GetPodsRequest {
+                agent_id: agent,
+                connection_id: connection,
+            };
+            let req = signed(msg, &signer, args.timeout);
+            let pods = client
+                .get_pods(req)
+                .await
+                .map_err(explain)?
+                .into_inner()
+                .pods;
+            if args.json {
+                let v: Vec<_> = pods
+                    .iter()
+                    .map(|p| serde_json::json!({"namespace": p.namespace, "name": p.name, "phase": p.phase, "node": p.node_name}))
+                    .collect();
+                println!("{}", serde_json::Value::Array(v));
+            } else {
+                let rows = pods
+                    .iter()
+                    .map(|p| {
+                        vec![
+                            p.namespace.clone(),
+                            p.name.clone(),
+                            p.phase.clone(),
+                            p.node_name.clone(),
+                        ]
+                    })
+                    .collect();
+                table(&["NAMESPACE", "NAME", "PHASE", "NODE"], rows);
+            }
+        }
+    }
+    Ok(())
+}
+
+/// What went wrong, in the user's terms.
+fn explain(kas: &str, s: Status) -> String {
+    match s.code() {
+        Code::Unauthenticated => format!(
+            "kas refused the token ({}): is --secret-file GitLab's kas secret?",
+            s.message()
+        ),
+        Code::Unavailable if s.message().contains("not connected") => {
+            format!("{} (no agent connected within the deadline)", s.message())
+        }
+        Code::Unavailable => format!("kas at {kas} is unavailable: {}", s.message()),
+        Code::DeadlineExceeded | Code::Cancelled => {
+            format!("no answer within --timeout: {}", s.message())
+        }
+        _ => format!("{:?}: {}", s.code(), s.message()),
+    }
+}
+
+fn print_agents(agents: &[ConnectedAgentInfo], json: bool) {
+    let rows: Vec<Vec<String>> = agents
+        .iter()
+        .map(|a| {
+            let meta = a.agent_meta.clone().unwrap_or_default();
+            let kas = a
+                .kas_address
+                .as_ref()
+                .map(|k| format!("{}:{}", k.ip, k.port))
+                .unwrap_or_default();
+            vec![
+                a.agent_id.to_string(),
+                a.project_id.to_string(),
+                a.connection_id.to_string(),
+                format!("{}/{}", meta.pod_namespace, meta.pod_name),
+                meta.version,
+                kas,
+            ]
+        })
+        .collect();
+    const HEAD: [&str; 6] = ["AGENT", "PROJECT", "CONNECTION", "POD", "VERSION", "KAS"];
+    if json {
+        let v: Vec<serde_json::Value> = rows
+            .iter()
+            .map(|r| {
+                HEAD.iter()
+                    .zip(r)
+                    .map(|(h, c)| (h.to_lowercase(), serde_json::Value::String(c.clone())))
+                    .collect()
+            })
+            .collect();
+        println!("{}", serde_json::Value::Array(v));
+    } else {
+        table(&HEAD, rows);
+    }
+}
+
+fn table(head: &[&str], rows: Vec<Vec<String>>) {
+    let mut widths: Vec<usize> = head.iter().map(|h| h.len()).collect();
+    for r in &rows {
+        for (w, c) in widths.iter_mut().zip(r) {
+            *w = (*w).max(c.len());
+        }
+    }
+    let line = |cells: Vec<String>| {
+        let s: Vec<String> = cells
+            .iter()
+            .zip(&widths)
+            .map(|(c, w)| format!("{c:<w$}"))
+            .collect();
+        println!("{}", s.join("  ").trim_end());
+    };
+    line(head.iter().map(|h| h.to_string()).collect());
+    for r in rows {
+        line(r);
+    }
+}
