@@ -81,6 +81,7 @@ pub struct Kas {
     pub addresses: Addresses,
     engine: engine::EngineHandle,
     closing: watch::Sender<bool>,
+    leaving: watch::Sender<bool>,
     stop_agents: Option<oneshot::Sender<()>>,
     stop_observability: Option<oneshot::Sender<()>>,
     calls_server: JoinHandle<()>,
@@ -230,7 +231,10 @@ impl Kas {
         });
         let metrics = metrics::Metrics::default();
         let (store_ready_tx, store_ready) = watch::channel(true);
+        // `closing`: not ready, no new calls. `leaving`, once running calls are done:
+        // agents are sent to another kas.
         let (closing, closing_rx) = watch::channel(false);
+        let (leaving, leaving_rx) = watch::channel(false);
         let signer = Signer::new(&private_secret, jwt::GITLAB_KAS, jwt::GITLAB_KAS);
         let engine = engine::spawn(engine::EngineParts {
             kas_id: kas_id.clone(),
@@ -273,7 +277,7 @@ impl Kas {
             auth,
             engine: engine.clone(),
             kas_address: advertise,
-            closing: closing_rx.clone(),
+            leaving: leaving_rx,
             activity_every: a.heartbeat_timeout / 4,
             next_tunnel: Arc::default(),
         });
@@ -347,6 +351,7 @@ impl Kas {
             addresses,
             engine,
             closing,
+            leaving,
             stop_agents: Some(stop_agents),
             stop_observability: Some(stop_obs),
             calls_server,
@@ -367,6 +372,7 @@ impl Kas {
             tracing::warn!("calls still running after the shutdown grace period: cut off");
             self.calls_server.abort();
         }
+        let _ = self.leaving.send(true);
         let (done_tx, done) = oneshot::channel();
         self.engine.send(engine::Command::Shutdown(done_tx));
         if tokio::time::timeout(Duration::from_secs(10), done)

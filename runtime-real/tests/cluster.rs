@@ -178,13 +178,27 @@ async fn killed_kas_expires_and_calls_stop_going_there() {
 }
 
 #[tokio::test(flavor = "multi_thread")]
-async fn registry_is_complete_again_after_redis_restarts_empty() {
+async fn kas_rides_out_redis_down_and_refills_it_after_an_empty_restart() {
     let mut c = cluster(&["", ""]).await;
     let _a1 = TestAgent::connect(c.kas[0].agent, 1, "agent1-pod", 1).await;
     let _a6 = TestAgent::connect(c.kas[1].agent, 6, "agent6-pod", 1).await;
     c.await_connections(6, 1).await;
     let before = c.redis.keys();
-    c.redis.restart_empty();
+    // Redis down: kas is not ready, yet serves the tunnels it holds.
+    c.redis.stop();
+    let obs = c.kas[0].observability;
+    eventually(Duration::from_secs(10), "not ready", || async move {
+        http_get(obs, "/readiness")
+            .await
+            .filter(|(code, _)| *code == 503)
+    })
+    .await;
+    let gl = c.gitlab(0).await;
+    assert_eq!(
+        gl.pods(1, None, Duration::from_secs(5)).await.unwrap(),
+        ["agent1-pod"]
+    );
+    c.redis.launch();
     assert!(c.redis.keys().is_empty());
     // Within one refresh period (ttl / 2) plus reconnection, everything is back.
     let redis = &c.redis;
@@ -198,7 +212,12 @@ async fn registry_is_complete_again_after_redis_restarts_empty() {
     )
     .await;
     assert_eq!(after, before);
-    let gl = c.gitlab(0).await;
+    eventually(Duration::from_secs(10), "ready again", || async move {
+        http_get(obs, "/readiness")
+            .await
+            .filter(|(code, _)| *code == 200)
+    })
+    .await;
     assert_eq!(
         gl.pods(6, None, Duration::from_secs(5)).await.unwrap(),
         ["agent6-pod"]
@@ -207,12 +226,27 @@ async fn registry_is_complete_again_after_redis_restarts_empty() {
 }
 
 #[tokio::test(flavor = "multi_thread")]
-async fn sigterm_deletes_records_and_sends_agents_away() {
+async fn sigterm_lets_running_calls_finish_then_deletes_records() {
     let mut c = cluster(&["", ""]).await;
-    let _a8 = TestAgent::connect(c.kas[1].agent, 8, "agent8-pod", 1).await;
+    let _a8 = TestAgent::connect_slow(
+        c.kas[1].agent,
+        8,
+        "agent8-pod",
+        1,
+        Duration::from_millis(1500),
+    )
+    .await;
     c.await_connections(8, 1).await;
-    let status = c.kas[1].terminate();
+    // A call through kas0 to the agent on kas1 is running when kas1 gets SIGTERM.
+    let gl = c.gitlab(0).await;
+    let call = tokio::spawn(async move { gl.pods(8, None, Duration::from_secs(10)).await });
+    tokio::time::sleep(Duration::from_millis(500)).await;
+    let status = tokio::task::block_in_place(|| c.kas[1].terminate());
     assert!(status.success(), "kas exits cleanly on SIGTERM: {status}");
+    assert_eq!(
+        call.await.unwrap().expect("the running call finished"),
+        ["agent8-pod"]
+    );
     // Deleted at once, not left to expire.
     let fields = c.redis.cli(&["HKEYS", "kas:conn_by_agent:{agent:8}"]);
     assert!(fields.trim().is_empty(), "left behind: {fields}");

@@ -30,8 +30,8 @@ pub struct AgentService {
     pub engine: EngineHandle,
     /// This kas's private API address (recorded with each connection).
     pub kas_address: SocketAddr,
-    /// Turns true when kas shuts down.
-    pub closing: watch::Receiver<bool>,
+    /// Turns true when kas sends its agents away (shutdown, after running calls).
+    pub leaving: watch::Receiver<bool>,
     /// Idle tunnels report activity at most this often.
     pub activity_every: Duration,
     /// Tunnel ids.
@@ -88,9 +88,9 @@ impl AgentApi for AgentService {
         };
         let _ = tx.send(Ok(first)).await;
         let engine = self.engine.clone();
-        let mut closing = self.closing.clone();
+        let mut leaving = self.leaving.clone();
         tokio::spawn(async move {
-            let closed = async { closing.wait_for(|c| *c).await.is_ok() };
+            let closed = async { leaving.wait_for(|c| *c).await.is_ok() };
             let shutting_down = tokio::select! {
                 () = tx.closed() => false,
                 closed = closed => closed,
@@ -113,7 +113,7 @@ impl AgentApi for AgentService {
         &self,
         req: Request<Streaming<Frame>>,
     ) -> Result<Response<Self::OpenTunnelStream>, Status> {
-        if *self.closing.borrow() {
+        if *self.leaving.borrow() {
             return Err(Status::unavailable(
                 "kas is shutting down: connect to another kas",
             ));
@@ -161,7 +161,7 @@ impl AgentApi for AgentService {
             sequence,
             engine: self.engine.clone(),
             activity_every: self.activity_every,
-            closing: self.closing.clone(),
+            leaving: self.leaving.clone(),
         };
         tokio::spawn(task.run());
         Ok(Response::new(ReceiverStream::new(rx)))

@@ -40,8 +40,8 @@ pub struct Tunnel {
     pub engine: EngineHandle,
     /// Report activity to the engine at most this often.
     pub activity_every: Duration,
-    /// Turns true when kas shuts down.
-    pub closing: watch::Receiver<bool>,
+    /// Turns true when kas sends its agents away.
+    pub leaving: watch::Receiver<bool>,
 }
 
 enum End {
@@ -65,7 +65,7 @@ impl Tunnel {
         }
         let status = match end {
             End::Gone => return,
-            End::Dropped if *self.closing.borrow() => {
+            End::Dropped if *self.leaving.borrow() => {
                 Status::unavailable("kas is shutting down: reconnect to another kas")
             }
             End::Dropped => Status::unavailable("tunnel closed by kas: reconnect"),
@@ -109,7 +109,7 @@ impl Tunnel {
                     let _ = self.outbound.try_send(Ok(frames::heartbeat(hb.sequence)));
                     self.report_activity(&mut last_report, true);
                 },
-                _ = self.closing.changed() => return End::Dropped,
+                _ = self.leaving.changed() => return End::Dropped,
             }
         }
     }

@@ -3,13 +3,13 @@
 #![allow(dead_code, missing_docs)] // each test binary uses a different part
 
 use kas_core::ConnectionId;
-use kas_proto::pods::Pod;
+use kas_proto::pods::{ListRequest, ListResponse, Pod};
 use kas_proto::public_api::kas_api_client::KasApiClient;
 use kas_proto::registry::AgentMeta;
 use kas_runtime::agent::{AgentClient, Modules};
 use kas_runtime::jwt::{self, Secret, Signer};
 use std::net::SocketAddr;
-use std::path::{Path, PathBuf};
+use std::path::PathBuf;
 use std::process::{Child, Command, Stdio};
 use std::sync::Arc;
 use std::time::{Duration, Instant};
@@ -60,7 +60,8 @@ impl Redis {
         r
     }
 
-    fn launch(&mut self) {
+    /// Starts the (stopped) server again, empty.
+    pub fn launch(&mut self) {
         let child = Command::new("redis-server")
             .args(["--port", &self.port.to_string(), "--bind", "127.0.0.1"])
             .args(["--save", "", "--appendonly", "no", "--protected-mode", "no"])
@@ -73,12 +74,6 @@ impl Redis {
             assert!(Instant::now() < end, "redis-server did not start");
             std::thread::sleep(Duration::from_millis(20));
         }
-    }
-
-    /// Kills the server (SIGKILL: nothing saved) and starts an empty one on the same port.
-    pub fn restart_empty(&mut self) {
-        self.stop();
-        self.launch();
     }
 
     pub fn stop(&mut self) {
@@ -373,6 +368,17 @@ impl TestAgent {
         pod: &str,
         tunnels: usize,
     ) -> TestAgent {
+        Self::connect_slow(kas_agent, agent, pod, tunnels, Duration::ZERO).await
+    }
+
+    /// Like `connect`, but every pod list takes `delay`.
+    pub async fn connect_slow(
+        kas_agent: SocketAddr,
+        agent: i64,
+        pod: &str,
+        tunnels: usize,
+        delay: Duration,
+    ) -> TestAgent {
         let client = AgentClient::new(channel(kas_agent).await, agent_token(agent));
         let meta = AgentMeta {
             version: "test".into(),
@@ -384,12 +390,21 @@ impl TestAgent {
         let mut tasks = vec![tokio::spawn(async move {
             while let Ok(Some(_)) = stream.message().await {}
         })];
-        let modules = Arc::new(Modules::default().with_fixture_pods(vec![Pod {
+        let pods = vec![Pod {
             namespace: "default".into(),
             name: pod.into(),
             phase: "Running".into(),
             node_name: "node-1".into(),
-        }]));
+        }];
+        let mut modules = Modules::default();
+        modules.unary(kas_runtime::agent::PODS_LIST, move |_: ListRequest| {
+            let pods = pods.clone();
+            async move {
+                tokio::time::sleep(delay).await;
+                Ok(ListResponse { pods })
+            }
+        });
+        let modules = Arc::new(modules);
         for _ in 0..tunnels {
             let (client, modules) = (client.clone(), modules.clone());
             tasks.push(tokio::spawn(async move {
@@ -414,9 +429,4 @@ impl Drop for TestAgent {
             t.abort();
         }
     }
-}
-
-/// Reads a file, for assertions on logs.
-pub fn read(path: &Path) -> String {
-    std::fs::read_to_string(path).unwrap_or_default()
 }
