@@ -56,24 +56,43 @@ impl Redis {
             child: None,
             port: free_port(),
         };
-        r.launch();
-        r
+        // A port found free can be taken before redis binds it: try another one.
+        for _ in 0..5 {
+            if r.try_launch() {
+                return r;
+            }
+            r.port = free_port();
+        }
+        panic!("redis-server did not start on five free ports");
     }
 
-    /// Starts the (stopped) server again, empty.
+    /// Starts the (stopped) server again, empty, on its port.
     pub fn launch(&mut self) {
-        let child = Command::new("redis-server")
+        assert!(
+            self.try_launch(),
+            "redis-server did not start again on port {}",
+            self.port
+        );
+    }
+
+    fn try_launch(&mut self) -> bool {
+        let mut child = Command::new("redis-server")
             .args(["--port", &self.port.to_string(), "--bind", "127.0.0.1"])
             .args(["--save", "", "--appendonly", "no", "--protected-mode", "no"])
             .stdout(Stdio::null())
             .spawn()
             .expect("redis-server must be installed (scripts/test installs it)");
-        self.child = Some(child);
         let end = Instant::now() + Duration::from_secs(10);
         while self.cli(&["PING"]).trim() != "PONG" {
-            assert!(Instant::now() < end, "redis-server did not start");
+            if Instant::now() > end || child.try_wait().ok().flatten().is_some() {
+                let _ = child.kill();
+                let _ = child.wait();
+                return false;
+            }
             std::thread::sleep(Duration::from_millis(20));
         }
+        self.child = Some(child);
+        true
     }
 
     pub fn stop(&mut self) {
@@ -191,10 +210,10 @@ impl KasProc {
         ttl_ms: u64,
         extra_redis: &str,
     ) -> KasProc {
-        let addr = |_| SocketAddr::from(([127, 0, 0, 1], free_port()));
-        let (agent, api, private, observability) = (addr(0), addr(1), addr(2), addr(3));
+        // Port 0 everywhere: kas binds what is free and logs the addresses, so no port is
+        // ever picked by the test and then taken by someone else.
         let mut config = format!(
-            "agent:\n  listen:\n    address: {agent}\n  tokens_file: {}\n{}api:\n  listen:\n    address: {api}\n    authentication_secret_file: {}\nprivate_api:\n  listen:\n    address: {private}\n    authentication_secret_file: {}\nobservability:\n  listen:\n    address: {observability}\nshutdown_grace: 2s\n",
+            "agent:\n  listen:\n    address: 127.0.0.1:0\n  tokens_file: {}\n{}api:\n  listen:\n    address: 127.0.0.1:0\n    authentication_secret_file: {}\nprivate_api:\n  listen:\n    address: 127.0.0.1:0\n    authentication_secret_file: {}\nobservability:\n  listen:\n    address: 127.0.0.1:0\nshutdown_grace: 2s\n",
             secrets.path("tokens.yaml").display(),
             agent_section(ttl_ms),
             secrets.path("gitlab.secret").display(),
@@ -209,7 +228,7 @@ impl KasProc {
         let path = secrets.path(&format!("{name}.yaml"));
         std::fs::write(&path, config).unwrap();
         let log = secrets.path(&format!("{name}.log"));
-        let child = Command::new(env!("CARGO_BIN_EXE_kas"))
+        let mut child = Command::new(env!("CARGO_BIN_EXE_kas"))
             .arg("--config")
             .arg(&path)
             .args(["--log", "info,kas_runtime=debug"])
@@ -217,20 +236,35 @@ impl KasProc {
             .stderr(std::fs::File::create(&log).unwrap())
             .spawn()
             .expect("kas starts");
-        let k = KasProc {
-            child: Some(child),
-            agent,
-            api,
-            private,
-            observability,
-            log,
-        };
-        let obs = k.observability;
-        eventually(Duration::from_secs(20), "kas liveness", || async move {
-            http_get(obs, "/liveness").await.filter(|(c, _)| *c == 200)
+        let log_path = log.clone();
+        let started = eventually(Duration::from_secs(20), "kas to start", || {
+            let exited = child.try_wait().ok().flatten();
+            let text = std::fs::read_to_string(&log_path).unwrap_or_default();
+            async move {
+                if let Some(status) = exited {
+                    panic!("kas exited ({status}) at start:\n{text}");
+                }
+                text.lines()
+                    .find(|l| l.contains("kas started"))
+                    .map(str::to_string)
+            }
         })
         .await;
-        k
+        let field = |key: &str| -> SocketAddr {
+            started
+                .split_whitespace()
+                .find_map(|w| w.strip_prefix(&format!("{key}=")))
+                .and_then(|v| v.parse().ok())
+                .unwrap_or_else(|| panic!("no {key}= in {started:?}"))
+        };
+        KasProc {
+            child: Some(child),
+            agent: field("agent"),
+            api: field("api"),
+            private: field("private_api"),
+            observability: field("observability"),
+            log,
+        }
     }
 
     /// SIGKILL: no goodbye, nothing deleted.
