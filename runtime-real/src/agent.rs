@@ -155,6 +155,10 @@ impl AgentClient {
             methods: modules.methods(),
             connection_id: connection.0,
         }));
+        let mut sequence = FrameSequence::new(StreamKind::Tunnel);
+        if let Err(e) = sequence.check(Direction::FromAgent, &descriptor) {
+            return Status::internal(format!("agent descriptor rejected: {e}"));
+        }
         let _ = tx.send(descriptor).await;
         let req = match self.request(ReceiverStream::new(rx)) {
             Ok(r) => r,
@@ -164,7 +168,10 @@ impl AgentClient {
             Ok(r) => r.into_inner(),
             Err(s) => return s,
         };
-        match Tunnel::new(tx, inbound, modules, heartbeat).serve().await {
+        match Tunnel::new(tx, inbound, modules, heartbeat, sequence)
+            .serve()
+            .await
+        {
             Ok(()) => Status::ok("kas closed the tunnel"),
             Err(s) => s,
         }
@@ -186,12 +193,10 @@ impl Tunnel {
         inbound: Streaming<Frame>,
         modules: Arc<Modules>,
         every: Duration,
+        sequence: FrameSequence,
     ) -> Self {
         let mut heartbeat = tokio::time::interval(every);
         heartbeat.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
-        let mut sequence = FrameSequence::new(StreamKind::Tunnel);
-        let descriptor = frames::frame(Kind::Descriptor(Descriptor::default()));
-        let _ = sequence.check(Direction::FromAgent, &descriptor);
         Tunnel {
             tx,
             inbound,

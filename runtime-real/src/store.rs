@@ -50,6 +50,17 @@ impl Store {
         }
     }
 
+    /// The live fields of a hash at `now`: (field, payload without the expiry wrapper).
+    pub async fn read_live(
+        &self,
+        key: &str,
+        now: Time,
+    ) -> Result<Vec<(String, Vec<u8>)>, StoreError> {
+        let fields = self.read(key).await?;
+        let refs = fields.iter().map(|(f, v)| (f.as_str(), v.as_slice()));
+        Ok(kas_core::expiring::live_fields(refs, now))
+    }
+
     /// Deletes the fields of `key` that are expired (or undecodable) at `now`, each only if
     /// it still holds the value that was judged garbage. Returns how many went.
     pub async fn gc(&self, key: &str, now: Time) -> Result<usize, StoreError> {

@@ -1,7 +1,8 @@
 //! A routed call as the kas runtime carries it between its tasks.
 
+use crate::frames;
 use kas_core::{AgentId, ConnectionId, Time};
-use kas_proto::frame::{Frame, RequestStart};
+use kas_proto::frame::{Frame, RequestStart, frame::Kind};
 use std::sync::Arc;
 use tokio::sync::mpsc;
 use tonic::Status;
@@ -26,4 +27,21 @@ pub struct Call {
     pub requests: Arc<Vec<Frame>>,
     /// Where the answer goes.
     pub responses: Responses,
+}
+
+impl Call {
+    /// The call's frames for one hop: its start (numbered `id`, with `hops`) and its
+    /// buffered request frames, renumbered.
+    pub fn frames(&self, id: u64, hops: u32) -> Vec<Frame> {
+        let mut start = self.start.clone();
+        start.request_id = id;
+        start.hops = hops;
+        std::iter::once(frames::frame(Kind::RequestStart(start)))
+            .chain(
+                self.requests
+                    .iter()
+                    .map(|f| frames::with_request_id(f.clone(), id)),
+            )
+            .collect()
+    }
 }

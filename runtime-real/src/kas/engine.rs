@@ -577,13 +577,11 @@ impl Engine {
                 let key = self.keys.tunnels_by_agent(agent);
                 let handle = self.handle.clone();
                 tokio::spawn(async move {
-                    let found = store.read(&key).await.ok().map(|fields| {
-                        let refs = fields.iter().map(|(f, v)| (f.as_str(), v.as_slice()));
-                        kas_core::expiring::live_fields(refs, clock::now())
-                            .into_iter()
-                            .map(|(kas, _)| KasId(kas))
-                            .collect()
-                    });
+                    let found = store
+                        .read_live(&key, clock::now())
+                        .await
+                        .ok()
+                        .map(|live| live.into_iter().map(|(kas, _)| KasId(kas)).collect());
                     handle.send(Command::LookupDone(agent, found));
                 });
             }

@@ -12,7 +12,7 @@ use crate::frames;
 use crate::jwt::Signer;
 use kas_core::frame_sequence::{Direction, FrameSequence, Progress, StreamKind};
 use kas_core::{KasId, RequestId};
-use kas_proto::frame::{Frame, frame::Kind};
+use kas_proto::frame::frame::Kind;
 use kas_proto::private_api::kas_private_client::KasPrivateClient;
 use std::collections::HashMap;
 use std::sync::{Arc, Mutex};
@@ -95,17 +95,8 @@ impl Forwarder {
             Err(e) => return Forwarded::Refused(e),
         };
         let id = request.0;
-        let mut start = call.start.clone();
-        start.request_id = id;
-        start.hops = 1;
         let mut sequence = FrameSequence::new(StreamKind::Forward);
-        let up: Vec<Frame> = std::iter::once(frames::frame(Kind::RequestStart(start)))
-            .chain(
-                call.requests
-                    .iter()
-                    .map(|f| frames::with_request_id(f.clone(), id)),
-            )
-            .collect();
+        let up = call.frames(id, 1);
         for f in &up {
             if let Err(e) = sequence.check(Direction::ToAgent, f) {
                 let _ = call

@@ -45,16 +45,18 @@ pub struct PublicService {
 
 impl PublicService {
     async fn connections(&self, key: String) -> Result<Vec<ConnectedAgentInfo>, Status> {
-        let fields = self.store.read(&key).await.map_err(|e| {
-            tracing::warn!(error = %e, "registry read failed");
-            Status::unavailable(format!("cannot read the agent registry: {e}"))
-        })?;
-        let refs = fields.iter().map(|(f, v)| (f.as_str(), v.as_slice()));
-        let mut agents: Vec<ConnectedAgentInfo> =
-            kas_core::expiring::live_fields(refs, clock::now())
-                .into_iter()
-                .filter_map(|(_, v)| ConnectedAgentInfo::decode(v.as_slice()).ok())
-                .collect();
+        let live = self
+            .store
+            .read_live(&key, clock::now())
+            .await
+            .map_err(|e| {
+                tracing::warn!(error = %e, "registry read failed");
+                Status::unavailable(format!("cannot read the agent registry: {e}"))
+            })?;
+        let mut agents: Vec<ConnectedAgentInfo> = live
+            .into_iter()
+            .filter_map(|(_, v)| ConnectedAgentInfo::decode(v.as_slice()).ok())
+            .collect();
         agents.sort_by_key(|a| (a.agent_id, a.connection_id));
         Ok(agents)
     }

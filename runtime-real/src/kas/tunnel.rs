@@ -125,15 +125,9 @@ impl Tunnel {
     async fn carry(&mut self, order: TunnelOrder) -> Result<(), End> {
         let TunnelOrder { request, call } = order;
         let id = request.0;
+        let down = call.frames(id, call.start.hops);
         let responses = call.responses;
         let mut caller_gone = false;
-        let mut start = call.start;
-        start.request_id = id;
-        let down = std::iter::once(frames::frame(Kind::RequestStart(start))).chain(
-            call.requests
-                .iter()
-                .map(|f| frames::with_request_id(f.clone(), id)),
-        );
         for frame in down {
             if let Err(e) = self.sequence.check(Direction::ToAgent, &frame) {
                 let status = Status::internal(format!("malformed call: {e}"));
