@@ -4,6 +4,7 @@
 //! - [`tunnel_registry`]: this kas's reverse tunnels and the calls waiting for one.
 //! - [`tracker`]: what this kas must keep in Redis, as transaction batches.
 //! - [`router`]: how a GitLab call finds a kas holding its agent's tunnel.
+//! - [`tunnel_pool`]: agentk's pool of idle tunnels (how many to open, which to close).
 //! - [`frame_sequence`]: the checked frame grammar of tunnel and forward streams.
 //!
 //! The drivers (`kas-runtime` with tokio, `kas-sim` under madsim) do the I/O and nothing
@@ -20,6 +21,7 @@ pub mod rng;
 pub mod router;
 pub mod time;
 pub mod tracker;
+pub mod tunnel_pool;
 pub mod tunnel_registry;
 
 pub use ids::{AgentId, ConnectionId, KasId, ProjectId, RequestId, TunnelId};
