@@ -8,4 +8,6 @@ pub mod config;
 pub mod frames;
 pub mod jwt;
 pub mod kas;
+#[cfg(not(madsim))]
+pub mod signals;
 pub mod store;

@@ -163,6 +163,7 @@ async fn bad_agent_tokens_are_unauthenticated() {
                 kas_core::ConnectionId(1),
                 Default::default(),
                 Duration::from_secs(1),
+                None,
             )
             .await;
         assert_eq!(status.code(), Code::Unauthenticated, "{token:?}: {status}");

@@ -78,25 +78,8 @@ fn main() -> ExitCode {
                 return ExitCode::FAILURE;
             }
         };
-        shutdown_signal().await;
+        kas_runtime::signals::terminate_or_interrupt().await;
         kas.stop().await;
         ExitCode::SUCCESS
     })
-}
-
-/// Resolves on SIGTERM or Ctrl-C (SIGINT).
-async fn shutdown_signal() {
-    use tokio::signal::unix::{SignalKind, signal};
-    match signal(SignalKind::terminate()) {
-        Ok(mut term) => {
-            tokio::select! {
-                _ = term.recv() => {}
-                _ = tokio::signal::ctrl_c() => {}
-            }
-        }
-        Err(e) => {
-            tracing::warn!(error = %e, "cannot watch SIGTERM; Ctrl-C only");
-            let _ = tokio::signal::ctrl_c().await;
-        }
-    }
 }

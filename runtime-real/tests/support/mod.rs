@@ -445,7 +445,7 @@ impl TestAgent {
                 // Reopen after each call-free end, as agentk keeps its pool.
                 loop {
                     let status = client
-                        .serve_tunnel(connection, modules.clone(), Duration::from_millis(500))
+                        .serve_tunnel(connection, modules.clone(), Duration::from_millis(500), None)
                         .await;
                     if status.code() != tonic::Code::Ok {
                         return;
