@@ -3,11 +3,14 @@
 
 pub mod agent;
 pub mod agent_auth;
+pub mod api_client;
 pub mod clock;
 pub mod config;
 pub mod frames;
 pub mod jwt;
 pub mod kas;
+#[cfg(not(madsim))]
+pub mod local;
 #[cfg(not(madsim))]
 pub mod signals;
 pub mod store;

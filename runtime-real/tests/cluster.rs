@@ -14,7 +14,7 @@ struct Cluster {
 }
 
 async fn cluster(extra_redis: &[&str]) -> Cluster {
-    let redis = Redis::start();
+    let redis = Redis::start().expect("redis-server starts (scripts/test installs it)");
     let secrets = Secrets::new();
     let mut kas = Vec::new();
     for (i, extra) in extra_redis.iter().enumerate() {
@@ -216,7 +216,7 @@ async fn kas_rides_out_redis_down_and_refills_it_after_an_empty_restart() {
     );
     // SIGKILLed and started again with `--save ""`: empty. Within one refresh period
     // (ttl / 2) plus reconnection, everything is back.
-    c.redis.launch();
+    c.redis.launch().expect("redis-server restarts on its port");
     let redis = &c.redis;
     let all_keys = || async {
         let keys = redis.keys();

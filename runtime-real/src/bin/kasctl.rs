@@ -1,12 +1,9 @@
 //! `kasctl`: GitLab's side of the kas API, from a terminal.
 
 use clap::{Parser, Subcommand};
-use kas_proto::public_api::kas_api_client::KasApiClient;
-use kas_proto::public_api::{
-    ConnectedAgentsByIdRequest, ConnectedAgentsForProjectRequest, GetPodsRequest,
-};
 use kas_proto::registry::ConnectedAgentInfo;
-use kas_runtime::jwt::{self, Secret, Signer};
+use kas_runtime::api_client::ApiClient;
+use kas_runtime::jwt::Secret;
 use std::path::PathBuf;
 use std::process::ExitCode;
 use std::time::Duration;
@@ -81,66 +78,20 @@ fn main() -> ExitCode {
 
 async fn run(args: &Args) -> Result<(), String> {
     let secret = Secret::load(&args.secret_file).map_err(|e| format!("--secret-file: {e}"))?;
-    let signer = Signer::new(&secret, jwt::GITLAB, jwt::GITLAB_KAS);
-    let endpoint = tonic::transport::Endpoint::from_shared(format!("http://{}", args.kas))
-        .map_err(|e| format!("--kas {}: {e}", args.kas))?
-        .connect_timeout(args.timeout);
-    let channel = endpoint
-        .connect()
-        .await
-        .map_err(|e| format!("cannot reach kas at {}: {e}", args.kas))?;
-    let mut client = KasApiClient::new(channel);
-    fn signed<T>(msg: T, signer: &Signer, timeout: Duration) -> tonic::Request<T> {
-        let mut r = tonic::Request::new(msg);
-        r.set_timeout(timeout);
-        if let Ok(v) = signer.bearer().parse() {
-            r.metadata_mut().insert("authorization", v);
-        }
-        r
-    }
+    let client = ApiClient::connect(&args.kas, &secret, args.timeout).await?;
     let explain = |s: Status| explain(&args.kas, s);
     match args.command {
         Cmd::Agents { project, agent } => {
             let agents = match (project, agent) {
-                (Some(p), _) => {
-                    let req = signed(
-                        ConnectedAgentsForProjectRequest { project_id: p },
-                        &signer,
-                        args.timeout,
-                    );
-                    client
-                        .connected_agents_for_project(req)
-                        .await
-                        .map(|r| r.into_inner().agents)
-                }
-                (None, Some(a)) => {
-                    let req = signed(
-                        ConnectedAgentsByIdRequest { agent_id: a },
-                        &signer,
-                        args.timeout,
-                    );
-                    client
-                        .connected_agents_by_id(req)
-                        .await
-                        .map(|r| r.into_inner().agents)
-                }
+                (Some(p), _) => client.agents_for_project(p).await,
+                (None, Some(a)) => client.agents_by_id(a).await,
                 (None, None) => return Err("give --project or --agent".into()),
             }
             .map_err(explain)?;
             print_agents(&agents, args.json);
         }
         Cmd::Pods { agent, connection } => {
-            let msg = GetPodsRequest {
-                agent_id: agent,
-                connection_id: connection,
-            };
-            let req = signed(msg, &signer, args.timeout);
-            let pods = client
-                .get_pods(req)
-                .await
-                .map_err(explain)?
-                .into_inner()
-                .pods;
+            let pods = client.pods(agent, connection).await.map_err(explain)?;
             if args.json {
                 let v: Vec<_> = pods
                     .iter()

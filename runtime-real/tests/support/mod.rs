@@ -4,9 +4,9 @@
 
 use kas_core::ConnectionId;
 use kas_proto::pods::{ListRequest, ListResponse, Pod};
-use kas_proto::public_api::kas_api_client::KasApiClient;
 use kas_proto::registry::AgentMeta;
 use kas_runtime::agent::{AgentClient, Modules};
+use kas_runtime::api_client::ApiClient;
 use kas_runtime::jwt::{self, Secret, Signer};
 use std::net::SocketAddr;
 use std::path::PathBuf;
@@ -17,12 +17,11 @@ use tokio::io::{AsyncReadExt, AsyncWriteExt};
 use tokio::task::JoinHandle;
 use tonic::transport::Channel;
 
+pub use kas_runtime::local::redis_server::RedisServer as Redis;
+
 /// A free TCP port on 127.0.0.1 (bound, then released).
 pub fn free_port() -> u16 {
-    std::net::TcpListener::bind("127.0.0.1:0")
-        .and_then(|l| l.local_addr())
-        .map(|a| a.port())
-        .expect("a free loopback port")
+    kas_runtime::local::redis_server::free_port().expect("a free loopback port")
 }
 
 /// Polls `f` every 50 ms until it returns `Some`, or panics after `within` naming `what`.
@@ -41,97 +40,6 @@ where
             "timed out after {within:?} waiting for {what}"
         );
         tokio::time::sleep(Duration::from_millis(50)).await;
-    }
-}
-
-/// A redis-server of this test alone, on a free port, keeping nothing on disk.
-pub struct Redis {
-    child: Option<Child>,
-    pub port: u16,
-}
-
-impl Redis {
-    pub fn start() -> Redis {
-        let mut r = Redis {
-            child: None,
-            port: free_port(),
-        };
-        // A port found free can be taken before redis binds it: try another one.
-        for _ in 0..5 {
-            if r.try_launch() {
-                return r;
-            }
-            r.port = free_port();
-        }
-        panic!("redis-server did not start on five free ports");
-    }
-
-    /// Starts the (stopped) server again, empty, on its port.
-    pub fn launch(&mut self) {
-        assert!(
-            self.try_launch(),
-            "redis-server did not start again on port {}",
-            self.port
-        );
-    }
-
-    fn try_launch(&mut self) -> bool {
-        let mut child = Command::new("redis-server")
-            .args(["--port", &self.port.to_string(), "--bind", "127.0.0.1"])
-            .args(["--save", "", "--appendonly", "no", "--protected-mode", "no"])
-            .stdout(Stdio::null())
-            .spawn()
-            .expect("redis-server must be installed (scripts/test installs it)");
-        let end = Instant::now() + Duration::from_secs(10);
-        while self.cli(&["PING"]).trim() != "PONG" {
-            if Instant::now() > end || child.try_wait().ok().flatten().is_some() {
-                let _ = child.kill();
-                let _ = child.wait();
-                return false;
-            }
-            std::thread::sleep(Duration::from_millis(20));
-        }
-        self.child = Some(child);
-        true
-    }
-
-    pub fn stop(&mut self) {
-        if let Some(mut c) = self.child.take() {
-            let _ = c.kill();
-            let _ = c.wait();
-        }
-    }
-
-    pub fn address(&self) -> String {
-        format!("127.0.0.1:{}", self.port)
-    }
-
-    /// Runs `redis-cli` against this server and returns its output.
-    pub fn cli(&self, args: &[&str]) -> String {
-        let out = Command::new("redis-cli")
-            .args(["-p", &self.port.to_string()])
-            .args(args)
-            .output()
-            .expect("redis-cli runs");
-        String::from_utf8_lossy(&out.stdout).into_owned()
-    }
-
-    /// Every key, sorted.
-    pub fn keys(&self) -> Vec<String> {
-        let mut keys: Vec<String> = self
-            .cli(&["--scan"])
-            .lines()
-            .map(str::to_string)
-            .filter(|l| !l.is_empty())
-            .collect();
-        keys.sort();
-        keys
-    }
-}
-
-impl Drop for Redis {
-    fn drop(&mut self) {
-        self.stop();
     }
 }
 
@@ -212,8 +120,28 @@ impl KasProc {
     ) -> KasProc {
         // Port 0 everywhere: kas binds what is free and logs the addresses, so no port is
         // ever picked by the test and then taken by someone else.
+        Self::start_on(secrets, name, redis, ttl_ms, extra_redis, None).await
+    }
+
+    /// Starts kas again on the addresses this one had (after it stopped).
+    pub async fn restart(&mut self, secrets: &Secrets, name: &str) {
+        let at = [self.agent, self.api, self.private, self.observability];
+        *self = Self::start_on(secrets, name, None, 10_000, "", Some(at)).await;
+    }
+
+    /// Like `start`, with `listen` = (agent, api, private, observability) addresses.
+    pub async fn start_on(
+        secrets: &Secrets,
+        name: &str,
+        redis: Option<&Redis>,
+        ttl_ms: u64,
+        extra_redis: &str,
+        listen: Option<[SocketAddr; 4]>,
+    ) -> KasProc {
+        let [agent, api, private, observability] =
+            listen.map_or_else(|| ["127.0.0.1:0".parse().unwrap(); 4], |a| a);
         let mut config = format!(
-            "agent:\n  listen:\n    address: 127.0.0.1:0\n  tokens_file: {}\n{}api:\n  listen:\n    address: 127.0.0.1:0\n    authentication_secret_file: {}\nprivate_api:\n  listen:\n    address: 127.0.0.1:0\n    authentication_secret_file: {}\nobservability:\n  listen:\n    address: 127.0.0.1:0\nshutdown_grace: 2s\n",
+            "agent:\n  listen:\n    address: {agent}\n  tokens_file: {}\n{}api:\n  listen:\n    address: {api}\n    authentication_secret_file: {}\nprivate_api:\n  listen:\n    address: {private}\n    authentication_secret_file: {}\nobservability:\n  listen:\n    address: {observability}\nshutdown_grace: 2s\n",
             secrets.path("tokens.yaml").display(),
             agent_section(ttl_ms),
             secrets.path("gitlab.secret").display(),
@@ -330,24 +258,21 @@ pub async fn channel(addr: SocketAddr) -> Channel {
 
 /// GitLab's side: a public API client that signs every call.
 pub struct GitLab {
-    client: KasApiClient<Channel>,
-    signer: Signer,
+    api: ApiClient,
+    secret: Secret,
+    addr: String,
 }
 
 impl GitLab {
     pub async fn new(secrets: &Secrets, api: SocketAddr) -> GitLab {
+        let addr = api.to_string();
         GitLab {
-            client: KasApiClient::new(channel(api).await),
-            signer: secrets.gitlab_signer(),
+            api: ApiClient::connect(&addr, &secrets.gitlab, Duration::from_secs(5))
+                .await
+                .expect("connect"),
+            secret: secrets.gitlab.clone(),
+            addr,
         }
-    }
-
-    pub fn request<T>(&self, msg: T, timeout: Duration) -> tonic::Request<T> {
-        let mut r = tonic::Request::new(msg);
-        r.set_timeout(timeout);
-        r.metadata_mut()
-            .insert("authorization", self.signer.bearer().parse().unwrap());
-        r
     }
 
     /// The pod names agent `agent` (its replica `connection`) lists.
@@ -357,29 +282,19 @@ impl GitLab {
         connection: Option<ConnectionId>,
         timeout: Duration,
     ) -> Result<Vec<String>, tonic::Status> {
-        let req = kas_proto::public_api::GetPodsRequest {
-            agent_id: agent,
-            connection_id: connection.map(|c| c.0),
-        };
-        let resp = self
-            .client
-            .clone()
-            .get_pods(self.request(req, timeout))
-            .await?;
-        Ok(resp.into_inner().pods.into_iter().map(|p| p.name).collect())
+        let api = ApiClient::connect(&self.addr, &self.secret, timeout)
+            .await
+            .expect("connect");
+        let pods = api.pods(agent, connection.map(|c| c.0)).await?;
+        Ok(pods.into_iter().map(|p| p.name).collect())
     }
 
     /// The live connections of agent `agent`: (connection id, pod name), sorted.
     pub async fn connections(&self, agent: i64) -> Result<Vec<(i64, String)>, tonic::Status> {
-        let req = kas_proto::public_api::ConnectedAgentsByIdRequest { agent_id: agent };
-        let resp = self
-            .client
-            .clone()
-            .connected_agents_by_id(self.request(req, Duration::from_secs(5)))
-            .await?;
-        let mut v: Vec<(i64, String)> = resp
-            .into_inner()
-            .agents
+        let mut v: Vec<(i64, String)> = self
+            .api
+            .agents_by_id(agent)
+            .await?
             .into_iter()
             .map(|a| (a.connection_id, a.agent_meta.unwrap_or_default().pod_name))
             .collect();
@@ -461,6 +376,84 @@ impl Drop for TestAgent {
     fn drop(&mut self) {
         for t in &self.tasks {
             t.abort();
+        }
+    }
+}
+
+/// An `agentk` process serving fixture pods, logging to a file.
+pub struct AgentkProc {
+    child: Option<Child>,
+    pub log: PathBuf,
+}
+
+impl AgentkProc {
+    /// Starts agentk against `kas_agent` with `token`, as pod `pod`, serving `pods` (YAML
+    /// fixture text), with `extra` flags.
+    pub fn start(
+        secrets: &Secrets,
+        kas_agent: SocketAddr,
+        token: &str,
+        pod: &str,
+        pods: &str,
+        extra: &[&str],
+    ) -> AgentkProc {
+        let token_file = secrets.path(&format!("{pod}.token"));
+        std::fs::write(&token_file, token).unwrap();
+        let fixture = secrets.path(&format!("{pod}.pods.yaml"));
+        std::fs::write(&fixture, pods).unwrap();
+        let log = secrets.path(&format!("{pod}.agentk.log"));
+        let child = Command::new(env!("CARGO_BIN_EXE_agentk"))
+            .arg("--kas")
+            .arg(kas_agent.to_string())
+            .arg("--token-file")
+            .arg(&token_file)
+            .arg("--pods-fixture")
+            .arg(&fixture)
+            .args(["--log", "info,kas_runtime=debug"])
+            .args(extra)
+            .env("POD_NAMESPACE", "gitlab-agent")
+            .env("POD_NAME", pod)
+            .stdout(Stdio::null())
+            .stderr(std::fs::File::create(&log).unwrap())
+            .spawn()
+            .expect("agentk starts");
+        AgentkProc {
+            child: Some(child),
+            log,
+        }
+    }
+
+    pub fn log_text(&self) -> String {
+        std::fs::read_to_string(&self.log).unwrap_or_default()
+    }
+
+    /// Log lines containing `needle`.
+    pub fn count(&self, needle: &str) -> usize {
+        self.log_text().lines().filter(|l| l.contains(needle)).count()
+    }
+
+    /// True while the process runs.
+    pub fn running(&mut self) -> bool {
+        self.child
+            .as_mut()
+            .is_some_and(|c| c.try_wait().ok().flatten().is_none())
+    }
+
+    /// SIGTERM, then waits for the exit status.
+    pub fn terminate(&mut self) -> std::process::ExitStatus {
+        let mut c = self.child.take().expect("running");
+        let _ = Command::new("kill")
+            .args(["-TERM", &c.id().to_string()])
+            .status();
+        c.wait().expect("agentk exits")
+    }
+}
+
+impl Drop for AgentkProc {
+    fn drop(&mut self) {
+        if let Some(mut c) = self.child.take() {
+            let _ = c.kill();
+            let _ = c.wait();
         }
     }
 }

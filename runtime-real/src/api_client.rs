@@ -1,0 +1,75 @@
+//! GitLab's side of kas's public API: a client that signs every call with GitLab's secret.
+
+use crate::jwt::{self, Secret, Signer};
+use kas_proto::pods::Pod;
+use kas_proto::public_api::kas_api_client::KasApiClient;
+use kas_proto::public_api::{
+    ConnectedAgentsByIdRequest, ConnectedAgentsForProjectRequest, GetPodsRequest,
+};
+use kas_proto::registry::ConnectedAgentInfo;
+use std::time::Duration;
+use tonic::Status;
+use tonic::transport::Channel;
+
+/// A public API client of one kas.
+#[derive(Clone)]
+pub struct ApiClient {
+    client: KasApiClient<Channel>,
+    signer: Signer,
+    timeout: Duration,
+}
+
+impl ApiClient {
+    /// Connects to kas's public API at `addr` (`host:port`). Each call carries `timeout`
+    /// as its deadline, which is also the connect timeout.
+    pub async fn connect(addr: &str, secret: &Secret, timeout: Duration) -> Result<Self, String> {
+        let channel = tonic::transport::Endpoint::from_shared(format!("http://{addr}"))
+            .map_err(|e| format!("bad kas address {addr}: {e}"))?
+            .connect_timeout(timeout)
+            .connect()
+            .await
+            .map_err(|e| format!("cannot reach kas at {addr}: {e}"))?;
+        Ok(ApiClient {
+            client: KasApiClient::new(channel),
+            signer: Signer::new(secret, jwt::GITLAB, jwt::GITLAB_KAS),
+            timeout,
+        })
+    }
+
+    fn request<T>(&self, msg: T) -> tonic::Request<T> {
+        let mut r = tonic::Request::new(msg);
+        r.set_timeout(self.timeout);
+        if let Ok(v) = self.signer.bearer().parse() {
+            r.metadata_mut().insert("authorization", v);
+        }
+        r
+    }
+
+    /// The connected replicas of the agents of `project`.
+    pub async fn agents_for_project(
+        &self,
+        project: i64,
+    ) -> Result<Vec<ConnectedAgentInfo>, Status> {
+        let req = self.request(ConnectedAgentsForProjectRequest {
+            project_id: project,
+        });
+        let resp = self.client.clone().connected_agents_for_project(req).await?;
+        Ok(resp.into_inner().agents)
+    }
+
+    /// The connected replicas of `agent`.
+    pub async fn agents_by_id(&self, agent: i64) -> Result<Vec<ConnectedAgentInfo>, Status> {
+        let req = self.request(ConnectedAgentsByIdRequest { agent_id: agent });
+        let resp = self.client.clone().connected_agents_by_id(req).await?;
+        Ok(resp.into_inner().agents)
+    }
+
+    /// The pods `agent` (its replica `connection`, when given) lists, routed through kas.
+    pub async fn pods(&self, agent: i64, connection: Option<i64>) -> Result<Vec<Pod>, Status> {
+        let req = self.request(GetPodsRequest {
+            agent_id: agent,
+            connection_id: connection,
+        });
+        Ok(self.client.clone().get_pods(req).await?.into_inner().pods)
+    }
+}

@@ -1,0 +1,282 @@
+//! A working deployment on this machine: Redis on a free port, three kas sharing it and
+//! agents on different kas (agent 2 with two replicas) serving fixture pods; or, without
+//! Redis, one kas on its in-memory registry. kas and agents run in this process, on the
+//! production code paths; Redis is a child process.
+
+pub mod redis_server;
+
+use crate::agent::{self, AgentOptions, Modules, PodSource};
+use crate::api_client::ApiClient;
+use crate::config::Config;
+use crate::jwt::Secret;
+use crate::kas::Kas;
+use kas_proto::registry::AgentMeta;
+use redis_server::RedisServer;
+use std::fmt::Write as _;
+use std::path::{Path, PathBuf};
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+use tokio::sync::watch;
+use tokio::task::JoinSet;
+
+/// The project both agents belong to.
+pub const PROJECT: i64 = 100;
+
+/// One agent replica of the deployment.
+#[derive(Clone, Debug)]
+pub struct Replica {
+    /// The agent id.
+    pub agent: i64,
+    /// Its pod name (what `kasctl agents` shows).
+    pub pod: String,
+    /// Index of the kas it connects to.
+    pub kas: usize,
+}
+
+/// Fixture pods of each agent: (agent, namespace, name, phase, node).
+const PODS: [(i64, &str, &str, &str, &str); 3] = [
+    (1, "default", "web-1", "Running", "node-a"),
+    (1, "kube-system", "coredns-1", "Running", "node-a"),
+    (2, "shop", "cart-1", "Running", "node-b"),
+];
+
+/// The pod names agent `agent` serves, in fixture order.
+pub fn fixture_pods(agent: i64) -> Vec<&'static str> {
+    PODS.iter()
+        .filter(|p| p.0 == agent)
+        .map(|p| p.2)
+        .collect()
+}
+
+/// The running deployment. [`LocalDeployment::stop`] takes it down.
+pub struct LocalDeployment {
+    dir: PathBuf,
+    redis: Option<RedisServer>,
+    kas: Vec<Kas>,
+    replicas: Vec<Replica>,
+    stop_agents: watch::Sender<bool>,
+    agents: JoinSet<()>,
+}
+
+/// What stopping found.
+#[derive(Debug)]
+pub struct Stopped {
+    /// Keys left in Redis after every kas deleted its records (`None` without Redis).
+    pub redis_keys_left: Option<Vec<String>>,
+}
+
+impl LocalDeployment {
+    /// Starts the deployment with its files (secrets, tokens, configs, fixture pods) in
+    /// `dir`, with Redis when `with_redis`, and returns once every kas lists every replica.
+    pub async fn start(dir: &Path, with_redis: bool) -> Result<LocalDeployment, String> {
+        let write = |name: &str, text: String| {
+            let path = dir.join(name);
+            std::fs::write(&path, text)
+                .map(|()| path)
+                .map_err(|e| format!("{}: {e}", dir.join(name).display()))
+        };
+        let random_secret = || Secret::from_base64(&base64_of(&rand::random::<[u8; 32]>()));
+        let gitlab = random_secret().map_err(|e| e.to_string())?;
+        let kas_secret = random_secret().map_err(|e| e.to_string())?;
+        let gitlab_file = write("gitlab.secret", gitlab.to_base64())?;
+        let kas_file = write("kas.secret", kas_secret.to_base64())?;
+        let tokens: Vec<String> = (1..=2)
+            .map(|n| format!("local-agent-{n}-{:016x}", rand::random::<u64>()))
+            .collect();
+        let mut tokens_yaml = String::from("agents:\n");
+        for (n, token) in (1..).zip(&tokens) {
+            let _ = writeln!(
+                tokens_yaml,
+                "  - {{token: {token}, agent_id: {n}, project_id: {PROJECT}}}"
+            );
+            write(&format!("agent{n}.token"), format!("{token}\n"))?;
+            let mut pods = String::new();
+            for p in PODS.iter().filter(|p| p.0 == n) {
+                let _ = writeln!(
+                    pods,
+                    "- {{namespace: {}, name: {}, phase: {}, node_name: {}}}",
+                    p.1, p.2, p.3, p.4
+                );
+            }
+            write(&format!("pods-agent{n}.yaml"), pods)?;
+        }
+        let tokens_file = write("tokens.yaml", tokens_yaml)?;
+
+        let redis = if with_redis {
+            Some(RedisServer::start()?)
+        } else {
+            None
+        };
+        let kas_count = if redis.is_some() { 3 } else { 1 };
+        let mut kas = Vec::new();
+        for i in 0..kas_count {
+            let mut yaml = format!(
+                "agent:\n  listen: {{address: '127.0.0.1:0'}}\n  tokens_file: '{}'\napi:\n  listen: {{address: '127.0.0.1:0', authentication_secret_file: '{}'}}\nprivate_api:\n  listen: {{address: '127.0.0.1:0', authentication_secret_file: '{}'}}\nobservability:\n  listen: {{address: '127.0.0.1:0'}}\nshutdown_grace: 2s\n",
+                tokens_file.display(),
+                gitlab_file.display(),
+                kas_file.display(),
+            );
+            if let Some(r) = &redis {
+                let _ = write!(
+                    yaml,
+                    "redis:\n  server: {{address: '{}'}}\n  key_prefix: kas\n",
+                    r.address()
+                );
+            }
+            let path = write(&format!("kas{i}.yaml"), yaml)?;
+            let config = Config::load(&path, None).map_err(|e| e.to_string())?;
+            kas.push(
+                Kas::start(config)
+                    .await
+                    .map_err(|e| format!("kas{i}: {e}"))?,
+            );
+        }
+
+        let replicas = vec![
+            Replica {
+                agent: 1,
+                pod: "agent1-7d9f".into(),
+                kas: 0,
+            },
+            Replica {
+                agent: 2,
+                pod: "agent2-aaaa".into(),
+                kas: 1 % kas_count,
+            },
+            Replica {
+                agent: 2,
+                pod: "agent2-bbbb".into(),
+                kas: 2 % kas_count,
+            },
+        ];
+        let (stop_agents, shutdown) = watch::channel(false);
+        let mut agents = JoinSet::new();
+        for r in &replicas {
+            let source = PodSource::fixture_file(&dir.join(format!("pods-agent{}.yaml", r.agent)))?;
+            let meta = AgentMeta {
+                version: env!("CARGO_PKG_VERSION").into(),
+                commit: String::new(),
+                pod_namespace: "gitlab-agent".into(),
+                pod_name: r.pod.clone(),
+            };
+            let token = tokens[usize::try_from(r.agent - 1).unwrap_or(0)].clone();
+            let mut options = AgentOptions::new(kas[r.kas].addresses.agent.to_string(), token, meta);
+            options.seed = rand::random();
+            let modules = Arc::new(Modules::default().with_pods(source));
+            agents.spawn(agent::run(options, modules, shutdown.clone()));
+        }
+        let deployment = LocalDeployment {
+            dir: dir.to_path_buf(),
+            redis,
+            kas,
+            replicas,
+            stop_agents,
+            agents,
+        };
+        deployment.wait_until_listed(&gitlab).await?;
+        Ok(deployment)
+    }
+
+    /// Waits until every kas lists every replica, or fails after 20 s.
+    async fn wait_until_listed(&self, gitlab: &Secret) -> Result<(), String> {
+        let end = Instant::now() + Duration::from_secs(20);
+        for (i, k) in self.kas.iter().enumerate() {
+            let api = ApiClient::connect(&k.addresses.api.to_string(), gitlab, Duration::from_secs(5))
+                .await?;
+            loop {
+                let listed = api.agents_for_project(PROJECT).await.map(|a| a.len());
+                if listed.as_ref().is_ok_and(|n| *n == self.replicas.len()) {
+                    break;
+                }
+                if Instant::now() > end {
+                    return Err(format!(
+                        "kas{i} did not list all {} agent replicas within 20 s (last answer: {listed:?})",
+                        self.replicas.len()
+                    ));
+                }
+                tokio::time::sleep(Duration::from_millis(50)).await;
+            }
+        }
+        Ok(())
+    }
+
+    /// The running kas instances.
+    pub fn kas(&self) -> &[Kas] {
+        &self.kas
+    }
+
+    /// The agent replicas.
+    pub fn replicas(&self) -> &[Replica] {
+        &self.replicas
+    }
+
+    /// GitLab's secret, for `kasctl --secret-file`.
+    pub fn gitlab_secret_file(&self) -> PathBuf {
+        self.dir.join("gitlab.secret")
+    }
+
+    /// What runs where, and `kasctl` commands to try (`kasctl` is the path to show).
+    pub fn describe(&self, kasctl: &str) -> String {
+        let mut s = String::new();
+        let dir = self.dir.display();
+        let _ = writeln!(s, "Local kas deployment (configs, secrets and fixture pods in {dir}):");
+        match &self.redis {
+            Some(r) => {
+                let _ = writeln!(s, "  redis     {}", r.address());
+            }
+            None => {
+                let _ = writeln!(s, "  (no redis-server on PATH: one kas on its in-memory registry)");
+            }
+        }
+        for (i, k) in self.kas.iter().enumerate() {
+            let a = &k.addresses;
+            let _ = writeln!(
+                s,
+                "  kas{i}      agent {}  api {}  private {}  metrics http://{}/metrics",
+                a.agent, a.api, a.private_api, a.observability
+            );
+        }
+        for r in &self.replicas {
+            let _ = writeln!(
+                s,
+                "  agent {}   pod gitlab-agent/{}  on kas{}  serving {}",
+                r.agent,
+                r.pod,
+                r.kas,
+                fixture_pods(r.agent).join(", ")
+            );
+        }
+        let api = |i: usize| self.kas[i % self.kas.len()].addresses.api;
+        let _ = writeln!(s, "\nTry (any kas routes to any agent):");
+        let _ = writeln!(s, "  export KASCTL_SECRET_FILE={}", self.gitlab_secret_file().display());
+        let _ = writeln!(s, "  {kasctl} --kas {} agents --project {PROJECT}", api(0));
+        let _ = writeln!(s, "  {kasctl} --kas {} pods --agent 1", api(2));
+        let _ = writeln!(s, "  {kasctl} --kas {} pods --agent 2 --connection <CONNECTION from 'agents'>", api(0));
+        let _ = writeln!(s, "  {kasctl} --kas {} --timeout 2s pods --agent 9     # not connected", api(1));
+        let _ = writeln!(
+            s,
+            "\nAnother replica of agent 2: agentk --kas {} --token-file {dir}/agent2.token --pods-fixture {dir}/pods-agent2.yaml",
+            self.kas[0].addresses.agent
+        );
+        s
+    }
+
+    /// Stops the agents (their calls finish), then every kas (each deletes its records),
+    /// then Redis, reporting the keys left behind.
+    pub async fn stop(mut self) -> Stopped {
+        let _ = self.stop_agents.send(true);
+        while self.agents.join_next().await.is_some() {}
+        futures::future::join_all(self.kas.drain(..).map(Kas::stop)).await;
+        let redis_keys_left = self.redis.as_mut().map(|r| {
+            let keys = r.keys();
+            r.stop();
+            keys
+        });
+        Stopped { redis_keys_left }
+    }
+}
+
+fn base64_of(bytes: &[u8]) -> String {
+    use base64::Engine;
+    base64::engine::general_purpose::STANDARD.encode(bytes)
+}

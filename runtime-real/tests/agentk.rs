@@ -1,0 +1,106 @@
+//! The agentk binary against a kas process: reconnects after a kas restart, backs off when
+//! its token is refused, and leaves cleanly on SIGTERM.
+
+mod support;
+
+use std::time::{Duration, Instant};
+use support::{AgentkProc, GitLab, KasProc, Secrets, agent_token, eventually};
+
+const PODS: &str = "- {namespace: default, name: web-1, phase: Running, node_name: node-a}\n";
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn agentk_reconnects_after_its_kas_restarts_and_is_routable_again() {
+    let secrets = Secrets::new();
+    let mut kas = KasProc::start(&secrets, "kas", None, 10_000, "").await;
+    let mut agentk = AgentkProc::start(
+        &secrets,
+        kas.agent,
+        &agent_token(1),
+        "agent1-pod",
+        PODS,
+        &["--min-idle-tunnels", "1"],
+    );
+    let gitlab = GitLab::new(&secrets, kas.api).await;
+    let pods = gitlab.pods(1, None, Duration::from_secs(10)).await;
+    assert_eq!(pods.expect("routed"), ["web-1"]);
+    assert_eq!(
+        gitlab.connections(1).await.unwrap()[0].1,
+        "agent1-pod",
+        "pod name from the downward-API environment"
+    );
+
+    assert!(kas.terminate().success());
+    kas.restart(&secrets, "kas").await;
+    let gitlab = GitLab::new(&secrets, kas.api).await;
+    // The call waits for the agent to come back, within its deadline.
+    let pods = gitlab.pods(1, None, Duration::from_secs(15)).await;
+    assert_eq!(pods.expect("routed after the restart"), ["web-1"]);
+    assert!(agentk.running(), "agentk survived:\n{}", agentk.log_text());
+    assert_eq!(agentk.count("connected kas="), 2, "{}", agentk.log_text());
+    assert!(
+        agentk.count("reconnecting after a backoff") >= 1,
+        "{}",
+        agentk.log_text()
+    );
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn agentk_with_a_refused_token_says_so_and_backs_off() {
+    let secrets = Secrets::new();
+    let kas = KasProc::start(&secrets, "kas", None, 10_000, "").await;
+    let started = Instant::now();
+    let mut agentk = AgentkProc::start(
+        &secrets,
+        kas.agent,
+        "not-a-token-kas-knows-0123456789",
+        "bad-agent",
+        PODS,
+        &[],
+    );
+    eventually(Duration::from_secs(30), "three refusals", || {
+        let n = agentk.count("kas refused the agent token");
+        async move { (n >= 3).then_some(()) }
+    })
+    .await;
+    // Backoff delays are at least 0.5 s then 1 s (jittered halves of 1 s and 2 s): three
+    // attempts cannot happen faster than 1.5 s. A busy loop would make them in
+    // milliseconds. (A lower bound: a slow machine only makes it later.)
+    let elapsed = started.elapsed();
+    assert!(
+        elapsed >= Duration::from_millis(1500),
+        "3 attempts in {elapsed:?}"
+    );
+    assert!(agentk.running(), "agentk keeps retrying:\n{}", agentk.log_text());
+    let log = agentk.log_text();
+    assert!(log.contains("check --token-file"), "{log}");
+    assert!(kas.log_text().contains("agent token"), "{}", kas.log_text());
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn agentk_leaves_on_sigterm_and_kas_forgets_it() {
+    let secrets = Secrets::new();
+    let kas = KasProc::start(&secrets, "kas", None, 10_000, "").await;
+    let mut agentk = AgentkProc::start(
+        &secrets,
+        kas.agent,
+        &agent_token(1),
+        "agent1-pod",
+        PODS,
+        &["--min-idle-tunnels", "3"],
+    );
+    let gitlab = GitLab::new(&secrets, kas.api).await;
+    assert_eq!(
+        gitlab.pods(1, None, Duration::from_secs(10)).await.unwrap(),
+        ["web-1"]
+    );
+    let status = agentk.terminate();
+    assert!(status.success(), "{status}:\n{}", agentk.log_text());
+    let log = agentk.log_text();
+    assert!(log.contains("shutting down: closing idle tunnels"), "{log}");
+    assert!(log.contains("agentk stopped"), "{log}");
+    eventually(Duration::from_secs(10), "kas to drop the agent", || {
+        let gitlab = &gitlab;
+        async move { gitlab.connections(1).await.ok().filter(|c| c.is_empty()) }
+    })
+    .await;
+}
