@@ -28,7 +28,7 @@ impl ApiClient {
             .connect_timeout(timeout)
             .connect()
             .await
-            .map_err(|e| format!("cannot reach kas at {addr}: {e}"))?;
+            .map_err(|e| format!("cannot reach kas at {addr}: {}", crate::errors::chain(&e)))?;
         Ok(ApiClient {
             client: KasApiClient::new(channel),
             signer: Signer::new(secret, jwt::GITLAB, jwt::GITLAB_KAS),
@@ -53,7 +53,11 @@ impl ApiClient {
         let req = self.request(ConnectedAgentsForProjectRequest {
             project_id: project,
         });
-        let resp = self.client.clone().connected_agents_for_project(req).await?;
+        let resp = self
+            .client
+            .clone()
+            .connected_agents_for_project(req)
+            .await?;
         Ok(resp.into_inner().agents)
     }
 

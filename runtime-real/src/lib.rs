@@ -6,6 +6,7 @@ pub mod agent_auth;
 pub mod api_client;
 pub mod clock;
 pub mod config;
+pub mod errors;
 pub mod frames;
 pub mod jwt;
 pub mod kas;

@@ -42,10 +42,7 @@ const PODS: [(i64, &str, &str, &str, &str); 3] = [
 
 /// The pod names agent `agent` serves, in fixture order.
 pub fn fixture_pods(agent: i64) -> Vec<&'static str> {
-    PODS.iter()
-        .filter(|p| p.0 == agent)
-        .map(|p| p.2)
-        .collect()
+    PODS.iter().filter(|p| p.0 == agent).map(|p| p.2).collect()
 }
 
 /// The running deployment. [`LocalDeployment::stop`] takes it down.
@@ -160,7 +157,8 @@ impl LocalDeployment {
                 pod_name: r.pod.clone(),
             };
             let token = tokens[usize::try_from(r.agent - 1).unwrap_or(0)].clone();
-            let mut options = AgentOptions::new(kas[r.kas].addresses.agent.to_string(), token, meta);
+            let mut options =
+                AgentOptions::new(kas[r.kas].addresses.agent.to_string(), token, meta);
             options.seed = rand::random();
             let modules = Arc::new(Modules::default().with_pods(source));
             agents.spawn(agent::run(options, modules, shutdown.clone()));
@@ -181,8 +179,9 @@ impl LocalDeployment {
     async fn wait_until_listed(&self, gitlab: &Secret) -> Result<(), String> {
         let end = Instant::now() + Duration::from_secs(20);
         for (i, k) in self.kas.iter().enumerate() {
-            let api = ApiClient::connect(&k.addresses.api.to_string(), gitlab, Duration::from_secs(5))
-                .await?;
+            let api =
+                ApiClient::connect(&k.addresses.api.to_string(), gitlab, Duration::from_secs(5))
+                    .await?;
             loop {
                 let listed = api.agents_for_project(PROJECT).await.map(|a| a.len());
                 if listed.as_ref().is_ok_and(|n| *n == self.replicas.len()) {
@@ -219,13 +218,19 @@ impl LocalDeployment {
     pub fn describe(&self, kasctl: &str) -> String {
         let mut s = String::new();
         let dir = self.dir.display();
-        let _ = writeln!(s, "Local kas deployment (configs, secrets and fixture pods in {dir}):");
+        let _ = writeln!(
+            s,
+            "Local kas deployment (configs, secrets and fixture pods in {dir}):"
+        );
         match &self.redis {
             Some(r) => {
                 let _ = writeln!(s, "  redis     {}", r.address());
             }
             None => {
-                let _ = writeln!(s, "  (no redis-server on PATH: one kas on its in-memory registry)");
+                let _ = writeln!(
+                    s,
+                    "  (no redis-server on PATH: one kas on its in-memory registry)"
+                );
             }
         }
         for (i, k) in self.kas.iter().enumerate() {
@@ -248,11 +253,23 @@ impl LocalDeployment {
         }
         let api = |i: usize| self.kas[i % self.kas.len()].addresses.api;
         let _ = writeln!(s, "\nTry (any kas routes to any agent):");
-        let _ = writeln!(s, "  export KASCTL_SECRET_FILE={}", self.gitlab_secret_file().display());
+        let _ = writeln!(
+            s,
+            "  export KASCTL_SECRET_FILE={}",
+            self.gitlab_secret_file().display()
+        );
         let _ = writeln!(s, "  {kasctl} --kas {} agents --project {PROJECT}", api(0));
         let _ = writeln!(s, "  {kasctl} --kas {} pods --agent 1", api(2));
-        let _ = writeln!(s, "  {kasctl} --kas {} pods --agent 2 --connection <CONNECTION from 'agents'>", api(0));
-        let _ = writeln!(s, "  {kasctl} --kas {} --timeout 2s pods --agent 9     # not connected", api(1));
+        let _ = writeln!(
+            s,
+            "  {kasctl} --kas {} pods --agent 2 --connection <CONNECTION from 'agents'>",
+            api(0)
+        );
+        let _ = writeln!(
+            s,
+            "  {kasctl} --kas {} --timeout 2s pods --agent 9     # not connected",
+            api(1)
+        );
         let _ = writeln!(
             s,
             "\nAnother replica of agent 2: agentk --kas {} --token-file {dir}/agent2.token --pods-fixture {dir}/pods-agent2.yaml",

@@ -70,7 +70,11 @@ async fn agentk_with_a_refused_token_says_so_and_backs_off() {
         elapsed >= Duration::from_millis(1500),
         "3 attempts in {elapsed:?}"
     );
-    assert!(agentk.running(), "agentk keeps retrying:\n{}", agentk.log_text());
+    assert!(
+        agentk.running(),
+        "agentk keeps retrying:\n{}",
+        agentk.log_text()
+    );
     let log = agentk.log_text();
     assert!(log.contains("check --token-file"), "{log}");
     assert!(kas.log_text().contains("agent token"), "{}", kas.log_text());

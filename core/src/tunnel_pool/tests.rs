@@ -140,7 +140,11 @@ fn failed_opens_back_off_one_probe_at_a_time() {
     let probe = opens(&drain(&mut p));
     assert_eq!(probe.len(), 1);
     p.handle_input(at, PoolInput::Opened(probe[0]));
-    assert_eq!(opens(&drain(&mut p)).len(), 1, "success: the rest open at once");
+    assert_eq!(
+        opens(&drain(&mut p)).len(),
+        1,
+        "success: the rest open at once"
+    );
     assert_eq!(p.poll_timeout(), None);
 }
 
@@ -153,7 +157,13 @@ fn repeated_failures_never_open_faster_than_the_backoff() {
         p.handle_timeout(now);
         for s in opens(&drain(&mut p)) {
             attempts += 1;
-            p.handle_input(now, PoolInput::Ended { slot: s, failed: true });
+            p.handle_input(
+                now,
+                PoolInput::Ended {
+                    slot: s,
+                    failed: true,
+                },
+            );
         }
         now = p.poll_timeout().expect("always retrying");
     }
@@ -177,7 +187,13 @@ fn drain_closes_idle_now_and_busy_when_released() {
     assert_eq!(drain(&mut p), vec![PoolOutput::Close(Slot(0))]);
     assert!(!p.drained());
     for s in [Slot(0), Slot(1), grown[0]] {
-        p.handle_input(Time(5), PoolInput::Ended { slot: s, failed: false });
+        p.handle_input(
+            Time(5),
+            PoolInput::Ended {
+                slot: s,
+                failed: false,
+            },
+        );
     }
     assert!(p.drained());
     assert!(drain(&mut p).is_empty());

@@ -50,4 +50,3 @@ impl Modules {
         handler(request).await
     }
 }
-

@@ -59,9 +59,10 @@ impl PodSource {
     /// else of the current kubeconfig context.
     #[cfg(not(madsim))]
     pub async fn kube_default() -> Result<PodSource, String> {
-        kube::Client::try_default().await.map(PodSource::Kube).map_err(|e| {
-            format!("no Kubernetes API configuration (in-cluster or kubeconfig): {e}")
-        })
+        kube::Client::try_default()
+            .await
+            .map(PodSource::Kube)
+            .map_err(|e| format!("no Kubernetes API configuration (in-cluster or kubeconfig): {e}"))
     }
 
     /// Pods of `namespace`, or of every namespace when it is empty.
@@ -109,14 +110,15 @@ async fn list_kube(client: &kube::Client, namespace: &str) -> Result<Vec<Pod>, S
 #[cfg(not(madsim))]
 fn kube_status(e: kube::Error) -> Status {
     match e {
-        kube::Error::Api(s) if s.code == 401 || s.code == 403 => Status::permission_denied(format!(
-            "the Kubernetes API refused to list pods ({} {}): does the agent's service account have RBAC to list pods?",
-            s.code, s.message
-        )),
-        kube::Error::Api(s) if s.code == 404 => Status::not_found(format!(
-            "the Kubernetes API answered 404: {}",
-            s.message
-        )),
+        kube::Error::Api(s) if s.code == 401 || s.code == 403 => {
+            Status::permission_denied(format!(
+                "the Kubernetes API refused to list pods ({} {}): does the agent's service account have RBAC to list pods?",
+                s.code, s.message
+            ))
+        }
+        kube::Error::Api(s) if s.code == 404 => {
+            Status::not_found(format!("the Kubernetes API answered 404: {}", s.message))
+        }
         kube::Error::Api(s) => Status::unavailable(format!(
             "the Kubernetes API failed to list pods ({} {})",
             s.code, s.message

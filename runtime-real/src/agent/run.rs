@@ -85,7 +85,11 @@ async fn stopping(shutdown: &mut watch::Receiver<bool>) {
 
 /// Connects, serves, and reconnects with backoff until `shutdown` turns true; then lets
 /// running calls finish (within `shutdown_grace`) and closes everything.
-pub async fn run(options: AgentOptions, modules: Arc<Modules>, mut shutdown: watch::Receiver<bool>) {
+pub async fn run(
+    options: AgentOptions,
+    modules: Arc<Modules>,
+    mut shutdown: watch::Receiver<bool>,
+) {
     let mut rng = Rng::new(options.seed);
     let mut failures = 0u32;
     loop {
@@ -134,7 +138,9 @@ async fn serve(
             .connect_timeout(Duration::from_secs(5))
             .connect()
             .await
-            .map_err(|e| Status::unavailable(format!("cannot reach kas: {e}")))?;
+            .map_err(|e| {
+                Status::unavailable(format!("cannot reach kas: {}", crate::errors::chain(&e)))
+            })?;
         let client = AgentClient::new(channel, options.token.clone());
         let (connection, _, config) = client.connect(options.meta.clone()).await?;
         Ok::<_, Status>((client, connection, config))

@@ -62,7 +62,12 @@ struct Args {
     #[arg(long, env = "POD_NAME", default_value = "")]
     pod_name: String,
     /// Log filter, e.g. `info`, `kas_runtime=debug` (RUST_LOG syntax).
-    #[arg(long, value_name = "FILTER", env = "AGENTK_LOG", default_value = "info")]
+    #[arg(
+        long,
+        value_name = "FILTER",
+        env = "AGENTK_LOG",
+        default_value = "info"
+    )]
     log: String,
 }
 
@@ -89,9 +94,9 @@ fn main() -> ExitCode {
     runtime.block_on(async {
         let source = match &args.pods_fixture {
             Some(path) => PodSource::fixture_file(path).map_err(|e| format!("--pods-fixture {e}")),
-            None => PodSource::kube_default()
-                .await
-                .map_err(|e| format!("{e}; on a machine without a cluster, use --pods-fixture FILE")),
+            None => PodSource::kube_default().await.map_err(|e| {
+                format!("{e}; on a machine without a cluster, use --pods-fixture FILE")
+            }),
         };
         let source = match source {
             Ok(s) => s,
@@ -113,7 +118,12 @@ fn main() -> ExitCode {
 fn options(args: &Args) -> Result<AgentOptions, String> {
     let token = match std::fs::read_to_string(&args.token_file) {
         Ok(t) if !t.trim().is_empty() => t.trim().to_string(),
-        Ok(_) => return Err(format!("--token-file {} is empty", args.token_file.display())),
+        Ok(_) => {
+            return Err(format!(
+                "--token-file {} is empty",
+                args.token_file.display()
+            ));
+        }
         Err(e) => return Err(format!("--token-file {}: {e}", args.token_file.display())),
     };
     if args.max_tunnels == 0 || args.min_idle_tunnels > args.max_tunnels {

@@ -44,7 +44,9 @@ impl RedisServer {
                 Err(e) => last = e,
             }
         }
-        Err(format!("redis-server did not start on five free ports: {last}"))
+        Err(format!(
+            "redis-server did not start on five free ports: {last}"
+        ))
     }
 
     /// Starts the (stopped) server again, empty, on its port.
@@ -59,12 +61,18 @@ impl RedisServer {
         let end = Instant::now() + Duration::from_secs(10);
         while self.cli(&["PING"]).trim() != "PONG" {
             if let Ok(Some(status)) = child.try_wait() {
-                return Err(format!("redis-server on port {} exited: {status}", self.port));
+                return Err(format!(
+                    "redis-server on port {} exited: {status}",
+                    self.port
+                ));
             }
             if Instant::now() > end {
                 let _ = child.kill();
                 let _ = child.wait();
-                return Err(format!("redis-server on port {} did not answer PING", self.port));
+                return Err(format!(
+                    "redis-server on port {} did not answer PING",
+                    self.port
+                ));
             }
             std::thread::sleep(Duration::from_millis(20));
         }

@@ -360,7 +360,12 @@ impl TestAgent {
                 // Reopen after each call-free end, as agentk keeps its pool.
                 loop {
                     let status = client
-                        .serve_tunnel(connection, modules.clone(), Duration::from_millis(500), None)
+                        .serve_tunnel(
+                            connection,
+                            modules.clone(),
+                            Duration::from_millis(500),
+                            None,
+                        )
                         .await;
                     if status.code() != tonic::Code::Ok {
                         return;
@@ -429,7 +434,10 @@ impl AgentkProc {
 
     /// Log lines containing `needle`.
     pub fn count(&self, needle: &str) -> usize {
-        self.log_text().lines().filter(|l| l.contains(needle)).count()
+        self.log_text()
+            .lines()
+            .filter(|l| l.contains(needle))
+            .count()
     }
 
     /// True while the process runs.

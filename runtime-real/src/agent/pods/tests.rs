@@ -51,7 +51,12 @@ async fn list(
         .filter(|p| namespace.as_deref().is_none_or(|n| p.0 == n))
         .collect();
     let start: usize = q.get("continue").map_or(0, |c| c.parse().unwrap());
-    let page: Vec<Value> = matching.iter().skip(start).take(2).map(|p| pod_json(p)).collect();
+    let page: Vec<Value> = matching
+        .iter()
+        .skip(start)
+        .take(2)
+        .map(|p| pod_json(p))
+        .collect();
     let next = start + 2;
     let cont = if next < matching.len() {
         next.to_string()

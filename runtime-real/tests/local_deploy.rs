@@ -1,0 +1,151 @@
+//! The local deployment, brought up by the code `kas-local` (the README's first command)
+//! runs, driven with the `kasctl` binary.
+
+use kas_runtime::local::{LocalDeployment, fixture_pods, redis_server};
+use serde_json::Value;
+use std::path::Path;
+
+/// Runs kasctl; returns (success, stdout, stderr).
+async fn kasctl(secret: &Path, kas: &str, args: &[&str]) -> (bool, String, String) {
+    let out = tokio::process::Command::new(env!("CARGO_BIN_EXE_kasctl"))
+        .arg("--secret-file")
+        .arg(secret)
+        .args(["--kas", kas])
+        .args(args)
+        .output()
+        .await
+        .expect("kasctl runs");
+    (
+        out.status.success(),
+        String::from_utf8_lossy(&out.stdout).into_owned(),
+        String::from_utf8_lossy(&out.stderr).into_owned(),
+    )
+}
+
+async fn kasctl_json(secret: &Path, kas: &str, args: &[&str]) -> Vec<Value> {
+    let mut all = vec!["--json"];
+    all.extend_from_slice(args);
+    let (ok, out, err) = kasctl(secret, kas, &all).await;
+    assert!(ok, "kasctl {args:?} via {kas} failed: {err}");
+    match serde_json::from_str(&out) {
+        Ok(Value::Array(rows)) => rows,
+        other => panic!("kasctl {args:?}: not a JSON array: {other:?} from {out:?}"),
+    }
+}
+
+fn field(row: &Value, key: &str) -> String {
+    row[key].as_str().unwrap_or_default().to_string()
+}
+
+/// `kasctl pods` for both agents through every kas gives that agent's fixture pods.
+async fn every_kas_routes_to_every_agent(d: &LocalDeployment) {
+    let secret = d.gitlab_secret_file();
+    for (i, k) in d.kas().iter().enumerate() {
+        let api = k.addresses.api.to_string();
+        for agent in [1, 2] {
+            let rows = kasctl_json(&secret, &api, &["pods", "--agent", &agent.to_string()]).await;
+            let names: Vec<String> = rows.iter().map(|r| field(r, "name")).collect();
+            assert_eq!(names, fixture_pods(agent), "agent {agent} via kas{i}");
+        }
+    }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn local_deployment_with_redis_routes_through_each_kas() {
+    assert!(
+        redis_server::installed(),
+        "redis-server must be installed (scripts/test installs it)"
+    );
+    let dir = tempfile::tempdir().unwrap();
+    let d = LocalDeployment::start(dir.path(), true)
+        .await
+        .expect("deployment starts");
+    assert_eq!(d.kas().len(), 3);
+    let secret = d.gitlab_secret_file();
+    every_kas_routes_to_every_agent(&d).await;
+
+    // Both replicas of agent 2 are listed with their pod names, each on its own kas.
+    let api0 = d.kas()[0].addresses.api.to_string();
+    let (ok, table, err) = kasctl(&secret, &api0, &["agents", "--agent", "2"]).await;
+    assert!(ok, "{err}");
+    assert!(table.starts_with("AGENT  PROJECT  CONNECTION"), "{table}");
+    for pod in ["gitlab-agent/agent2-aaaa", "gitlab-agent/agent2-bbbb"] {
+        assert!(table.contains(pod), "{pod} missing from:\n{table}");
+    }
+    let rows = kasctl_json(&secret, &api0, &["agents", "--project", "100"]).await;
+    let mut listed: Vec<(String, String, String)> = rows
+        .iter()
+        .map(|r| (field(r, "agent"), field(r, "pod"), field(r, "kas")))
+        .collect();
+    listed.sort();
+    let expected: Vec<(String, String, String)> = d
+        .replicas()
+        .iter()
+        .map(|r| {
+            (
+                r.agent.to_string(),
+                format!("gitlab-agent/{}", r.pod),
+                d.kas()[r.kas].addresses.private_api.to_string(),
+            )
+        })
+        .collect();
+    assert_eq!(listed, expected);
+
+    // Each replica of agent 2, by its connection id, through a kas holding neither.
+    for r in rows.iter().filter(|r| field(r, "agent") == "2") {
+        let connection = field(r, "connection");
+        let pods = kasctl_json(
+            &secret,
+            &api0,
+            &["pods", "--agent", "2", "--connection", &connection],
+        )
+        .await;
+        assert_eq!(pods.len(), 1, "replica {connection}");
+        assert_eq!(field(&pods[0], "name"), "cart-1");
+    }
+
+    // What goes wrong is said plainly.
+    let (ok, _, err) = kasctl(&secret, &api0, &["--timeout", "1s", "pods", "--agent", "9"]).await;
+    assert!(!ok);
+    assert!(
+        err.contains("agent 9 is not connected (no agent connected within the deadline)"),
+        "{err}"
+    );
+    let wrong = dir.path().join("wrong.secret");
+    std::fs::write(&wrong, "V3JvbmdXcm9uZ1dyb25nV3JvbmdXcm9uZ1dyb25nV3Jvbmc=").unwrap();
+    let (ok, _, err) = kasctl(&wrong, &api0, &["agents", "--agent", "1"]).await;
+    assert!(!ok);
+    assert!(err.contains("kas refused the token"), "{err}");
+    let nobody = format!("127.0.0.1:{}", redis_server::free_port().unwrap());
+    let (ok, _, err) = kasctl(&secret, &nobody, &["agents", "--agent", "1"]).await;
+    assert!(!ok);
+    assert!(
+        err.contains(&format!("cannot reach kas at {nobody}")),
+        "{err}"
+    );
+    assert!(err.contains("Connection refused"), "{err}");
+
+    let stopped = d.stop().await;
+    assert_eq!(
+        stopped.redis_keys_left,
+        Some(vec![]),
+        "every record deleted"
+    );
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn local_deployment_without_redis_is_one_kas_in_memory() {
+    let dir = tempfile::tempdir().unwrap();
+    let d = LocalDeployment::start(dir.path(), false)
+        .await
+        .expect("deployment starts");
+    assert_eq!(d.kas().len(), 1);
+    every_kas_routes_to_every_agent(&d).await;
+    let api = d.kas()[0].addresses.api.to_string();
+    let rows = kasctl_json(&d.gitlab_secret_file(), &api, &["agents", "--agent", "2"]).await;
+    assert_eq!(rows.len(), 2, "both replicas of agent 2: {rows:?}");
+    let description = d.describe("kasctl");
+    assert!(description.contains("in-memory registry"), "{description}");
+    assert!(description.contains("kasctl --kas"), "{description}");
+    assert_eq!(d.stop().await.redis_keys_left, None);
+}
