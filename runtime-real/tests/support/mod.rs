@@ -139,7 +139,7 @@ impl KasProc {
         listen: Option<[SocketAddr; 4]>,
     ) -> KasProc {
         let [agent, api, private, observability] =
-            listen.map_or_else(|| ["127.0.0.1:0".parse().unwrap(); 4], |a| a);
+            listen.unwrap_or_else(|| ["127.0.0.1:0".parse().unwrap(); 4]);
         let mut config = format!(
             "agent:\n  listen:\n    address: {agent}\n  tokens_file: {}\n{}api:\n  listen:\n    address: {api}\n    authentication_secret_file: {}\nprivate_api:\n  listen:\n    address: {private}\n    authentication_secret_file: {}\nobservability:\n  listen:\n    address: {observability}\nshutdown_grace: 2s\n",
             secrets.path("tokens.yaml").display(),
