@@ -10,7 +10,7 @@ mod deadline;
 mod engine;
 mod forward;
 mod metrics;
-mod observability;
+pub mod observability;
 mod private_api;
 mod public_api;
 mod tunnel;
@@ -39,7 +39,6 @@ use std::time::Duration;
 use tokio::net::TcpListener;
 use tokio::sync::{oneshot, watch};
 use tokio::task::JoinHandle;
-use tokio_stream::wrappers::TcpListenerStream;
 use tonic::service::Interceptor;
 use tonic::transport::Server;
 use tonic::{Request, Status};
@@ -88,6 +87,34 @@ pub struct Kas {
     agents_server: JoinHandle<()>,
     observability_server: JoinHandle<()>,
     grace: Duration,
+    health: observability::Health,
+}
+
+/// Serves `router` on `listener` until `signal` resolves.
+#[cfg(not(madsim))]
+async fn serve(
+    router: tonic::transport::server::Router,
+    listener: TcpListener,
+    signal: impl Future<Output = ()>,
+) -> Result<(), tonic::transport::Error> {
+    let incoming = tokio_stream::wrappers::TcpListenerStream::new(listener);
+    router.serve_with_incoming_shutdown(incoming, signal).await
+}
+
+/// Serves `router` on `listener`'s address until `signal` resolves (madsim's tonic binds
+/// the address itself; in the simulation every node has its own address, so no one can
+/// take it in between).
+#[cfg(madsim)]
+async fn serve(
+    router: tonic::transport::server::Router,
+    listener: TcpListener,
+    signal: impl Future<Output = ()>,
+) -> Result<(), tonic::transport::Error> {
+    let addr = listener
+        .local_addr()
+        .expect("a bound listener has an address");
+    drop(listener);
+    router.serve_with_shutdown(addr, signal).await
 }
 
 /// Checks the JWT of every call on a listener.
@@ -289,20 +316,16 @@ impl Kas {
         let stop_signal = |mut rx: watch::Receiver<bool>| async move {
             let _ = rx.wait_for(|c| *c).await;
         };
-        let api_server = Server::builder()
-            .tcp_nodelay(true)
-            .add_service(public)
-            .serve_with_incoming_shutdown(
-                TcpListenerStream::new(api_l),
-                stop_signal(closing_rx.clone()),
-            );
-        let private_server = Server::builder()
-            .tcp_nodelay(true)
-            .add_service(private)
-            .serve_with_incoming_shutdown(
-                TcpListenerStream::new(private_l),
-                stop_signal(closing_rx.clone()),
-            );
+        let api_server = serve(
+            Server::builder().tcp_nodelay(true).add_service(public),
+            api_l,
+            stop_signal(closing_rx.clone()),
+        );
+        let private_server = serve(
+            Server::builder().tcp_nodelay(true).add_service(private),
+            private_l,
+            stop_signal(closing_rx.clone()),
+        );
         let calls_server = tokio::spawn(async move {
             let (a, p) = tokio::join!(api_server, private_server);
             for r in [a, p] {
@@ -312,14 +335,14 @@ impl Kas {
             }
         });
         let agents_server = tokio::spawn(async move {
-            let r = Server::builder()
+            let router = Server::builder()
                 .tcp_nodelay(true)
                 .http2_keepalive_interval(Some(Duration::from_secs(30)))
-                .add_service(agents)
-                .serve_with_incoming_shutdown(TcpListenerStream::new(agent_l), async {
-                    let _ = agents_rx.await;
-                })
-                .await;
+                .add_service(agents);
+            let r = serve(router, agent_l, async {
+                let _ = agents_rx.await;
+            })
+            .await;
             if let Err(e) = r {
                 tracing::error!(error = %e, "agent listener failed");
             }
@@ -329,16 +352,10 @@ impl Kas {
             store_ready,
             closing: closing_rx,
         };
-        let observability_server = tokio::spawn(async move {
-            let r = axum::serve(obs_l, observability::routes(health))
-                .with_graceful_shutdown(async {
-                    let _ = obs_rx.await;
-                })
-                .await;
-            if let Err(e) = r {
-                tracing::error!(error = %e, "observability listener failed");
-            }
-        });
+        let observability_server =
+            tokio::spawn(observability::serve(obs_l, health.clone(), async {
+                let _ = obs_rx.await;
+            }));
         tracing::info!(
             kas = %kas_id,
             agent = %addresses.agent,
@@ -358,7 +375,13 @@ impl Kas {
             agents_server,
             observability_server,
             grace: config.shutdown_grace,
+            health,
         })
+    }
+
+    /// Readiness and metrics, as `/readiness` and `/metrics` serve them.
+    pub fn health(&self) -> &observability::Health {
+        &self.health
     }
 
     /// Shuts down gracefully (see the module docs).

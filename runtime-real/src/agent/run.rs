@@ -4,6 +4,8 @@
 use super::client::{AgentClient, TunnelHooks};
 use super::modules::Modules;
 use crate::clock;
+use futures::StreamExt;
+use futures::stream::FuturesUnordered;
 use kas_core::ConnectionId;
 use kas_core::backoff::Backoff;
 use kas_core::rng::Rng;
@@ -13,7 +15,7 @@ use std::collections::HashMap;
 use std::sync::Arc;
 use std::time::Duration;
 use tokio::sync::{mpsc, oneshot, watch};
-use tokio::task::JoinSet;
+use tokio::task::JoinHandle;
 use tonic::{Code, Status};
 
 /// How an agent connects and keeps its tunnels.
@@ -159,7 +161,7 @@ async fn serve(
         connection,
         modules: modules.clone(),
         heartbeat: options.heartbeat,
-        tunnels: JoinSet::new(),
+        tunnels: FuturesUnordered::new(),
         closers: HashMap::new(),
         reports: mpsc::unbounded_channel(),
     };
@@ -178,7 +180,7 @@ async fn serve(
                 Err(s) => return Served::Ended(s),
             },
             Some(input) = pool.reports.1.recv() => pool.machine.handle_input(clock::now(), input),
-            Some(joined) = pool.tunnels.join_next() => {
+            Some(joined) = pool.tunnels.next() => {
                 if let Ok((slot, status)) = joined {
                     pool.ended(slot, status);
                 }
@@ -207,7 +209,8 @@ struct Pool {
     connection: ConnectionId,
     modules: Arc<Modules>,
     heartbeat: Duration,
-    tunnels: JoinSet<(Slot, Status)>,
+    /// Tunnel tasks (madsim has no `JoinSet`); aborted when the pool is dropped.
+    tunnels: FuturesUnordered<JoinHandle<(Slot, Status)>>,
     closers: HashMap<Slot, oneshot::Sender<()>>,
     reports: (
         mpsc::UnboundedSender<PoolInput>,
@@ -230,12 +233,12 @@ impl Pool {
                     };
                     let (client, modules) = (self.client.clone(), self.modules.clone());
                     let (connection, heartbeat) = (self.connection, self.heartbeat);
-                    self.tunnels.spawn(async move {
+                    self.tunnels.push(tokio::spawn(async move {
                         let status = client
                             .serve_tunnel(connection, modules, heartbeat, Some(hooks))
                             .await;
                         (slot, status)
-                    });
+                    }));
                 }
                 PoolOutput::Close(slot) => {
                     if let Some(close) = self.closers.remove(&slot) {
@@ -258,5 +261,13 @@ impl Pool {
         }
         self.machine
             .handle_input(clock::now(), PoolInput::Ended { slot, failed });
+    }
+}
+
+impl Drop for Pool {
+    fn drop(&mut self) {
+        for task in self.tunnels.iter() {
+            task.abort();
+        }
     }
 }

@@ -17,6 +17,7 @@ use std::sync::atomic::{AtomicU64, Ordering};
 use std::time::{Duration, SystemTime};
 use tokio::sync::{mpsc, oneshot, watch};
 use tokio_stream::wrappers::ReceiverStream;
+use tonic::metadata::MetadataMap;
 use tonic::{Request, Response, Status, Streaming};
 
 /// How long an agent has to send its tunnel descriptor.
@@ -39,11 +40,10 @@ pub struct AgentService {
 }
 
 impl AgentService {
-    async fn authenticate<T>(&self, req: &Request<T>) -> Result<AgentIdentity, Status> {
-        let header = req
-            .metadata()
-            .get("authorization")
-            .and_then(|v| v.to_str().ok());
+    /// Resolves the agent token in `metadata`. Takes the metadata, not the request, so
+    /// that no reference to a (non-`Sync`) request stream is held across the lookup.
+    async fn authenticate(&self, metadata: MetadataMap) -> Result<AgentIdentity, Status> {
+        let header = metadata.get("authorization").and_then(|v| v.to_str().ok());
         self.auth.resolve_bearer(header).await.map_err(|e| {
             tracing::info!(error = %e, "agent refused");
             match e {
@@ -63,7 +63,8 @@ impl AgentApi for AgentService {
         &self,
         req: Request<ConfigurationRequest>,
     ) -> Result<Response<Self::GetConfigurationStream>, Status> {
-        let identity = self.authenticate(&req).await?;
+        let metadata = req.metadata().clone();
+        let identity = self.authenticate(metadata).await?;
         let meta = req.into_inner().agent_meta.unwrap_or_default();
         let connection = ConnectionId(rand::random::<i64>().unsigned_abs() as i64 | 1);
         let info = ConnectedAgentInfo {
@@ -118,7 +119,8 @@ impl AgentApi for AgentService {
                 "kas is shutting down: connect to another kas",
             ));
         }
-        let identity = self.authenticate(&req).await?;
+        let metadata = req.metadata().clone();
+        let identity = self.authenticate(metadata).await?;
         let mut inbound = req.into_inner();
         let mut sequence = FrameSequence::new(StreamKind::Tunnel);
         let first = match tokio::time::timeout(DESCRIPTOR_TIMEOUT, inbound.message()).await {

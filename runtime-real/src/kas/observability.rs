@@ -1,14 +1,9 @@
 //! The observability listener: `/metrics`, `/liveness`, `/readiness`.
 
 use super::metrics::Metrics;
-use axum::Router;
-use axum::extract::State;
-use axum::http::{StatusCode, header};
-use axum::response::IntoResponse;
-use axum::routing::get;
 use tokio::sync::watch;
 
-/// What readiness depends on.
+/// What readiness depends on, and the metrics.
 #[derive(Clone)]
 pub struct Health {
     /// The metrics to expose.
@@ -19,34 +14,69 @@ pub struct Health {
     pub closing: watch::Receiver<bool>,
 }
 
-/// The HTTP routes.
-pub fn routes(health: Health) -> Router {
-    Router::new()
-        .route("/metrics", get(metrics))
-        .route("/liveness", get(|| async { "ok\n" }))
-        .route("/readiness", get(readiness))
-        .with_state(health)
-}
-
-async fn metrics(State(h): State<Health>) -> impl IntoResponse {
-    (
-        [(
-            header::CONTENT_TYPE,
-            "application/openmetrics-text; version=1.0.0; charset=utf-8",
-        )],
-        h.metrics.encode(),
-    )
-}
-
-async fn readiness(State(h): State<Health>) -> (StatusCode, &'static str) {
-    if *h.closing.borrow() {
-        (StatusCode::SERVICE_UNAVAILABLE, "shutting down\n")
-    } else if !*h.store_ready.borrow() {
-        (
-            StatusCode::SERVICE_UNAVAILABLE,
-            "registry store unreachable\n",
-        )
-    } else {
-        (StatusCode::OK, "ready\n")
+impl Health {
+    /// `Ok` when ready for calls; otherwise why not.
+    pub fn readiness(&self) -> Result<(), &'static str> {
+        if *self.closing.borrow() {
+            Err("shutting down")
+        } else if !*self.store_ready.borrow() {
+            Err("registry store unreachable")
+        } else {
+            Ok(())
+        }
     }
+
+    /// The metrics in the OpenMetrics text format.
+    pub fn metrics_text(&self) -> String {
+        self.metrics.encode()
+    }
+}
+
+/// Serves `/metrics`, `/liveness` and `/readiness` on `listener` until `signal` resolves.
+#[cfg(not(madsim))]
+pub async fn serve(
+    listener: tokio::net::TcpListener,
+    health: Health,
+    signal: impl Future<Output = ()> + Send + 'static,
+) {
+    use axum::extract::State;
+    use axum::http::{StatusCode, header};
+    use axum::routing::get;
+    let routes = axum::Router::new()
+        .route(
+            "/metrics",
+            get(|State(h): State<Health>| async move {
+                let kind = "application/openmetrics-text; version=1.0.0; charset=utf-8";
+                ([(header::CONTENT_TYPE, kind)], h.metrics_text())
+            }),
+        )
+        .route("/liveness", get(|| async { "ok\n" }))
+        .route(
+            "/readiness",
+            get(|State(h): State<Health>| async move {
+                match h.readiness() {
+                    Ok(()) => (StatusCode::OK, "ready\n".to_string()),
+                    Err(why) => (StatusCode::SERVICE_UNAVAILABLE, format!("{why}\n")),
+                }
+            }),
+        )
+        .with_state(health);
+    let r = axum::serve(listener, routes)
+        .with_graceful_shutdown(signal)
+        .await;
+    if let Err(e) = r {
+        tracing::error!(error = %e, "observability listener failed");
+    }
+}
+
+/// In the simulation there is no HTTP listener (axum needs real sockets); the simulation
+/// reads [`Health`] through `Kas::health`.
+#[cfg(madsim)]
+pub async fn serve(
+    listener: tokio::net::TcpListener,
+    _health: Health,
+    signal: impl Future<Output = ()> + Send + 'static,
+) {
+    drop(listener);
+    signal.await;
 }

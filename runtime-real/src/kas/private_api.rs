@@ -58,8 +58,8 @@ impl KasPrivate for PrivateService {
         let (tx, rx) = mpsc::channel(16);
         let engine = self.engine.clone();
         tokio::spawn(async move {
-            let limit = tokio::time::Instant::now() + crate::clock::until(deadline);
-            match tokio::time::timeout_at(limit, read_call(&mut inbound)).await {
+            match tokio::time::timeout(crate::clock::until(deadline), read_call(&mut inbound)).await
+            {
                 Ok(Ok((start, requests))) => {
                     let call = Call {
                         agent: AgentId(start.agent_id),

@@ -92,13 +92,14 @@ impl PublicService {
         let give_up = tokio::time::Instant::now() + clock::until(deadline) + ANSWER_GRACE;
         let mut body = None;
         loop {
-            let item = tokio::time::timeout_at(give_up, rx.recv())
-                .await
-                .map_err(|_| {
-                    Status::deadline_exceeded(format!(
-                        "agent {agent} did not answer by the deadline"
-                    ))
-                })?;
+            let item = tokio::time::timeout(
+                give_up.saturating_duration_since(tokio::time::Instant::now()),
+                rx.recv(),
+            )
+            .await
+            .map_err(|_| {
+                Status::deadline_exceeded(format!("agent {agent} did not answer by the deadline"))
+            })?;
             // Whatever ends the call from here on came from the engine, a tunnel or a
             // forward, which end it themselves.
             if matches!(
