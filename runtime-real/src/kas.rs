@@ -22,7 +22,7 @@ use crate::agent_auth::{AgentAuth, CachedResolver, GitLabClient, StaticTokens};
 use crate::clock;
 use crate::config::Config;
 use crate::jwt::{self, Secret, Signer, Verifier};
-use crate::store::{MemoryStore, RedisStore, Store};
+use crate::store::{MemoryStore, Store};
 use kas_core::KasId;
 use kas_core::backoff::Backoff;
 use kas_core::keys::Keys;
@@ -205,9 +205,17 @@ impl Kas {
                             .to_string(),
                     ),
                 };
-                let s = RedisStore::new(&r.server.address, password.as_deref(), r.timeout)
-                    .map_err(|e| StartError::Setup(format!("redis.server.address: {e}")))?;
-                (Store::Redis(s), Keys::new(r.key_prefix.clone()))
+                #[cfg(not(madsim))]
+                let s = crate::store::RedisStore::new(&r.server.address, password.as_deref(), r.timeout)
+                    .map(Store::Redis);
+                // In the simulation the address is the simulated Redis node's.
+                #[cfg(madsim)]
+                let s = {
+                    let _ = password;
+                    crate::store::SimStore::new(&r.server.address, r.timeout).map(Store::Sim)
+                };
+                let s = s.map_err(|e| StartError::Setup(format!("redis.server.address: {e}")))?;
+                (s, Keys::new(r.key_prefix.clone()))
             }
         };
 

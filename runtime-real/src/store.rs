@@ -8,9 +8,13 @@
 
 mod memory;
 mod redis;
+#[cfg(madsim)]
+pub mod sim;
 
 pub use self::memory::MemoryStore;
 pub use self::redis::RedisStore;
+#[cfg(madsim)]
+pub use self::sim::SimStore;
 
 use kas_core::Time;
 use kas_core::tracker::KeyWrite;
@@ -28,6 +32,9 @@ pub enum Store {
     Redis(RedisStore),
     /// This process only.
     Memory(MemoryStore),
+    /// The simulated Redis node (madsim only).
+    #[cfg(madsim)]
+    Sim(SimStore),
 }
 
 impl Store {
@@ -39,6 +46,8 @@ impl Store {
                 s.execute(writes);
                 Ok(())
             }
+            #[cfg(madsim)]
+            Store::Sim(s) => s.execute(writes).await,
         }
     }
 
@@ -47,6 +56,8 @@ impl Store {
         match self {
             Store::Redis(s) => s.read(key).await,
             Store::Memory(s) => Ok(s.read(key)),
+            #[cfg(madsim)]
+            Store::Sim(s) => s.read(key).await,
         }
     }
 
@@ -81,6 +92,8 @@ impl Store {
         match self {
             Store::Redis(s) => s.delete_unchanged(key, &garbage).await,
             Store::Memory(s) => Ok(s.delete_unchanged(key, &garbage)),
+            #[cfg(madsim)]
+            Store::Sim(s) => s.delete_unchanged(key, &garbage).await,
         }
     }
 
@@ -89,6 +102,8 @@ impl Store {
         match self {
             Store::Redis(s) => s.ping().await,
             Store::Memory(_) => Ok(()),
+            #[cfg(madsim)]
+            Store::Sim(s) => s.ping().await,
         }
     }
 
@@ -99,6 +114,8 @@ impl Store {
         match self {
             Store::Redis(s) => s.spawn_pubsub(cmd_rx, ev_tx),
             Store::Memory(s) => s.spawn_pubsub(cmd_rx, ev_tx),
+            #[cfg(madsim)]
+            Store::Sim(s) => s.spawn_pubsub(cmd_rx, ev_tx),
         }
         (PubSub(cmd_tx), ev_rx)
     }
