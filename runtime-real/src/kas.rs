@@ -206,8 +206,12 @@ impl Kas {
                     ),
                 };
                 #[cfg(not(madsim))]
-                let s = crate::store::RedisStore::new(&r.server.address, password.as_deref(), r.timeout)
-                    .map(Store::Redis);
+                let s = crate::store::RedisStore::new(
+                    &r.server.address,
+                    password.as_deref(),
+                    r.timeout,
+                )
+                .map(Store::Redis);
                 // In the simulation the address is the simulated Redis node's.
                 #[cfg(madsim)]
                 let s = {

@@ -1,5 +1,9 @@
-//! The simulated world for madsim: simulated Redis node, cluster builder, fault injection
-//! and the invariant checker.
+//! The simulated world for madsim: the simulated Redis node and the cluster builder. The
+//! kas and agent code that runs in it is `kas-runtime`'s own, compiled for madsim.
 //!
-//! Not built yet: this crate is filled by the issue "Deterministic simulation". The
-//! protocol crate already compiles under `--cfg madsim` (CI checks it).
+//! Everything here exists only under `RUSTFLAGS="--cfg madsim"`.
+
+#[cfg(madsim)]
+pub mod cluster;
+#[cfg(madsim)]
+pub mod redis;

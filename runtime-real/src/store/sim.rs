@@ -158,7 +158,10 @@ async fn run_pubsub(
         delay = Duration::from_millis(50);
         let mut ok = true;
         for ch in &channels {
-            ok &= tx.send(Box::new(SimRequest::Subscribe(ch.clone()))).await.is_ok();
+            ok &= tx
+                .send(Box::new(SimRequest::Subscribe(ch.clone())))
+                .await
+                .is_ok();
         }
         if connected_before && ok && events.send(PubSubEvent::Reconnected).await.is_err() {
             return;

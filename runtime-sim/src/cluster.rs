@@ -1,0 +1,217 @@
+//! Builds a simulated kas cluster: one Redis node, N kas nodes and agent replica nodes, all
+//! running `kas-runtime`'s production code, plus GitLab caller nodes.
+//!
+//! Addresses: Redis `10.0.0.1:6379`; kas `i` at `10.0.1.(i+1)` (agent 8150, api 8153,
+//! private 8155, observability 8151); agent replicas at `10.0.2.x`; callers at `10.0.3.x`.
+
+use crate::redis::RedisState;
+use kas_proto::pods::Pod;
+use kas_proto::registry::AgentMeta;
+use kas_runtime::agent::{self, AgentOptions, Modules, PodSource};
+use kas_runtime::api_client::ApiClient;
+use kas_runtime::config::Config;
+use kas_runtime::jwt::Secret;
+use kas_runtime::kas::Kas;
+use madsim::runtime::{Handle, NodeHandle};
+use std::net::{IpAddr, Ipv4Addr, SocketAddr};
+use std::path::PathBuf;
+use std::sync::Arc;
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::time::Duration;
+
+/// The project every agent belongs to.
+pub const PROJECT: i64 = 100;
+
+/// One agent and the kas each of its replicas connects to.
+#[derive(Clone, Debug)]
+pub struct AgentSpec {
+    /// The agent id (1..).
+    pub agent: i64,
+    /// For each replica, the index of its kas.
+    pub replicas: Vec<usize>,
+}
+
+/// The cluster's shape.
+#[derive(Clone, Debug)]
+pub struct ClusterSpec {
+    /// kas replicas.
+    pub kas: usize,
+    /// Agents.
+    pub agents: Vec<AgentSpec>,
+    /// Wake waiting calls by pub-sub (else poll only).
+    pub pubsub_wakeups: bool,
+    /// Registry record lifetime (refreshed every half).
+    pub ttl: Duration,
+}
+
+/// The name of the one pod replica `replica` of `agent` serves: who answered a call.
+pub fn pod_name(agent: i64, replica: usize) -> String {
+    format!("agent{agent}-replica{replica}")
+}
+
+/// The token of `agent`.
+fn token(agent: i64) -> String {
+    format!("sim-agent-token-{agent:04}-0123456789")
+}
+
+/// A running simulated cluster.
+pub struct Cluster {
+    /// The Redis node's data and fault knobs.
+    pub redis: RedisState,
+    /// The Redis node.
+    pub redis_node: NodeHandle,
+    /// The kas nodes, by index.
+    pub kas_nodes: Vec<NodeHandle>,
+    /// Agent replica nodes: (agent, replica index, node).
+    pub agent_nodes: Vec<(i64, usize, NodeHandle)>,
+    gitlab_secret: Secret,
+    next_caller: AtomicU64,
+}
+
+/// kas `i`'s address on `port`.
+pub fn kas_addr(i: usize, port: u16) -> SocketAddr {
+    let last = u8::try_from(i + 1).expect("at most 254 kas");
+    SocketAddr::new(IpAddr::V4(Ipv4Addr::new(10, 0, 1, last)), port)
+}
+
+/// The Redis node's address.
+pub const REDIS: SocketAddr = SocketAddr::new(IpAddr::V4(Ipv4Addr::new(10, 0, 0, 1)), 6379);
+
+/// Writes the secrets and the tokens file the kas configs name; returns their directory.
+fn write_files(spec: &ClusterSpec) -> PathBuf {
+    static N: AtomicU64 = AtomicU64::new(0);
+    let dir = std::env::temp_dir().join(format!(
+        "kas-sim-{}-{}",
+        std::process::id(),
+        N.fetch_add(1, Ordering::Relaxed)
+    ));
+    std::fs::create_dir_all(&dir).expect("temp dir");
+    std::fs::write(dir.join("gitlab.secret"), "R2l0TGFi".repeat(8)).unwrap();
+    std::fs::write(dir.join("kas.secret"), "S2FzS2Fz".repeat(8)).unwrap();
+    let mut tokens = String::from("agents:\n");
+    for a in &spec.agents {
+        tokens += &format!(
+            "  - {{token: {}, agent_id: {}, project_id: {PROJECT}}}\n",
+            token(a.agent),
+            a.agent
+        );
+    }
+    std::fs::write(dir.join("tokens.yaml"), tokens).unwrap();
+    dir
+}
+
+fn kas_config(i: usize, dir: &std::path::Path, spec: &ClusterSpec) -> Config {
+    let ttl = spec.ttl.as_millis();
+    let yaml = format!(
+        "agent:\n  listen: {{address: '{}'}}\n  tokens_file: '{d}/tokens.yaml'\n  redis_conn_info_ttl: {ttl}ms\n  redis_conn_info_refresh: {}ms\n  redis_conn_info_gc: {ttl}ms\n  heartbeat_timeout: 30s\napi:\n  listen: {{address: '{}', authentication_secret_file: '{d}/gitlab.secret'}}\nprivate_api:\n  listen: {{address: '{}', authentication_secret_file: '{d}/kas.secret'}}\nobservability:\n  listen: {{address: '{}'}}\nredis:\n  server: {{address: '{REDIS}'}}\n  key_prefix: kas\n  timeout: 1s\n  pubsub_wakeups: {}\nshutdown_grace: 2s\n",
+        kas_addr(i, 8150),
+        ttl / 2,
+        kas_addr(i, 8153),
+        kas_addr(i, 8155),
+        kas_addr(i, 8151),
+        spec.pubsub_wakeups,
+        d = dir.display(),
+    );
+    Config::parse(&yaml, &format!("kas{i}.yaml")).unwrap_or_else(|e| panic!("{e}"))
+}
+
+impl Cluster {
+    /// Creates every node; they start at once.
+    pub fn build(spec: &ClusterSpec) -> Cluster {
+        let handle = Handle::current();
+        let dir = write_files(spec);
+        let redis = RedisState::default();
+        let state = redis.clone();
+        let redis_node = handle
+            .create_node()
+            .name("redis")
+            .ip(REDIS.ip())
+            .init(move || state.clone().serve(REDIS))
+            .build();
+        let kas_nodes = (0..spec.kas)
+            .map(|i| {
+                let config = kas_config(i, &dir, spec);
+                handle
+                    .create_node()
+                    .name(format!("kas{i}"))
+                    .ip(kas_addr(i, 0).ip())
+                    .init(move || {
+                        let config = config.clone();
+                        async move {
+                            let kas = Kas::start(config).await.expect("kas starts");
+                            // Kept alive until the node is killed.
+                            std::future::pending::<()>().await;
+                            drop(kas);
+                        }
+                    })
+                    .build()
+            })
+            .collect();
+        let mut agent_nodes = Vec::new();
+        let mut ip = 0u8;
+        for a in &spec.agents {
+            for (replica, &kas) in a.replicas.iter().enumerate() {
+                ip += 1;
+                let (agent, pod) = (a.agent, pod_name(a.agent, replica));
+                let node = handle
+                    .create_node()
+                    .name(pod.clone())
+                    .ip(IpAddr::V4(Ipv4Addr::new(10, 0, 2, ip)))
+                    .init(move || {
+                        let meta = AgentMeta {
+                            version: "sim".into(),
+                            commit: String::new(),
+                            pod_namespace: "default".into(),
+                            pod_name: pod.clone(),
+                        };
+                        let mut options =
+                            AgentOptions::new(kas_addr(kas, 8150).to_string(), token(agent), meta);
+                        options.seed = u64::from(ip);
+                        let pods = PodSource::Fixture(Arc::new(vec![Pod {
+                            namespace: "default".into(),
+                            name: pod.clone(),
+                            phase: "Running".into(),
+                            node_name: format!("node-{ip}"),
+                        }]));
+                        let modules = Arc::new(Modules::default().with_pods(pods));
+                        let (stop, shutdown) = tokio::sync::watch::channel(false);
+                        async move {
+                            agent::run(options, modules, shutdown).await;
+                            drop(stop);
+                        }
+                    })
+                    .build();
+                agent_nodes.push((agent, replica, node));
+            }
+        }
+        Cluster {
+            redis,
+            redis_node,
+            kas_nodes,
+            agent_nodes,
+            gitlab_secret: Secret::load(&dir.join("gitlab.secret")).expect("secret"),
+            next_caller: AtomicU64::new(0),
+        }
+    }
+
+    /// A new GitLab caller node.
+    pub fn caller(&self) -> NodeHandle {
+        let n = self.next_caller.fetch_add(1, Ordering::Relaxed) + 1;
+        let last = u8::try_from(n).expect("at most 254 callers");
+        Handle::current()
+            .create_node()
+            .name(format!("gitlab{n}"))
+            .ip(IpAddr::V4(Ipv4Addr::new(10, 0, 3, last)))
+            .build()
+    }
+
+    /// A public API client of kas `i` (to be used on a caller node), with `timeout`.
+    pub async fn api(&self, i: usize, timeout: Duration) -> Result<ApiClient, String> {
+        ApiClient::connect(&kas_addr(i, 8153).to_string(), &self.gitlab_secret, timeout).await
+    }
+
+    /// GitLab's secret.
+    pub fn gitlab_secret(&self) -> Secret {
+        self.gitlab_secret.clone()
+    }
+}

@@ -1,0 +1,243 @@
+//! The simulated Redis node: hashes with key expiry (passive on access, active every
+//! 100 ms), each key's transaction applied atomically, the GC's compare-and-delete, and
+//! fire-and-forget pub-sub (a subscriber that is not connected misses messages). A restart
+//! of the node loses every key, as a Redis without persistence does. Latency is injected
+//! per request through [`RedisKnobs`].
+
+use kas_runtime::store::sim::{SimReply, SimRequest};
+use std::collections::{BTreeMap, BTreeSet};
+use std::net::SocketAddr;
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::{Arc, Mutex};
+use std::time::Duration;
+use tokio::net::{Endpoint, Receiver, Sender};
+use tokio::sync::mpsc;
+use tokio::time::Instant;
+
+/// Faults injected into the server, shared with the fault injector.
+#[derive(Debug, Default)]
+pub struct RedisKnobs {
+    latency_ms: AtomicU64,
+}
+
+impl RedisKnobs {
+    /// Every request waits this long before it is applied.
+    pub fn set_latency(&self, latency: Duration) {
+        self.latency_ms.store(
+            u64::try_from(latency.as_millis()).unwrap_or(u64::MAX),
+            Ordering::Relaxed,
+        );
+    }
+
+    fn latency(&self) -> Duration {
+        Duration::from_millis(self.latency_ms.load(Ordering::Relaxed))
+    }
+}
+
+#[derive(Debug, Default)]
+struct Hash {
+    fields: BTreeMap<String, Vec<u8>>,
+    expires: Option<Instant>,
+}
+
+/// The data of the server; readable from outside for the invariant checker.
+#[derive(Debug, Default)]
+pub struct Db {
+    hashes: BTreeMap<String, Hash>,
+    subscribers: BTreeMap<u64, Subscriber>,
+    next_subscriber: u64,
+}
+
+#[derive(Debug)]
+struct Subscriber {
+    channels: BTreeSet<String>,
+    queue: mpsc::UnboundedSender<SimReply>,
+}
+
+impl Db {
+    /// Live keys with their field names, as `--scan` and `HKEYS` would show them.
+    pub fn keys(&self, now: Instant) -> BTreeMap<String, Vec<String>> {
+        self.hashes
+            .iter()
+            .filter(|(_, h)| h.expires.is_none_or(|at| at > now))
+            .map(|(k, h)| (k.clone(), h.fields.keys().cloned().collect()))
+            .collect()
+    }
+
+    /// Drops `key` if it has expired (passive expiry).
+    fn expire(&mut self, key: &str, now: Instant) {
+        if self
+            .hashes
+            .get(key)
+            .is_some_and(|h| h.expires.is_some_and(|at| at <= now))
+        {
+            self.hashes.remove(key);
+        }
+    }
+
+    fn apply(&mut self, request: SimRequest, now: Instant) -> Option<SimReply> {
+        match request {
+            SimRequest::Execute(writes) => {
+                for w in writes {
+                    self.expire(&w.key, now);
+                    let h = self.hashes.entry(w.key.clone()).or_default();
+                    for f in &w.delete {
+                        h.fields.remove(f);
+                    }
+                    for (f, v) in &w.set {
+                        h.fields.insert(f.clone(), v.clone());
+                    }
+                    if let Some(ttl) = w.expire {
+                        h.expires = Some(now + ttl);
+                    }
+                    if h.fields.is_empty() {
+                        self.hashes.remove(&w.key);
+                    }
+                    for (channel, payload) in w.publish {
+                        self.publish(&channel, payload);
+                    }
+                }
+                Some(SimReply::Done)
+            }
+            SimRequest::Read(key) => {
+                self.expire(&key, now);
+                let fields = self
+                    .hashes
+                    .get(&key)
+                    .map(|h| {
+                        h.fields
+                            .iter()
+                            .map(|(f, v)| (f.clone(), v.clone()))
+                            .collect()
+                    })
+                    .unwrap_or_default();
+                Some(SimReply::Hash(fields))
+            }
+            SimRequest::DeleteUnchanged(key, fields) => {
+                self.expire(&key, now);
+                let mut n = 0;
+                if let Some(h) = self.hashes.get_mut(&key) {
+                    for (f, v) in fields {
+                        if h.fields.get(&f) == Some(&v) {
+                            h.fields.remove(&f);
+                            n += 1;
+                        }
+                    }
+                    if h.fields.is_empty() {
+                        self.hashes.remove(&key);
+                    }
+                }
+                Some(SimReply::Deleted(n))
+            }
+            SimRequest::Ping => Some(SimReply::Done),
+            // Handled by the connection, which owns the subscriber.
+            SimRequest::Subscribe(_) | SimRequest::Unsubscribe(_) => None,
+        }
+    }
+
+    fn publish(&mut self, channel: &str, payload: Vec<u8>) {
+        for s in self.subscribers.values() {
+            if s.channels.contains(channel) {
+                let _ = s
+                    .queue
+                    .send(SimReply::Message(channel.to_string(), payload.clone()));
+            }
+        }
+    }
+}
+
+/// A handle on the node's data that survives restarts (each restart empties it).
+#[derive(Clone, Debug, Default)]
+pub struct RedisState {
+    db: Arc<Mutex<Db>>,
+    /// The injected faults.
+    pub knobs: Arc<RedisKnobs>,
+}
+
+impl RedisState {
+    /// Reads the data.
+    pub fn with_db<T>(&self, f: impl FnOnce(&Db) -> T) -> T {
+        f(&self.lock())
+    }
+
+    fn lock(&self) -> std::sync::MutexGuard<'_, Db> {
+        self.db.lock().unwrap_or_else(|p| p.into_inner())
+    }
+
+    /// Runs the server on `addr` (the node's init): starts empty, then serves forever.
+    pub async fn serve(self, addr: SocketAddr) {
+        *self.lock() = Db::default();
+        let endpoint = Endpoint::bind(addr)
+            .await
+            .expect("redis node binds its address");
+        let sweeper = self.clone();
+        tokio::spawn(async move {
+            loop {
+                tokio::time::sleep(Duration::from_millis(100)).await;
+                let now = Instant::now();
+                sweeper
+                    .lock()
+                    .hashes
+                    .retain(|_, h| h.expires.is_none_or(|at| at > now));
+            }
+        });
+        while let Ok((tx, rx, _)) = endpoint.accept1().await {
+            tokio::spawn(self.clone().connection(tx, rx));
+        }
+    }
+
+    /// Serves one connection: requests in order; once subscribed, also pushes messages.
+    async fn connection(self, tx: Sender, mut rx: Receiver) {
+        let (queue, mut pushed) = mpsc::unbounded_channel();
+        let mut subscriber: Option<u64> = None;
+        loop {
+            tokio::select! {
+                request = rx.recv() => {
+                    let Ok(payload) = request else { break };
+                    let Ok(request) = payload.downcast::<SimRequest>() else { break };
+                    let latency = self.knobs.latency();
+                    if !latency.is_zero() {
+                        tokio::time::sleep(latency).await;
+                    }
+                    let reply = match *request {
+                        SimRequest::Subscribe(ch) => {
+                            let mut db = self.lock();
+                            let id = *subscriber.get_or_insert_with(|| {
+                                db.next_subscriber += 1;
+                                db.next_subscriber
+                            });
+                            db.subscribers
+                                .entry(id)
+                                .or_insert_with(|| Subscriber { channels: BTreeSet::new(), queue: queue.clone() })
+                                .channels
+                                .insert(ch.clone());
+                            Some(SimReply::Subscribed(ch))
+                        }
+                        SimRequest::Unsubscribe(ch) => {
+                            if let Some(id) = subscriber
+                                && let Some(s) = self.lock().subscribers.get_mut(&id)
+                            {
+                                s.channels.remove(&ch);
+                            }
+                            None
+                        }
+                        other => self.lock().apply(other, Instant::now()),
+                    };
+                    if let Some(reply) = reply
+                        && tx.send(Box::new(reply)).await.is_err()
+                    {
+                        break;
+                    }
+                }
+                Some(message) = pushed.recv() => {
+                    if tx.send(Box::new(message)).await.is_err() {
+                        break;
+                    }
+                }
+            }
+        }
+        if let Some(id) = subscriber {
+            self.lock().subscribers.remove(&id);
+        }
+    }
+}
