@@ -68,11 +68,18 @@ impl ApiClient {
         Ok(resp.into_inner().agents)
     }
 
-    /// The pods `agent` (its replica `connection`, when given) lists, routed through kas.
-    pub async fn pods(&self, agent: i64, connection: Option<i64>) -> Result<Vec<Pod>, Status> {
+    /// The pods of `namespace` (all when empty) that `agent` (its replica `connection`,
+    /// when given) lists, routed through kas.
+    pub async fn pods(
+        &self,
+        agent: i64,
+        connection: Option<i64>,
+        namespace: &str,
+    ) -> Result<Vec<Pod>, Status> {
         let req = self.request(GetPodsRequest {
             agent_id: agent,
             connection_id: connection,
+            namespace: namespace.into(),
         });
         Ok(self.client.clone().get_pods(req).await?.into_inner().pods)
     }

@@ -104,6 +104,16 @@ async fn local_deployment_with_redis_routes_through_each_kas() {
         assert_eq!(field(&pods[0], "name"), "cart-1");
     }
 
+    // One namespace only: the filter reaches the agent's Pods module.
+    let rows = kasctl_json(
+        &secret,
+        &api0,
+        &["pods", "--agent", "1", "-n", "kube-system"],
+    )
+    .await;
+    let names: Vec<String> = rows.iter().map(|r| field(r, "name")).collect();
+    assert_eq!(names, ["coredns-1"]);
+
     // What goes wrong is said plainly.
     let (ok, _, err) = kasctl(&secret, &api0, &["--timeout", "1s", "pods", "--agent", "9"]).await;
     assert!(!ok);

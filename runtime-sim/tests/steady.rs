@@ -38,7 +38,7 @@ async fn every_kas_routes_to_every_agent() {
                 .await
                 .expect("connect");
                 for agent in [1, 2] {
-                    let pods = api.pods(agent, None).await.expect("routed");
+                    let pods = api.pods(agent, None, "").await.expect("routed");
                     answers.push((i, agent, pods[0].name.clone()));
                 }
             }

@@ -55,6 +55,9 @@ enum Cmd {
         /// One replica (a connection id from `kasctl agents`).
         #[arg(long)]
         connection: Option<i64>,
+        /// Only this namespace's pods.
+        #[arg(long, short = 'n', default_value = "")]
+        namespace: String,
     },
 }
 
@@ -90,8 +93,15 @@ async fn run(args: &Args) -> Result<(), String> {
             .map_err(explain)?;
             print_agents(&agents, args.json);
         }
-        Cmd::Pods { agent, connection } => {
-            let pods = client.pods(agent, connection).await.map_err(explain)?;
+        Cmd::Pods {
+            agent,
+            connection,
+            ref namespace,
+        } => {
+            let pods = client
+                .pods(agent, connection, namespace)
+                .await
+                .map_err(explain)?;
             if args.json {
                 let v: Vec<_> = pods
                     .iter()

@@ -169,7 +169,10 @@ impl KasApi for PublicService {
         if r.agent_id <= 0 {
             return Err(Status::invalid_argument("agent_id must be positive"));
         }
-        let list = ListRequest::default().encode_to_vec();
+        let list = ListRequest {
+            namespace: r.namespace,
+        }
+        .encode_to_vec();
         let answer = self
             .call_agent(
                 AgentId(r.agent_id),

@@ -285,7 +285,7 @@ impl GitLab {
         let api = ApiClient::connect(&self.addr, &self.secret, timeout)
             .await
             .expect("connect");
-        let pods = api.pods(agent, connection.map(|c| c.0)).await?;
+        let pods = api.pods(agent, connection.map(|c| c.0), "").await?;
         Ok(pods.into_iter().map(|p| p.name).collect())
     }
 
