@@ -5,19 +5,23 @@
 //! private 8155, observability 8151); agent replicas at `10.0.2.x`; callers at `10.0.3.x`.
 
 use crate::redis::RedisState;
-use kas_proto::pods::Pod;
+use crate::truth::Truth;
 use kas_proto::registry::AgentMeta;
-use kas_runtime::agent::{self, AgentOptions, Modules, PodSource};
+use kas_runtime::agent::{self, AgentOptions};
 use kas_runtime::api_client::ApiClient;
 use kas_runtime::config::Config;
 use kas_runtime::jwt::Secret;
 use kas_runtime::kas::Kas;
+use kas_runtime::kas::observability::Health;
 use madsim::runtime::{Handle, NodeHandle};
 use std::net::{IpAddr, Ipv4Addr, SocketAddr};
 use std::path::PathBuf;
 use std::sync::Arc;
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::time::Duration;
+
+/// Where a kas node puts its [`Health`] when it starts.
+pub type HealthSlot = Arc<std::sync::Mutex<Option<Health>>>;
 
 /// The project every agent belongs to.
 pub const PROJECT: i64 = 100;
@@ -58,6 +62,10 @@ fn token(agent: i64) -> String {
 pub struct Cluster {
     /// The Redis node's data and fault knobs.
     pub redis: RedisState,
+    /// Which agent replica served which call.
+    pub truth: Truth,
+    /// Each kas's readiness and metrics, set when it has started (and again at restart).
+    pub health: Vec<HealthSlot>,
     /// The Redis node.
     pub redis_node: NodeHandle,
     /// The kas nodes, by index.
@@ -103,7 +111,7 @@ fn write_files(spec: &ClusterSpec) -> PathBuf {
 fn kas_config(i: usize, dir: &std::path::Path, spec: &ClusterSpec) -> Config {
     let ttl = spec.ttl.as_millis();
     let yaml = format!(
-        "agent:\n  listen: {{address: '{}'}}\n  tokens_file: '{d}/tokens.yaml'\n  redis_conn_info_ttl: {ttl}ms\n  redis_conn_info_refresh: {}ms\n  redis_conn_info_gc: {ttl}ms\n  heartbeat_timeout: 30s\napi:\n  listen: {{address: '{}', authentication_secret_file: '{d}/gitlab.secret'}}\nprivate_api:\n  listen: {{address: '{}', authentication_secret_file: '{d}/kas.secret'}}\nobservability:\n  listen: {{address: '{}'}}\nredis:\n  server: {{address: '{REDIS}'}}\n  key_prefix: kas\n  timeout: 1s\n  pubsub_wakeups: {}\nshutdown_grace: 2s\n",
+        "agent:\n  listen: {{address: '{}'}}\n  tokens_file: '{d}/tokens.yaml'\n  redis_conn_info_ttl: {ttl}ms\n  redis_conn_info_refresh: {}ms\n  redis_conn_info_gc: {ttl}ms\n  heartbeat_timeout: 3s\napi:\n  listen: {{address: '{}', authentication_secret_file: '{d}/gitlab.secret'}}\nprivate_api:\n  listen: {{address: '{}', authentication_secret_file: '{d}/kas.secret'}}\nobservability:\n  listen: {{address: '{}'}}\nredis:\n  server: {{address: '{REDIS}'}}\n  key_prefix: kas\n  timeout: 1s\n  pubsub_wakeups: {}\nshutdown_grace: 2s\n",
         kas_addr(i, 8150),
         ttl / 2,
         kas_addr(i, 8153),
@@ -121,6 +129,8 @@ impl Cluster {
         let handle = Handle::current();
         let dir = write_files(spec);
         let redis = RedisState::default();
+        let truth = Truth::default();
+        let health: Vec<HealthSlot> = (0..spec.kas).map(|_| HealthSlot::default()).collect();
         let state = redis.clone();
         let redis_node = handle
             .create_node()
@@ -131,14 +141,17 @@ impl Cluster {
         let kas_nodes = (0..spec.kas)
             .map(|i| {
                 let config = kas_config(i, &dir, spec);
+                let slot = health[i].clone();
                 handle
                     .create_node()
                     .name(format!("kas{i}"))
                     .ip(kas_addr(i, 0).ip())
                     .init(move || {
-                        let config = config.clone();
+                        let (config, slot) = (config.clone(), slot.clone());
                         async move {
                             let kas = Kas::start(config).await.expect("kas starts");
+                            *slot.lock().unwrap_or_else(|p| p.into_inner()) =
+                                Some(kas.health().clone());
                             // Kept alive until the node is killed.
                             std::future::pending::<()>().await;
                             drop(kas);
@@ -153,6 +166,7 @@ impl Cluster {
             for (replica, &kas) in a.replicas.iter().enumerate() {
                 ip += 1;
                 let (agent, pod) = (a.agent, pod_name(a.agent, replica));
+                let truth = truth.clone();
                 let node = handle
                     .create_node()
                     .name(pod.clone())
@@ -167,13 +181,8 @@ impl Cluster {
                         let mut options =
                             AgentOptions::new(kas_addr(kas, 8150).to_string(), token(agent), meta);
                         options.seed = u64::from(ip);
-                        let pods = PodSource::Fixture(Arc::new(vec![Pod {
-                            namespace: "default".into(),
-                            name: pod.clone(),
-                            phase: "Running".into(),
-                            node_name: format!("node-{ip}"),
-                        }]));
-                        let modules = Arc::new(Modules::default().with_pods(pods));
+                        options.heartbeat = Duration::from_millis(500);
+                        let modules = Arc::new(truth.module(agent, replica, &pod));
                         let (stop, shutdown) = tokio::sync::watch::channel(false);
                         async move {
                             agent::run(options, modules, shutdown).await;
@@ -186,6 +195,8 @@ impl Cluster {
         }
         Cluster {
             redis,
+            truth,
+            health,
             redis_node,
             kas_nodes,
             agent_nodes,

@@ -4,6 +4,12 @@
 //! Everything here exists only under `RUSTFLAGS="--cfg madsim"`.
 
 #[cfg(madsim)]
+pub mod checker;
+#[cfg(madsim)]
 pub mod cluster;
 #[cfg(madsim)]
 pub mod redis;
+#[cfg(madsim)]
+pub mod truth;
+#[cfg(madsim)]
+pub mod workload;

@@ -1,0 +1,200 @@
+//! The invariant checker: compares what callers saw with what agents saw (the ground
+//! truth) and with the cluster's state after the faults have healed.
+//!
+//! DESIGN.md's invariants, as checked here:
+//! 1. a call is delivered only to the agent it names;
+//! 2. every call has an outcome by its deadline (plus a bound);
+//! 3. at most once: no call is delivered twice;
+//! 4. at most one kas -> kas hop (kas metrics);
+//! 5. and 7. after faults heal, every kas routes to every live agent and lists exactly the
+//!    live replicas (the final phase);
+//! 6. nothing leaks: once agents are gone and records expire, no tunnel, call, connection
+//!    or Redis record is left.
+
+use crate::cluster::pod_name;
+use crate::truth::Delivery;
+use crate::workload::Call;
+use std::collections::BTreeMap;
+use std::time::Duration;
+
+/// How much later than its timeout a call may end.
+pub const OUTCOME_BOUND: Duration = Duration::from_secs(1);
+
+/// Violations of invariants 1, 2 and 3 by `calls`, given `truth`; `absent` agents never
+/// connect.
+pub fn check_calls(calls: &[Call], truth: &[Delivery], absent: &[i64]) -> Vec<String> {
+    let mut violations = Vec::new();
+    let mut delivered: BTreeMap<&str, Vec<&Delivery>> = BTreeMap::new();
+    for d in truth {
+        delivered.entry(d.marker.as_str()).or_default().push(d);
+    }
+    for c in calls {
+        let got = delivered
+            .get(c.marker.as_str())
+            .cloned()
+            .unwrap_or_default();
+        if got.len() > 1 {
+            violations.push(format!(
+                "inv 3: {} delivered {} times: {got:?}",
+                c.marker,
+                got.len()
+            ));
+        }
+        for d in &got {
+            if d.agent != c.agent {
+                violations.push(format!(
+                    "inv 1: {} for agent {} delivered to agent {} replica {}",
+                    c.marker, c.agent, d.agent, d.replica
+                ));
+            }
+        }
+        if c.took > c.timeout + OUTCOME_BOUND {
+            violations.push(format!(
+                "inv 2: {} (timeout {:?}) ended after {:?}",
+                c.marker, c.timeout, c.took
+            ));
+        }
+        match &c.result {
+            Ok(pod) if absent.contains(&c.agent) => violations.push(format!(
+                "inv 1: {} for absent agent {} answered by {pod}",
+                c.marker, c.agent
+            )),
+            Ok(pod) => {
+                let from_truth = got.first().map(|d| pod_name(d.agent, d.replica));
+                if from_truth.as_deref() != Some(pod.as_str()) {
+                    violations.push(format!(
+                        "inv 1: {} answered by {pod}, but the agents recorded {from_truth:?}",
+                        c.marker
+                    ));
+                }
+            }
+            Err(_) => {}
+        }
+    }
+    violations
+}
+
+/// The value of an unlabelled metric (a gauge) in OpenMetrics text.
+pub fn gauge(metrics: &str, name: &str) -> Option<f64> {
+    metrics.lines().find_map(|l| {
+        let (n, v) = l.split_once(' ')?;
+        (n == name).then(|| v.trim().parse().ok())?
+    })
+}
+
+/// Violations of invariant 4: routed calls with more than one hop.
+pub fn check_hops(kas: usize, metrics: &str) -> Vec<String> {
+    metrics
+        .lines()
+        .filter(|l| l.starts_with("kas_routed_requests_total{"))
+        .filter(|l| !l.contains("hops=\"0\"") && !l.contains("hops=\"1\""))
+        .map(|l| format!("inv 4: kas{kas}: {l}"))
+        .collect()
+}
+
+/// Summary numbers of a run.
+#[derive(Clone, Debug, Default)]
+pub struct Stats {
+    /// Calls issued.
+    pub requests: usize,
+    /// Calls answered by an agent.
+    pub delivered: usize,
+    /// Failed calls by status code.
+    pub errors: BTreeMap<String, usize>,
+    /// Median and 99th percentile duration of answered calls.
+    pub p50: Duration,
+    /// See `p50`.
+    pub p99: Duration,
+}
+
+impl Stats {
+    /// The numbers of `calls`.
+    pub fn of(calls: &[Call]) -> Stats {
+        let mut ok: Vec<Duration> = calls
+            .iter()
+            .filter(|c| c.result.is_ok())
+            .map(|c| c.took)
+            .collect();
+        ok.sort();
+        let pick = |q: f64| {
+            ok.get(((ok.len() as f64 * q) as usize).min(ok.len().saturating_sub(1)))
+                .copied()
+                .unwrap_or_default()
+        };
+        let mut errors = BTreeMap::new();
+        for c in calls {
+            if let Err((code, _)) = &c.result {
+                *errors.entry(format!("{code:?}")).or_default() += 1;
+            }
+        }
+        Stats {
+            requests: calls.len(),
+            delivered: ok.len(),
+            errors,
+            p50: pick(0.5),
+            p99: pick(0.99),
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn call(marker: &str, agent: i64, result: Result<&str, tonic::Code>) -> Call {
+        Call {
+            marker: marker.into(),
+            kas: 0,
+            agent,
+            timeout: Duration::from_secs(1),
+            took: Duration::from_millis(10),
+            result: result.map(str::to_string).map_err(|c| (c, String::new())),
+        }
+    }
+
+    fn delivery(marker: &str, agent: i64, replica: usize) -> Delivery {
+        Delivery {
+            marker: marker.into(),
+            agent,
+            replica,
+        }
+    }
+
+    #[test]
+    fn a_clean_history_has_no_violation() {
+        let calls = [
+            call("c1", 1, Ok("agent1-replica0")),
+            call("c2", 9, Err(tonic::Code::Unavailable)),
+        ];
+        let truth = [delivery("c1", 1, 0)];
+        assert!(check_calls(&calls, &truth, &[9]).is_empty());
+    }
+
+    #[test]
+    fn each_planted_bug_is_reported() {
+        let wrong_agent = check_calls(
+            &[call("c1", 1, Ok("agent2-replica0"))],
+            &[delivery("c1", 2, 0)],
+            &[],
+        );
+        assert!(
+            wrong_agent.iter().any(|v| v.starts_with("inv 1")),
+            "{wrong_agent:?}"
+        );
+        let twice = check_calls(
+            &[call("c1", 1, Ok("agent1-replica0"))],
+            &[delivery("c1", 1, 0), delivery("c1", 1, 1)],
+            &[],
+        );
+        assert!(twice.iter().any(|v| v.starts_with("inv 3")), "{twice:?}");
+        let mut late = call("c1", 1, Err(tonic::Code::DeadlineExceeded));
+        late.took = Duration::from_secs(5);
+        let late = check_calls(&[late], &[], &[]);
+        assert!(late.iter().any(|v| v.starts_with("inv 2")), "{late:?}");
+        let hops = check_hops(
+            0,
+            "kas_routed_requests_total{outcome=\"delivered\",hops=\"2\"} 1",
+        );
+        assert_eq!(hops.len(), 1);
+    }
+}

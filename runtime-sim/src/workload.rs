@@ -1,0 +1,94 @@
+//! GitLab's calls during a scenario: each call goes to a random kas for a random agent
+//! (connected, absent or late) with a random deadline, and its outcome is recorded.
+
+use crate::cluster::kas_addr;
+use kas_runtime::api_client::ApiClient;
+use kas_runtime::jwt::Secret;
+use madsim::rand::{Rng, thread_rng};
+use std::sync::{Arc, Mutex};
+use std::time::Duration;
+use tokio::time::Instant;
+
+/// One call and what came of it.
+#[derive(Clone, Debug)]
+pub struct Call {
+    /// Its marker, unique in the run (the agent records it).
+    pub marker: String,
+    /// The kas called.
+    pub kas: usize,
+    /// The agent asked for.
+    pub agent: i64,
+    /// Its timeout.
+    pub timeout: Duration,
+    /// How long it took.
+    pub took: Duration,
+    /// The pod name that answered, or the error code and message.
+    pub result: Result<String, (tonic::Code, String)>,
+}
+
+/// Issues one call through kas `kas` and records it.
+pub async fn call(
+    secret: &Secret,
+    kas: usize,
+    agent: i64,
+    marker: String,
+    timeout: Duration,
+) -> Call {
+    let started = Instant::now();
+    let result = match ApiClient::connect(&kas_addr(kas, 8153).to_string(), secret, timeout).await {
+        Err(e) => Err((tonic::Code::Unavailable, e)),
+        Ok(api) => match api.pods(agent, None, &marker).await {
+            Ok(pods) => Ok(pods.first().map(|p| p.name.clone()).unwrap_or_default()),
+            Err(s) => Err((s.code(), s.message().to_string())),
+        },
+    };
+    Call {
+        marker,
+        kas,
+        agent,
+        timeout,
+        took: started.elapsed(),
+        result,
+    }
+}
+
+/// Calls at random intervals (mean `every`) until `until`, each concurrently, for agents
+/// drawn from `agents`; returns every call once all have finished.
+pub async fn run(
+    secret: Secret,
+    kas: usize,
+    agents: Vec<i64>,
+    every: Duration,
+    until: Instant,
+    prefix: &'static str,
+) -> Vec<Call> {
+    let calls = Arc::new(Mutex::new(Vec::new()));
+    let mut tasks = Vec::new();
+    let mut n = 0u64;
+    while Instant::now() < until {
+        let (k, agent, timeout, pause) = {
+            let mut rng = thread_rng();
+            let pause_ms = rng.gen_range(0..2 * every.as_millis() as u64 + 1);
+            (
+                rng.gen_range(0..kas),
+                agents[rng.gen_range(0..agents.len())],
+                Duration::from_millis(rng.gen_range(500..5_000)),
+                Duration::from_millis(pause_ms),
+            )
+        };
+        n += 1;
+        let (secret, calls) = (secret.clone(), calls.clone());
+        let marker = format!("{prefix}-{n}");
+        tasks.push(tokio::spawn(async move {
+            let c = call(&secret, k, agent, marker, timeout).await;
+            calls.lock().unwrap_or_else(|p| p.into_inner()).push(c);
+        }));
+        tokio::time::sleep(pause).await;
+    }
+    for t in tasks {
+        let _ = t.await;
+    }
+    let mut all = calls.lock().unwrap_or_else(|p| p.into_inner()).clone();
+    all.sort_by(|a, b| a.marker.cmp(&b.marker));
+    all
+}
