@@ -136,7 +136,16 @@ impl Forwarder {
                     return Forwarded::Done;
                 }
                 Err(status) => {
-                    // Possibly delivered: at most once, so no retry.
+                    // Possibly delivered: at most once, so no retry. A broken connection
+                    // surfaces as Unknown; the caller should read Unavailable (retryable).
+                    let status = if status.code() == tonic::Code::Unknown {
+                        Status::unavailable(format!(
+                            "lost the connection to kas {kas} during the call: {}",
+                            status.message()
+                        ))
+                    } else {
+                        status
+                    };
                     let _ = call.responses.send(Err(status)).await;
                     return Forwarded::Done;
                 }

@@ -1,0 +1,385 @@
+//! Named scenarios: a cluster, GitLab's calls, a fault schedule drawn from the seed, then
+//! a fault-free final phase that checks convergence and leaks.
+
+use crate::checker::{self, Stats};
+use crate::cluster::{AgentSpec, Cluster, ClusterSpec, pod_name};
+use crate::workload::{self, Call};
+use madsim::net::NetSim;
+use madsim::rand::{Rng, thread_rng};
+use madsim::runtime::Handle;
+use std::time::Duration;
+use tokio::time::Instant;
+
+/// The scenarios.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Scenario {
+    /// No faults.
+    Steady,
+    /// kas replicas killed and restarted.
+    KasCrash,
+    /// Links between kas, and between kas and Redis, clogged (one way or both).
+    Partition,
+    /// Redis restarted empty, and slowed down.
+    RedisRestart,
+    /// The kas holding most agents killed and restarted: they all reconnect at once.
+    ReconnectStorm,
+    /// Agent replicas killed and restarted.
+    AgentChurn,
+    /// Fault kinds and rates drawn from the seed.
+    Swarm,
+}
+
+impl Scenario {
+    /// Every scenario, in order.
+    pub const ALL: [Scenario; 7] = [
+        Scenario::Steady,
+        Scenario::KasCrash,
+        Scenario::Partition,
+        Scenario::RedisRestart,
+        Scenario::ReconnectStorm,
+        Scenario::AgentChurn,
+        Scenario::Swarm,
+    ];
+
+    /// Its command-line name.
+    pub fn name(self) -> &'static str {
+        match self {
+            Scenario::Steady => "steady",
+            Scenario::KasCrash => "kas-crash",
+            Scenario::Partition => "partition",
+            Scenario::RedisRestart => "redis-restart",
+            Scenario::ReconnectStorm => "reconnect-storm",
+            Scenario::AgentChurn => "agent-churn",
+            Scenario::Swarm => "swarm",
+        }
+    }
+
+    /// The scenario called `name`.
+    pub fn parse(name: &str) -> Option<Scenario> {
+        Scenario::ALL.into_iter().find(|s| s.name() == name)
+    }
+}
+
+/// What a run found.
+#[derive(Debug)]
+pub struct Report {
+    /// The numbers.
+    pub stats: Stats,
+    /// Faults injected.
+    pub faults: usize,
+    /// Invariant violations; empty when the run passed.
+    pub violations: Vec<String>,
+    /// Failed calls other than Unavailable and DeadlineExceeded, with their messages.
+    pub odd_errors: Vec<String>,
+}
+
+/// The agent that never connects.
+const ABSENT: i64 = 99;
+/// Registry record lifetime in the simulation.
+const TTL: Duration = Duration::from_secs(4);
+/// How long the faulty phase lasts.
+const FAULTY: Duration = Duration::from_secs(20);
+
+fn spec(scenario: Scenario) -> ClusterSpec {
+    let agents = if scenario == Scenario::ReconnectStorm {
+        (1..=8)
+            .map(|agent| AgentSpec {
+                agent,
+                replicas: vec![0],
+            })
+            .collect()
+    } else {
+        vec![
+            AgentSpec {
+                agent: 1,
+                replicas: vec![0],
+            },
+            AgentSpec {
+                agent: 2,
+                replicas: vec![1, 2],
+            },
+            AgentSpec {
+                agent: 3,
+                replicas: vec![2],
+            },
+        ]
+    };
+    ClusterSpec {
+        kas: 3,
+        agents,
+        pubsub_wakeups: true,
+        ttl: TTL,
+    }
+}
+
+fn random_ms(lo: u64, hi: u64) -> Duration {
+    Duration::from_millis(thread_rng().gen_range(lo..hi))
+}
+
+/// Injects faults of `kinds` until `until`; returns how many. Everything is healed at the
+/// end.
+async fn faults(cluster: &Cluster, kinds: &[Fault], until: Instant) -> usize {
+    let handle = Handle::current();
+    let net = NetSim::current();
+    let mut n = 0;
+    if kinds.is_empty() {
+        tokio::time::sleep_until(until).await;
+        return 0;
+    }
+    while Instant::now() + Duration::from_secs(5) < until {
+        tokio::time::sleep(random_ms(500, 3_000)).await;
+        let fault = kinds[thread_rng().gen_range(0..kinds.len())];
+        let kas = thread_rng().gen_range(0..cluster.kas_nodes.len());
+        let lasting = random_ms(500, 4_000);
+        n += 1;
+        tracing::info!(?fault, kas, ?lasting, "fault");
+        match fault {
+            Fault::KillKas => {
+                handle.kill(cluster.kas_nodes[kas].id());
+                tokio::time::sleep(lasting).await;
+                handle.restart(cluster.kas_nodes[kas].id());
+            }
+            Fault::Clog => {
+                let other = (kas + 1) % cluster.kas_nodes.len();
+                let (a, b) = (cluster.kas_nodes[kas].id(), cluster.kas_nodes[other].id());
+                let both = thread_rng().gen_bool(0.5);
+                net.clog_link(a, b);
+                if both {
+                    net.clog_link(b, a);
+                }
+                tokio::time::sleep(lasting).await;
+                net.unclog_link(a, b);
+                net.unclog_link(b, a);
+            }
+            Fault::ClogRedis => {
+                let (a, r) = (cluster.kas_nodes[kas].id(), cluster.redis_node.id());
+                net.clog_link(a, r);
+                net.clog_link(r, a);
+                tokio::time::sleep(lasting).await;
+                net.unclog_link(a, r);
+                net.unclog_link(r, a);
+            }
+            Fault::RestartRedis => {
+                // Kill first: a bare restart keeps the node's sockets bound.
+                handle.kill(cluster.redis_node.id());
+                tokio::time::sleep(random_ms(10, 500)).await;
+                handle.restart(cluster.redis_node.id());
+            }
+            Fault::SlowRedis => {
+                cluster.redis.knobs.set_latency(random_ms(50, 800));
+                tokio::time::sleep(lasting).await;
+                cluster.redis.knobs.set_latency(Duration::ZERO);
+            }
+            Fault::KillAgent => {
+                let i = thread_rng().gen_range(0..cluster.agent_nodes.len());
+                let id = cluster.agent_nodes[i].2.id();
+                handle.kill(id);
+                tokio::time::sleep(lasting).await;
+                handle.restart(id);
+            }
+        }
+    }
+    n
+}
+
+/// A kind of fault.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+enum Fault {
+    KillKas,
+    Clog,
+    ClogRedis,
+    RestartRedis,
+    SlowRedis,
+    KillAgent,
+}
+
+fn fault_kinds(scenario: Scenario) -> Vec<Fault> {
+    use Fault::*;
+    match scenario {
+        Scenario::Steady => vec![],
+        Scenario::KasCrash => vec![KillKas],
+        Scenario::Partition => vec![Clog, ClogRedis],
+        Scenario::RedisRestart => vec![RestartRedis, SlowRedis],
+        Scenario::ReconnectStorm => vec![],
+        Scenario::AgentChurn => vec![KillAgent],
+        Scenario::Swarm => {
+            let all = [KillKas, Clog, ClogRedis, RestartRedis, SlowRedis, KillAgent];
+            let mut kinds: Vec<Fault> = all
+                .into_iter()
+                .filter(|_| thread_rng().gen_bool(0.5))
+                .collect();
+            if kinds.is_empty() {
+                kinds.push(all[thread_rng().gen_range(0..all.len())]);
+            }
+            kinds
+        }
+    }
+}
+
+/// Runs `scenario` in the current madsim runtime.
+pub async fn run(scenario: Scenario) -> Report {
+    let spec = spec(scenario);
+    let cluster = Cluster::build(&spec);
+    let secret = cluster.gitlab_secret();
+    let mut targets: Vec<i64> = spec.agents.iter().map(|a| a.agent).collect();
+    targets.push(ABSENT);
+    let start = Instant::now();
+    let until = start + FAULTY;
+    let caller = cluster.caller();
+    let calls = caller.spawn(workload::run(
+        secret.clone(),
+        spec.kas,
+        targets,
+        Duration::from_millis(150),
+        until,
+        "call",
+    ));
+    let mut injected = 0;
+    if scenario == Scenario::ReconnectStorm {
+        for _ in 0..3 {
+            tokio::time::sleep(random_ms(2_000, 5_000)).await;
+            Handle::current().kill(cluster.kas_nodes[0].id());
+            tokio::time::sleep(random_ms(500, 2_000)).await;
+            Handle::current().restart(cluster.kas_nodes[0].id());
+            injected += 1;
+        }
+    } else {
+        injected = faults(&cluster, &fault_kinds(scenario), until).await;
+    }
+    let mut calls: Vec<Call> = calls.await.expect("caller finished");
+
+    // Healed. Let records expire and be rewritten, then everything must route.
+    tokio::time::sleep(TTL * 2 + Duration::from_secs(2)).await;
+    let mut violations = Vec::new();
+    let final_calls = caller
+        .spawn({
+            let secret = secret.clone();
+            let spec = spec.clone();
+            async move {
+                let mut out = Vec::new();
+                for k in 0..spec.kas {
+                    for a in &spec.agents {
+                        let marker = format!("final-kas{k}-agent{}", a.agent);
+                        out.push(
+                            workload::call(&secret, k, a.agent, marker, Duration::from_secs(10))
+                                .await,
+                        );
+                    }
+                }
+                out
+            }
+        })
+        .await
+        .expect("final calls");
+    for c in &final_calls {
+        if let Err((code, msg)) = &c.result {
+            violations.push(format!(
+                "inv 5: after healing, kas{} could not reach agent {}: {code:?} {msg}",
+                c.kas, c.agent
+            ));
+        }
+    }
+    let listed = caller
+        .spawn({
+            let cluster_secret = secret.clone();
+            let spec = spec.clone();
+            async move {
+                let mut out = Vec::new();
+                for k in 0..spec.kas {
+                    let api = kas_runtime::api_client::ApiClient::connect(
+                        &crate::cluster::kas_addr(k, 8153).to_string(),
+                        &cluster_secret,
+                        Duration::from_secs(5),
+                    )
+                    .await;
+                    for a in &spec.agents {
+                        let pods = match &api {
+                            Ok(api) => api.agents_by_id(a.agent).await.map(|v| {
+                                let mut p: Vec<String> = v
+                                    .into_iter()
+                                    .map(|i| i.agent_meta.unwrap_or_default().pod_name)
+                                    .collect();
+                                p.sort();
+                                p
+                            }),
+                            Err(e) => Err(tonic::Status::unavailable(e.clone())),
+                        };
+                        out.push((k, a.agent, pods));
+                    }
+                }
+                out
+            }
+        })
+        .await
+        .expect("listing");
+    for (k, agent, pods) in listed {
+        let replicas = spec
+            .agents
+            .iter()
+            .find(|a| a.agent == agent)
+            .map_or(0, |a| a.replicas.len());
+        let expected: Vec<String> = (0..replicas).map(|r| pod_name(agent, r)).collect();
+        match pods {
+            Ok(p) if p == expected => {}
+            other => violations.push(format!(
+                "inv 7: after healing, kas{k} lists agent {agent} as {other:?}, expected {expected:?}"
+            )),
+        }
+    }
+    calls.extend(final_calls);
+    violations.extend(checker::check_calls(
+        &calls,
+        &cluster.truth.deliveries(),
+        &[ABSENT],
+    ));
+
+    // Leaks: with every agent gone and records expired, nothing may remain.
+    for (_, _, node) in &cluster.agent_nodes {
+        Handle::current().kill(node.id());
+    }
+    tokio::time::sleep(TTL * 3 + Duration::from_secs(4)).await;
+    for (k, slot) in cluster.health.iter().enumerate() {
+        let metrics = slot
+            .lock()
+            .unwrap_or_else(|p| p.into_inner())
+            .as_ref()
+            .map(|h| h.metrics_text())
+            .unwrap_or_default();
+        violations.extend(checker::check_hops(k, &metrics));
+        for gauge in ["kas_tunnels", "kas_calls", "kas_connected_agents"] {
+            match checker::gauge(&metrics, gauge) {
+                Some(v) if v == 0.0 => {}
+                other => violations.push(format!("inv 6: kas{k} {gauge} = {other:?} at the end")),
+            }
+        }
+    }
+    let keys = cluster.redis.with_db(|db| db.keys(Instant::now()));
+    for (key, fields) in keys {
+        if key.contains("agent:") || key.contains("project:") {
+            violations.push(format!("inv 6: Redis still holds {key} {fields:?}"));
+        }
+    }
+    let odd_errors = calls
+        .iter()
+        .filter_map(|c| match &c.result {
+            Err((code, msg))
+                if !matches!(
+                    code,
+                    tonic::Code::Unavailable | tonic::Code::DeadlineExceeded
+                ) =>
+            {
+                Some(format!(
+                    "{} kas{} agent {}: {code:?} {msg}",
+                    c.marker, c.kas, c.agent
+                ))
+            }
+            _ => None,
+        })
+        .collect();
+    Report {
+        odd_errors,
+        stats: Stats::of(&calls),
+        faults: injected,
+        violations,
+    }
+}
