@@ -74,6 +74,14 @@ pub struct Cluster {
     pub agent_nodes: Vec<(i64, usize, NodeHandle)>,
     gitlab_secret: Secret,
     next_caller: AtomicU64,
+    /// Secrets and tokens read by kas at each (re)start; removed with the cluster.
+    dir: PathBuf,
+}
+
+impl Drop for Cluster {
+    fn drop(&mut self) {
+        let _ = std::fs::remove_dir_all(&self.dir);
+    }
 }
 
 /// kas `i`'s address on `port`.
@@ -202,6 +210,7 @@ impl Cluster {
             agent_nodes,
             gitlab_secret: Secret::load(&dir.join("gitlab.secret")).expect("secret"),
             next_caller: AtomicU64::new(0),
+            dir,
         }
     }
 
