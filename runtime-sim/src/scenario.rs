@@ -348,7 +348,7 @@ pub async fn run(scenario: Scenario) -> Report {
         violations.extend(checker::check_hops(k, &metrics));
         for gauge in ["kas_tunnels", "kas_calls", "kas_connected_agents"] {
             match checker::gauge(&metrics, gauge) {
-                Some(v) if v == 0.0 => {}
+                Some(0.0) => {}
                 other => violations.push(format!("inv 6: kas{k} {gauge} = {other:?} at the end")),
             }
         }
