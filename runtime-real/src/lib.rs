@@ -12,6 +12,8 @@ pub mod jwt;
 pub mod kas;
 #[cfg(not(madsim))]
 pub mod local;
+#[cfg(madsim)]
+pub mod planted_bug;
 #[cfg(not(madsim))]
 pub mod signals;
 pub mod store;

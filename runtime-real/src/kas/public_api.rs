@@ -169,10 +169,21 @@ impl KasApi for PublicService {
         if r.agent_id <= 0 {
             return Err(Status::invalid_argument("agent_id must be positive"));
         }
+        #[cfg(madsim)]
+        let r = {
+            use crate::planted_bug::{Bug, planted};
+            let mut r = r;
+            if planted() == Bug::WrongAgent {
+                r.agent_id = r.agent_id % 3 + 1;
+            }
+            r
+        };
         let list = ListRequest {
             namespace: r.namespace,
         }
         .encode_to_vec();
+        #[cfg(madsim)]
+        let list_again = list.clone();
         let answer = self
             .call_agent(
                 AgentId(r.agent_id),
@@ -182,6 +193,13 @@ impl KasApi for PublicService {
                 deadline,
             )
             .await?;
+        #[cfg(madsim)]
+        if crate::planted_bug::planted() == crate::planted_bug::Bug::DeliverTwice {
+            let again = AgentId(r.agent_id);
+            let _ = self
+                .call_agent(again, None, PODS_LIST, list_again, deadline)
+                .await;
+        }
         let list = ListResponse::decode(answer.as_slice())
             .map_err(|e| Status::internal(format!("agent sent a malformed pod list: {e}")))?;
         Ok(Response::new(GetPodsResponse { pods: list.pods }))
