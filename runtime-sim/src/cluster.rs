@@ -23,6 +23,9 @@ use std::time::Duration;
 /// Where a kas node puts its [`Health`] when it starts.
 pub type HealthSlot = Arc<std::sync::Mutex<Option<Health>>>;
 
+/// Longest delay between an agent's reconnection attempts in the simulation.
+pub const RECONNECT_MAX: Duration = Duration::from_secs(4);
+
 /// The project every agent belongs to.
 pub const PROJECT: i64 = 100;
 
@@ -190,6 +193,9 @@ impl Cluster {
                             AgentOptions::new(kas_addr(kas, 8150).to_string(), token(agent), meta);
                         options.seed = u64::from(ip);
                         options.heartbeat = Duration::from_millis(500);
+                        // Reconnect delays capped at 4 s (the default cap is 60 s), so that
+                        // the healed phase may expect every agent back within its settle time.
+                        options.reconnect.max = RECONNECT_MAX;
                         let modules = Arc::new(truth.module(agent, replica, &pod));
                         let (stop, shutdown) = tokio::sync::watch::channel(false);
                         async move {

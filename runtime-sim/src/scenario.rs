@@ -248,8 +248,9 @@ pub async fn run(scenario: Scenario) -> Report {
     }
     let mut calls: Vec<Call> = calls.await.expect("caller finished");
 
-    // Healed. Let records expire and be rewritten, then everything must route.
-    tokio::time::sleep(TTL * 2 + Duration::from_secs(2)).await;
+    // Healed. Let agents reconnect (their backoff is capped) and records expire and be
+    // rewritten; then everything must route.
+    tokio::time::sleep(TTL * 2 + crate::cluster::RECONNECT_MAX + Duration::from_secs(2)).await;
     let mut violations = Vec::new();
     let final_calls = caller
         .spawn({

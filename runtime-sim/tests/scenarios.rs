@@ -5,6 +5,7 @@
 use kas_sim::scenario::{self, Scenario};
 
 async fn passes(s: Scenario) {
+    madsim::runtime::init_logger();
     let report = scenario::run(s).await;
     println!("{}: {:?} faults={}", s.name(), report.stats, report.faults);
     for e in &report.odd_errors {

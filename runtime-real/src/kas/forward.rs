@@ -106,7 +106,13 @@ impl Forwarder {
                 return Forwarded::Done;
             }
         }
-        let mut req = tonic::Request::new(futures::stream::iter(up));
+        // The call's frames go out only once the serving kas has answered the stream's
+        // headers. A forward that fails before that has sent nothing, so it is safe to
+        // offer elsewhere; one that fails later may have been delivered (at most once:
+        // found by the simulation, where a forward timed out after the serving kas had
+        // delivered it and the call was then delivered a second time elsewhere).
+        let (frames_tx, frames_rx) = tokio::sync::mpsc::channel(up.len().max(1));
+        let mut req = tonic::Request::new(tokio_stream::wrappers::ReceiverStream::new(frames_rx));
         req.set_timeout(clock::until(call.deadline).max(Duration::from_millis(1)));
         match self.signer.bearer().parse() {
             Ok(v) => {
@@ -118,6 +124,11 @@ impl Forwarder {
             Ok(resp) => resp.into_inner(),
             Err(status) => return Forwarded::Refused(status.to_string()),
         };
+        for f in up {
+            // Capacity holds every frame; a closed stream shows as the answer's error below.
+            let _ = frames_tx.try_send(f);
+        }
+        drop(frames_tx);
         let mut first = true;
         loop {
             let frame = match inbound.message().await {
