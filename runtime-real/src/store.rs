@@ -11,7 +11,7 @@ mod redis;
 #[cfg(madsim)]
 pub mod sim;
 
-pub use self::memory::MemoryStore;
+pub use self::memory::{Keyspace, MemoryStore};
 pub use self::redis::RedisStore;
 #[cfg(madsim)]
 pub use self::sim::SimStore;
@@ -118,6 +118,32 @@ impl Store {
             Store::Sim(s) => s.spawn_pubsub(cmd_rx, ev_tx),
         }
         (PubSub(cmd_tx), ev_rx)
+    }
+}
+
+/// While a pub-sub connection is down: waits `delay`, keeping `channels` (the wanted
+/// subscriptions) up to date with the commands that arrive. `false`: the handle is gone.
+async fn wait_while_down(
+    delay: std::time::Duration,
+    cmds: &mut mpsc::UnboundedReceiver<PubSubCommand>,
+    channels: &mut std::collections::HashSet<String>,
+) -> bool {
+    let sleep = tokio::time::sleep(delay);
+    tokio::pin!(sleep);
+    loop {
+        tokio::select! {
+            biased;
+            () = &mut sleep => return true,
+            cmd = cmds.recv() => match cmd {
+                None => return false,
+                Some(PubSubCommand::Subscribe(ch)) => {
+                    channels.insert(ch);
+                }
+                Some(PubSubCommand::Unsubscribe(ch)) => {
+                    channels.remove(&ch);
+                }
+            },
+        }
     }
 }
 

@@ -4,6 +4,7 @@
 //! of the node loses every key, as a Redis without persistence does. Latency is injected
 //! per request through [`RedisKnobs`].
 
+use kas_runtime::store::Keyspace;
 use kas_runtime::store::sim::{SimReply, SimRequest};
 use std::collections::{BTreeMap, BTreeSet};
 use std::net::SocketAddr;
@@ -34,16 +35,10 @@ impl RedisKnobs {
     }
 }
 
-#[derive(Debug, Default)]
-struct Hash {
-    fields: BTreeMap<String, Vec<u8>>,
-    expires: Option<Instant>,
-}
-
 /// The data of the server; readable from outside for the invariant checker.
 #[derive(Debug, Default)]
 pub struct Db {
-    hashes: BTreeMap<String, Hash>,
+    keyspace: Keyspace,
     subscribers: BTreeMap<u64, Subscriber>,
     next_subscriber: u64,
 }
@@ -57,82 +52,25 @@ struct Subscriber {
 impl Db {
     /// Live keys with their field names, as `--scan` and `HKEYS` would show them.
     pub fn keys(&self, now: Instant) -> BTreeMap<String, Vec<String>> {
-        self.hashes
-            .iter()
-            .filter(|(_, h)| h.expires.is_none_or(|at| at > now))
-            .map(|(k, h)| (k.clone(), h.fields.keys().cloned().collect()))
-            .collect()
-    }
-
-    /// Drops `key` if it has expired (passive expiry).
-    fn expire(&mut self, key: &str, now: Instant) {
-        if self
-            .hashes
-            .get(key)
-            .is_some_and(|h| h.expires.is_some_and(|at| at <= now))
-        {
-            self.hashes.remove(key);
-        }
+        self.keyspace.keys(now)
     }
 
     fn apply(&mut self, request: SimRequest, now: Instant) -> Option<SimReply> {
-        match request {
+        Some(match request {
             SimRequest::Execute(writes) => {
-                for w in writes {
-                    self.expire(&w.key, now);
-                    let h = self.hashes.entry(w.key.clone()).or_default();
-                    for f in &w.delete {
-                        h.fields.remove(f);
-                    }
-                    for (f, v) in &w.set {
-                        h.fields.insert(f.clone(), v.clone());
-                    }
-                    if let Some(ttl) = w.expire {
-                        h.expires = Some(now + ttl);
-                    }
-                    if h.fields.is_empty() {
-                        self.hashes.remove(&w.key);
-                    }
-                    for (channel, payload) in w.publish {
-                        self.publish(&channel, payload);
-                    }
+                for (channel, payload) in self.keyspace.execute(&writes, now) {
+                    self.publish(&channel, payload);
                 }
-                Some(SimReply::Done)
+                SimReply::Done
             }
-            SimRequest::Read(key) => {
-                self.expire(&key, now);
-                let fields = self
-                    .hashes
-                    .get(&key)
-                    .map(|h| {
-                        h.fields
-                            .iter()
-                            .map(|(f, v)| (f.clone(), v.clone()))
-                            .collect()
-                    })
-                    .unwrap_or_default();
-                Some(SimReply::Hash(fields))
-            }
+            SimRequest::Read(key) => SimReply::Hash(self.keyspace.read(&key, now)),
             SimRequest::DeleteUnchanged(key, fields) => {
-                self.expire(&key, now);
-                let mut n = 0;
-                if let Some(h) = self.hashes.get_mut(&key) {
-                    for (f, v) in fields {
-                        if h.fields.get(&f) == Some(&v) {
-                            h.fields.remove(&f);
-                            n += 1;
-                        }
-                    }
-                    if h.fields.is_empty() {
-                        self.hashes.remove(&key);
-                    }
-                }
-                Some(SimReply::Deleted(n))
+                SimReply::Deleted(self.keyspace.delete_unchanged(&key, &fields, now))
             }
-            SimRequest::Ping => Some(SimReply::Done),
+            SimRequest::Ping => SimReply::Done,
             // Handled by the connection, which owns the subscriber.
-            SimRequest::Subscribe(_) | SimRequest::Unsubscribe(_) => None,
-        }
+            SimRequest::Subscribe(_) | SimRequest::Unsubscribe(_) => return None,
+        })
     }
 
     fn publish(&mut self, channel: &str, payload: Vec<u8>) {
@@ -175,10 +113,7 @@ impl RedisState {
             loop {
                 tokio::time::sleep(Duration::from_millis(100)).await;
                 let now = Instant::now();
-                sweeper
-                    .lock()
-                    .hashes
-                    .retain(|_, h| h.expires.is_none_or(|at| at > now));
+                sweeper.lock().keyspace.sweep(now);
             }
         });
         while let Ok((tx, rx, _)) = endpoint.accept1().await {

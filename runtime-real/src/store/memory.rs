@@ -2,42 +2,46 @@
 
 use super::{PubSubCommand, PubSubEvent};
 use kas_core::tracker::KeyWrite;
-use std::collections::{HashMap, HashSet};
+use std::collections::{BTreeMap, HashSet};
 use std::sync::{Arc, Mutex};
 use tokio::sync::{broadcast, mpsc};
 use tokio::time::Instant;
 
-#[derive(Default)]
+/// One hash and its key's expiry.
+#[derive(Debug, Default)]
 struct Hash {
-    fields: HashMap<String, Vec<u8>>,
+    fields: BTreeMap<String, Vec<u8>>,
     expires: Option<Instant>,
 }
 
-/// Hashes with key expiry and a pub-sub bus, in this process.
-#[derive(Clone)]
-pub struct MemoryStore {
-    hashes: Arc<Mutex<HashMap<String, Hash>>>,
-    bus: broadcast::Sender<(String, Vec<u8>)>,
-}
-
-impl Default for MemoryStore {
-    fn default() -> Self {
-        MemoryStore {
-            hashes: Arc::default(),
-            bus: broadcast::channel(4096).0,
-        }
+impl Hash {
+    fn live(&self, now: Instant) -> bool {
+        self.expires.is_none_or(|at| at > now)
     }
 }
 
-impl MemoryStore {
-    pub(super) fn execute(&self, writes: &[KeyWrite]) {
-        let now = Instant::now();
-        let mut hashes = self.lock();
+/// Hashes under key expiry, kept as Redis keeps them: the data of the in-memory store and
+/// of the simulated Redis node. Expired keys vanish when touched and at each `sweep`.
+#[derive(Debug, Default)]
+pub struct Keyspace {
+    hashes: BTreeMap<String, Hash>,
+}
+
+impl Keyspace {
+    /// Drops `key` if it has expired.
+    fn expire(&mut self, key: &str, now: Instant) {
+        if self.hashes.get(key).is_some_and(|h| !h.live(now)) {
+            self.hashes.remove(key);
+        }
+    }
+
+    /// Applies each write as one transaction (`HDEL; HSET; PEXPIRE; PUBLISH`) at `now`;
+    /// returns the messages to publish, in order.
+    pub fn execute(&mut self, writes: &[KeyWrite], now: Instant) -> Vec<(String, Vec<u8>)> {
+        let mut publish = Vec::new();
         for w in writes {
-            let h = hashes.entry(w.key.clone()).or_default();
-            if h.expires.is_some_and(|at| at <= now) {
-                *h = Hash::default();
-            }
+            self.expire(&w.key, now);
+            let h = self.hashes.entry(w.key.clone()).or_default();
             for f in &w.delete {
                 h.fields.remove(f);
             }
@@ -48,20 +52,18 @@ impl MemoryStore {
                 h.expires = Some(now + ttl);
             }
             if h.fields.is_empty() {
-                hashes.remove(&w.key);
+                self.hashes.remove(&w.key);
             }
-            for (channel, payload) in &w.publish {
-                // No receiver is not an error: pub-sub is fire-and-forget.
-                let _ = self.bus.send((channel.clone(), payload.clone()));
-            }
+            publish.extend(w.publish.iter().cloned());
         }
+        publish
     }
 
-    pub(super) fn read(&self, key: &str) -> Vec<(String, Vec<u8>)> {
-        let now = Instant::now();
-        self.lock()
+    /// `HGETALL key`.
+    pub fn read(&mut self, key: &str, now: Instant) -> Vec<(String, Vec<u8>)> {
+        self.expire(key, now);
+        self.hashes
             .get(key)
-            .filter(|h| h.expires.is_none_or(|at| at > now))
             .map(|h| {
                 h.fields
                     .iter()
@@ -71,9 +73,15 @@ impl MemoryStore {
             .unwrap_or_default()
     }
 
-    pub(super) fn delete_unchanged(&self, key: &str, fields: &[(String, Vec<u8>)]) -> usize {
-        let mut hashes = self.lock();
-        let Some(h) = hashes.get_mut(key) else {
+    /// Deletes each field only while it still holds the given value; returns how many went.
+    pub fn delete_unchanged(
+        &mut self,
+        key: &str,
+        fields: &[(String, Vec<u8>)],
+        now: Instant,
+    ) -> usize {
+        self.expire(key, now);
+        let Some(h) = self.hashes.get_mut(key) else {
             return 0;
         };
         let mut n = 0;
@@ -84,9 +92,57 @@ impl MemoryStore {
             }
         }
         if h.fields.is_empty() {
-            hashes.remove(key);
+            self.hashes.remove(key);
         }
         n
+    }
+
+    /// Drops every expired key (Redis's active expiry).
+    pub fn sweep(&mut self, now: Instant) {
+        self.hashes.retain(|_, h| h.live(now));
+    }
+
+    /// Live keys with their field names.
+    pub fn keys(&self, now: Instant) -> BTreeMap<String, Vec<String>> {
+        self.hashes
+            .iter()
+            .filter(|(_, h)| h.live(now))
+            .map(|(k, h)| (k.clone(), h.fields.keys().cloned().collect()))
+            .collect()
+    }
+}
+
+/// Hashes with key expiry and a pub-sub bus, in this process.
+#[derive(Clone)]
+pub struct MemoryStore {
+    keyspace: Arc<Mutex<Keyspace>>,
+    bus: broadcast::Sender<(String, Vec<u8>)>,
+}
+
+impl Default for MemoryStore {
+    fn default() -> Self {
+        MemoryStore {
+            keyspace: Arc::default(),
+            bus: broadcast::channel(4096).0,
+        }
+    }
+}
+
+impl MemoryStore {
+    pub(super) fn execute(&self, writes: &[KeyWrite]) {
+        let published = self.lock().execute(writes, Instant::now());
+        for message in published {
+            // No receiver is not an error: pub-sub is fire-and-forget.
+            let _ = self.bus.send(message);
+        }
+    }
+
+    pub(super) fn read(&self, key: &str) -> Vec<(String, Vec<u8>)> {
+        self.lock().read(key, Instant::now())
+    }
+
+    pub(super) fn delete_unchanged(&self, key: &str, fields: &[(String, Vec<u8>)]) -> usize {
+        self.lock().delete_unchanged(key, fields, Instant::now())
     }
 
     pub(super) fn spawn_pubsub(
@@ -130,7 +186,7 @@ impl MemoryStore {
         });
     }
 
-    fn lock(&self) -> std::sync::MutexGuard<'_, HashMap<String, Hash>> {
-        self.hashes.lock().unwrap_or_else(|p| p.into_inner())
+    fn lock(&self) -> std::sync::MutexGuard<'_, Keyspace> {
+        self.keyspace.lock().unwrap_or_else(|p| p.into_inner())
     }
 }

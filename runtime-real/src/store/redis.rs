@@ -169,18 +169,8 @@ async fn run_pubsub(
         let conn = tokio::time::timeout(timeout, client.get_async_pubsub()).await;
         let Ok(Ok(pubsub)) = conn else {
             // Down: keep track of what is wanted, retry after a growing delay.
-            let sleep = tokio::time::sleep(delay);
-            tokio::pin!(sleep);
-            loop {
-                tokio::select! {
-                    biased;
-                    () = &mut sleep => break,
-                    cmd = cmds.recv() => match cmd {
-                        None => return,
-                        Some(PubSubCommand::Subscribe(ch)) => { channels.insert(ch); }
-                        Some(PubSubCommand::Unsubscribe(ch)) => { channels.remove(&ch); }
-                    },
-                }
+            if !super::wait_while_down(delay, &mut cmds, &mut channels).await {
+                return;
             }
             delay = (delay * 2).min(Duration::from_secs(2));
             continue;

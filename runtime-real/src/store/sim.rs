@@ -139,18 +139,8 @@ async fn run_pubsub(
     let mut delay = Duration::from_millis(50);
     loop {
         let Ok((tx, mut rx)) = connect(server).await else {
-            let sleep = tokio::time::sleep(delay);
-            tokio::pin!(sleep);
-            loop {
-                tokio::select! {
-                    biased;
-                    () = &mut sleep => break,
-                    cmd = cmds.recv() => match cmd {
-                        None => return,
-                        Some(PubSubCommand::Subscribe(ch)) => { channels.insert(ch); }
-                        Some(PubSubCommand::Unsubscribe(ch)) => { channels.remove(&ch); }
-                    },
-                }
+            if !super::wait_while_down(delay, &mut cmds, &mut channels).await {
+                return;
             }
             delay = (delay * 2).min(Duration::from_secs(2));
             continue;
