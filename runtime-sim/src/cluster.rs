@@ -8,7 +8,6 @@ use crate::redis::RedisState;
 use crate::truth::Truth;
 use kas_proto::registry::AgentMeta;
 use kas_runtime::agent::{self, AgentOptions};
-use kas_runtime::api_client::ApiClient;
 use kas_runtime::config::Config;
 use kas_runtime::jwt::Secret;
 use kas_runtime::kas::Kas;
@@ -229,11 +228,6 @@ impl Cluster {
             .name(format!("gitlab{n}"))
             .ip(IpAddr::V4(Ipv4Addr::new(10, 0, 3, last)))
             .build()
-    }
-
-    /// A public API client of kas `i` (to be used on a caller node), with `timeout`.
-    pub async fn api(&self, i: usize, timeout: Duration) -> Result<ApiClient, String> {
-        ApiClient::connect(&kas_addr(i, 8153).to_string(), &self.gitlab_secret, timeout).await
     }
 
     /// GitLab's secret.

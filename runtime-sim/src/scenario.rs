@@ -282,30 +282,12 @@ pub async fn run(scenario: Scenario) -> Report {
     }
     let listed = caller
         .spawn({
-            let cluster_secret = secret.clone();
-            let spec = spec.clone();
+            let (secret, spec) = (secret.clone(), spec.clone());
             async move {
                 let mut out = Vec::new();
                 for k in 0..spec.kas {
-                    let api = kas_runtime::api_client::ApiClient::connect(
-                        &crate::cluster::kas_addr(k, 8153).to_string(),
-                        &cluster_secret,
-                        Duration::from_secs(5),
-                    )
-                    .await;
                     for a in &spec.agents {
-                        let pods = match &api {
-                            Ok(api) => api.agents_by_id(a.agent).await.map(|v| {
-                                let mut p: Vec<String> = v
-                                    .into_iter()
-                                    .map(|i| i.agent_meta.unwrap_or_default().pod_name)
-                                    .collect();
-                                p.sort();
-                                p
-                            }),
-                            Err(e) => Err(tonic::Status::unavailable(e.clone())),
-                        };
-                        out.push((k, a.agent, pods));
+                        out.push((k, a.agent, workload::listed(&secret, k, a.agent).await));
                     }
                 }
                 out

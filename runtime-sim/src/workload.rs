@@ -52,6 +52,23 @@ pub async fn call(
     }
 }
 
+/// The pod names of `agent`'s replicas that kas `kas` lists, sorted.
+pub async fn listed(secret: &Secret, kas: usize, agent: i64) -> Result<Vec<String>, String> {
+    let api = ApiClient::connect(
+        &kas_addr(kas, 8153).to_string(),
+        secret,
+        Duration::from_secs(5),
+    )
+    .await?;
+    let agents = api.agents_by_id(agent).await.map_err(|s| s.to_string())?;
+    let mut pods: Vec<String> = agents
+        .into_iter()
+        .map(|a| a.agent_meta.unwrap_or_default().pod_name)
+        .collect();
+    pods.sort();
+    Ok(pods)
+}
+
 /// Calls at random intervals (mean `every`) until `until`, each concurrently, for agents
 /// drawn from `agents`; returns every call once all have finished.
 pub async fn run(
