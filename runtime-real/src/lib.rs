@@ -12,6 +12,8 @@ pub mod jwt;
 pub mod kas;
 #[cfg(not(madsim))]
 pub mod local;
+#[cfg(not(madsim))]
+pub mod logging;
 #[cfg(madsim)]
 pub mod planted_bug;
 #[cfg(not(madsim))]

@@ -73,16 +73,9 @@ struct Args {
 
 fn main() -> ExitCode {
     let args = Args::parse();
-    let filter = match tracing_subscriber::EnvFilter::try_new(&args.log) {
-        Ok(f) => f,
-        Err(e) => return fail(format!("invalid --log filter {:?}: {e}", args.log)),
-    };
-    use std::io::IsTerminal;
-    tracing_subscriber::fmt()
-        .with_env_filter(filter)
-        .with_writer(std::io::stderr)
-        .with_ansi(std::io::stderr().is_terminal())
-        .init();
+    if let Err(e) = kas_runtime::logging::init_stderr(&args.log) {
+        return fail(e);
+    }
     let options = match options(&args) {
         Ok(o) => o,
         Err(e) => return fail(e),

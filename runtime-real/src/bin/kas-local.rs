@@ -48,13 +48,6 @@ fn main() -> ExitCode {
 }
 
 fn run(args: &Args, dir: &std::path::Path) -> ExitCode {
-    let filter = match tracing_subscriber::EnvFilter::try_new(&args.log) {
-        Ok(f) => f,
-        Err(e) => {
-            eprintln!("kas-local: invalid --log filter {:?}: {e}", args.log);
-            return ExitCode::from(2);
-        }
-    };
     let log_path = dir.join("kas-local.log");
     let log = match std::fs::File::create(&log_path) {
         Ok(f) => f,
@@ -63,11 +56,10 @@ fn run(args: &Args, dir: &std::path::Path) -> ExitCode {
             return ExitCode::from(2);
         }
     };
-    tracing_subscriber::fmt()
-        .with_env_filter(filter)
-        .with_writer(std::sync::Mutex::new(log))
-        .with_ansi(false)
-        .init();
+    if let Err(e) = kas_runtime::logging::init(&args.log, std::sync::Mutex::new(log), false) {
+        eprintln!("kas-local: {e}");
+        return ExitCode::from(2);
+    }
     let with_redis = !args.in_memory && redis_server::installed();
     let kasctl = std::env::current_exe()
         .map(|p| p.with_file_name("kasctl").display().to_string())

@@ -39,19 +39,10 @@ struct Args {
 
 fn main() -> ExitCode {
     let args = Args::parse();
-    let filter = match tracing_subscriber::EnvFilter::try_new(&args.log) {
-        Ok(f) => f,
-        Err(e) => {
-            eprintln!("kas: invalid --log filter {:?}: {e}", args.log);
-            return ExitCode::from(2);
-        }
-    };
-    use std::io::IsTerminal;
-    tracing_subscriber::fmt()
-        .with_env_filter(filter)
-        .with_writer(std::io::stderr)
-        .with_ansi(std::io::stderr().is_terminal())
-        .init();
+    if let Err(e) = kas_runtime::logging::init_stderr(&args.log) {
+        eprintln!("kas: {e}");
+        return ExitCode::from(2);
+    }
     let config = match Config::load(&args.config, args.advertise_address) {
         Ok(c) => c,
         Err(e) => {
