@@ -36,6 +36,14 @@ impl ApiClient {
         })
     }
 
+    /// The same client (same connection) with calls carrying `timeout` instead.
+    pub fn with_timeout(&self, timeout: Duration) -> ApiClient {
+        ApiClient {
+            timeout,
+            ..self.clone()
+        }
+    }
+
     fn request<T>(&self, msg: T) -> tonic::Request<T> {
         let mut r = tonic::Request::new(msg);
         r.set_timeout(self.timeout);

@@ -259,19 +259,14 @@ pub async fn channel(addr: SocketAddr) -> Channel {
 /// GitLab's side: a public API client that signs every call.
 pub struct GitLab {
     api: ApiClient,
-    secret: Secret,
-    addr: String,
 }
 
 impl GitLab {
     pub async fn new(secrets: &Secrets, api: SocketAddr) -> GitLab {
-        let addr = api.to_string();
         GitLab {
-            api: ApiClient::connect(&addr, &secrets.gitlab, Duration::from_secs(5))
+            api: ApiClient::connect(&api.to_string(), &secrets.gitlab, Duration::from_secs(5))
                 .await
                 .expect("connect"),
-            secret: secrets.gitlab.clone(),
-            addr,
         }
     }
 
@@ -282,9 +277,7 @@ impl GitLab {
         connection: Option<ConnectionId>,
         timeout: Duration,
     ) -> Result<Vec<String>, tonic::Status> {
-        let api = ApiClient::connect(&self.addr, &self.secret, timeout)
-            .await
-            .expect("connect");
+        let api = self.api.with_timeout(timeout);
         let pods = api.pods(agent, connection.map(|c| c.0), "").await?;
         Ok(pods.into_iter().map(|p| p.name).collect())
     }
