@@ -10,8 +10,11 @@
 //!    refuses before delivery ([`RouterInput::AttemptRefused`]) makes the router try the
 //!    next one. Once a call may have reached an agent the router never retries it: the
 //!    driver reports [`RouterInput::Finished`] whatever the outcome (at-most-once).
-//! 4. With no kas left, wait for a tunnel event (pub-sub, or a local tunnel) or a jittered
-//!    backoff poll, which is the safety net for lost pub-sub messages.
+//! 4. With no kas left, wait for a tunnel event (pub-sub, or a local tunnel). While the
+//!    pub-sub connection is up ([`RouterInput::PubSubUp`]), the last lookup succeeded and
+//!    no kas refused the call since, that is all: no event is lost on a live connection,
+//!    and a lost connection re-runs every lookup when it is back. Otherwise the call also
+//!    polls (looks up again) on a jittered backoff.
 //! 5. At the deadline a call that is not with a kas fails with
 //!    [`RouteError::NotConnected`]; one still in an attempt is failed `grace` later.
 //!
@@ -76,9 +79,11 @@ pub enum RouterInput {
         /// Whether that kas gained (`true`) or lost its tunnels of the agent.
         connected: bool,
     },
-    /// The pub-sub connection was re-established (subscriptions restored): events may
-    /// have been missed, so every waiting call looks again.
-    PubSubReconnected,
+    /// The pub-sub connection is up, with every subscription in place: events may have
+    /// been missed before, so every waiting call looks again, then waits without polling.
+    PubSubUp,
+    /// The pub-sub connection is down: waiting calls poll until it is up again.
+    PubSubDown,
     /// The target refused the call before any agent saw it (no tunnel there, kas
     /// unreachable before sending): the router may try elsewhere.
     AttemptRefused {
@@ -194,6 +199,9 @@ struct Route {
     woken: bool,
     /// A lookup has answered for this call at least once.
     looked_up: bool,
+    /// The last lookup succeeded and no kas refused the call since: with pub-sub up, an
+    /// event is all it needs.
+    quiet: bool,
     polls: u32,
 }
 
@@ -224,6 +232,7 @@ pub struct Router {
     failed_at: HashMap<KasId, Time>,
     timers: BinaryHeap<Reverse<(Time, RequestId)>>,
     outputs: VecDeque<RouterOutput>,
+    pubsub_up: bool,
 }
 
 impl Router {
@@ -239,6 +248,7 @@ impl Router {
             failed_at: HashMap::new(),
             timers: BinaryHeap::new(),
             outputs: VecDeque::new(),
+            pubsub_up: false,
         }
     }
 
@@ -286,7 +296,17 @@ impl Router {
                     self.drop_candidate(agent, &Target::Kas(kas));
                 }
             }
-            RouterInput::PubSubReconnected => {
+            RouterInput::PubSubDown => {
+                self.pubsub_up = false;
+                for id in self.sorted_requests() {
+                    let r = self.routes.get_mut(&id).expect("listed above");
+                    if matches!(r.phase, Phase::Waiting { poll_at } if poll_at >= r.deadline) {
+                        self.schedule_poll(now, id);
+                    }
+                }
+            }
+            RouterInput::PubSubUp => {
+                self.pubsub_up = true;
                 let ids: Vec<RequestId> = self.sorted_requests();
                 for id in ids {
                     if let Some(r) = self.routes.get_mut(&id) {
@@ -304,6 +324,7 @@ impl Router {
                 if r.phase != Phase::Attempting {
                     return;
                 }
+                r.quiet = false;
                 if let Some(Target::Kas(k)) = r.current.take() {
                     self.failed_at.insert(k, now);
                 }
@@ -393,6 +414,7 @@ impl Router {
                 current: None,
                 woken: false,
                 looked_up: false,
+                quiet: false,
                 polls: 0,
             },
         );
@@ -462,6 +484,7 @@ impl Router {
             };
             let r = self.routes.get_mut(&id).expect("listed above");
             r.looked_up = true;
+            r.quiet = kas.is_some();
             for t in targets {
                 if !r.candidates.contains(&t) {
                     r.candidates.push_back(t);
@@ -500,14 +523,28 @@ impl Router {
                 .push_back(RouterOutput::Attempt { request, target });
         } else if r.woken || !r.looked_up {
             self.discover(request);
+        } else if self.pubsub_up
+            && r.quiet
+            && self.agents.get(&r.agent).map(|a| a.subscription) == Some(Subscription::Active)
+        {
+            // Only an event wakes it (or the deadline timer ends it).
+            r.phase = Phase::Waiting {
+                poll_at: r.deadline,
+            };
         } else {
-            let delay = self.config.poll_backoff.delay(r.polls, &mut self.rng);
-            r.polls = r.polls.saturating_add(1);
-            let poll_at = now + delay;
-            r.phase = Phase::Waiting { poll_at };
-            if poll_at < r.deadline {
-                self.timers.push(Reverse((poll_at, request)));
-            }
+            self.schedule_poll(now, request);
+        }
+    }
+
+    /// Waits with a safety-net poll after the next backoff delay.
+    fn schedule_poll(&mut self, now: Time, request: RequestId) {
+        let r = self.routes.get_mut(&request).expect("a live route");
+        let delay = self.config.poll_backoff.delay(r.polls, &mut self.rng);
+        r.polls = r.polls.saturating_add(1);
+        let poll_at = now + delay;
+        r.phase = Phase::Waiting { poll_at };
+        if poll_at < r.deadline {
+            self.timers.push(Reverse((poll_at, request)));
         }
     }
 

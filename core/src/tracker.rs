@@ -95,6 +95,10 @@ pub struct KeyWrite {
     pub expire: Option<Duration>,
     /// `PUBLISH channel payload` (encoded `TunnelEvent`s).
     pub publish: Vec<(String, Vec<u8>)>,
+    /// `PUBLISH channel payload` only if the `set` created a field the hash lacked: a
+    /// tunnel record that expired or was lost (Redis restart, time jump) and is written
+    /// again is announced, so routers that wait without polling learn of it.
+    pub announce: Vec<(String, Vec<u8>)>,
 }
 
 /// Tracker settings. GitLab's kas defaults: ttl 300 s, refresh 240 s, gc 600 s.
@@ -117,6 +121,8 @@ struct KeyState {
     fields: BTreeMap<String, Vec<u8>>,
     pending_delete: BTreeSet<String>,
     pending_publish: Vec<(String, Vec<u8>)>,
+    /// The event that announces this key's field when a write recreates it.
+    announce: Option<(String, Vec<u8>)>,
     dirty: bool,
     in_flight: bool,
 }
@@ -218,9 +224,10 @@ impl Tracker {
                     kas_id: self.kas_id.0.clone(),
                     connected: present,
                 };
-                let channel = self.keys.tunnel_events(agent);
+                let message = (self.keys.tunnel_events(agent), event.encode_to_vec());
                 let st = self.state.entry(key).or_default();
-                st.pending_publish.push((channel, event.encode_to_vec()));
+                st.announce = present.then(|| message.clone());
+                st.pending_publish.push(message);
             }
         }
         self.flush(now);
@@ -384,6 +391,13 @@ impl Tracker {
                         .map(|(f, v)| (f.clone(), expiring::encode(v, expires_at)))
                         .collect(),
                     expire: (!st.fields.is_empty()).then_some(self.config.ttl),
+                    // An explicit event already says what is true now.
+                    announce: match &st.announce {
+                        Some(a) if st.pending_publish.is_empty() && !st.fields.is_empty() => {
+                            vec![a.clone()]
+                        }
+                        _ => Vec::new(),
+                    },
                     publish: std::mem::take(&mut st.pending_publish),
                     key,
                 });

@@ -2,9 +2,10 @@
 //!
 //! Two implementations behind one enum: Redis (shared by many kas) and in-memory (one kas
 //! alone, used when the configuration has no `redis` section). Both apply the tracker's
-//! per-key transactions (`HDEL; HSET; PEXPIRE; PUBLISH`), read hashes, collect expired
-//! fields without ever deleting a field that was refreshed meanwhile, and carry pub-sub on
-//! a connection of its own.
+//! batches atomically (per key `HDEL; HSET; PEXPIRE; PUBLISH`, then the announcements if
+//! the `HSET` created a field; on Redis one `EVALSHA` per batch), read hashes, collect
+//! expired fields without ever deleting a field that was refreshed meanwhile, and carry
+//! pub-sub on a connection of its own that reports when it is up and down.
 
 mod memory;
 mod redis;
@@ -38,7 +39,7 @@ pub enum Store {
 }
 
 impl Store {
-    /// Applies each write as one transaction; all writes go in one round trip.
+    /// Applies the writes atomically, in one round trip.
     pub async fn execute(&self, writes: &[KeyWrite]) -> Result<(), StoreError> {
         match self {
             Store::Redis(s) => s.execute(writes).await,
@@ -147,6 +148,9 @@ async fn wait_while_down(
     }
 }
 
+/// How often an idle pub-sub connection is checked with `PING`.
+const KEEPALIVE: std::time::Duration = std::time::Duration::from_secs(1);
+
 /// A request to the pub-sub connection.
 #[derive(Debug)]
 pub enum PubSubCommand {
@@ -168,9 +172,11 @@ pub enum PubSubEvent {
         /// The payload.
         payload: Vec<u8>,
     },
-    /// The connection was lost and is back, with every subscription restored; messages
-    /// published in between are lost.
-    Reconnected,
+    /// The connection is up with every subscription in place: at start, and again after
+    /// each loss (messages published while it was down are lost).
+    Up,
+    /// The connection was lost (closed, or its keep-alive `PING` went unanswered).
+    Down,
 }
 
 /// The handle of a pub-sub connection. Dropping it ends the connection.

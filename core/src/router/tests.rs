@@ -150,23 +150,83 @@ fn waiting_call_polls_with_backoff_when_no_event_comes() {
     r.handle_input(Time(0), RouterInput::Subscribed { agent: A });
     answer_lookup(&mut r, 0, vec![]);
     drain(&mut r);
-    let mut polls = Vec::new();
-    let mut now = Time(0);
-    while polls.len() < 4 {
-        now = r.poll_timeout().unwrap();
-        r.handle_timeout(now);
-        if drain(&mut r) == vec![RouterOutput::Lookup(A)] {
-            polls.push(now.0);
-            answer_lookup(&mut r, now.0, vec![]);
-        }
-    }
+    let polls = polls_until(&mut r, 10_000);
     let gaps: Vec<u64> = polls.windows(2).map(|w| w[1] - w[0]).collect();
     assert!(polls[0] >= 50 && polls[0] <= 100, "first poll {polls:?}");
     assert!(
         gaps.iter().all(|g| (100..=400).contains(g)),
         "gaps {gaps:?}"
     );
-    assert!(now < Time(10_000));
+}
+
+/// Runs `r`'s timers until `until`, answering lookups with no kas; returns when lookups
+/// (polls) were issued.
+fn polls_until(r: &mut Router, until: u64) -> Vec<u64> {
+    let mut polls = Vec::new();
+    while let Some(now) = r.poll_timeout().filter(|t| t.0 < until) {
+        r.handle_timeout(now);
+        if drain(r) == vec![RouterOutput::Lookup(A)] {
+            polls.push(now.0);
+            answer_lookup(r, now.0, vec![]);
+        }
+    }
+    polls
+}
+
+#[test]
+fn with_pubsub_up_a_waiting_call_does_not_poll_until_pubsub_goes_down() {
+    let mut r = router();
+    r.handle_input(Time(0), RouterInput::PubSubUp);
+    start(&mut r, 0, 1, 10_000);
+    r.handle_input(Time(0), RouterInput::Subscribed { agent: A });
+    assert_eq!(
+        drain(&mut r),
+        vec![RouterOutput::Subscribe(A), RouterOutput::Lookup(A)]
+    );
+    answer_lookup(&mut r, 0, vec![]);
+    assert_eq!(polls_until(&mut r, 5_000), Vec::<u64>::new());
+    r.handle_input(Time(5_000), RouterInput::PubSubDown);
+    let polls = polls_until(&mut r, 6_000);
+    assert!(!polls.is_empty() && polls[0] <= 5_100, "{polls:?}");
+    // Up again: one lookup for everyone, then quiet.
+    r.handle_input(Time(6_000), RouterInput::PubSubUp);
+    assert_eq!(drain(&mut r), vec![RouterOutput::Lookup(A)]);
+    answer_lookup(&mut r, 6_000, vec![]);
+    assert_eq!(polls_until(&mut r, 9_999), Vec::<u64>::new());
+    r.handle_input(
+        Time(9_000),
+        RouterInput::TunnelEvent {
+            agent: A,
+            kas: kas(2),
+            connected: true,
+        },
+    );
+    assert_eq!(drain(&mut r), vec![attempt(1, Target::Kas(kas(2)))]);
+}
+
+#[test]
+fn with_pubsub_up_a_failed_lookup_or_a_refusal_still_polls() {
+    let mut r = router();
+    r.handle_input(Time(0), RouterInput::PubSubUp);
+    start(&mut r, 0, 1, 10_000);
+    r.handle_input(Time(0), RouterInput::Subscribed { agent: A });
+    drain(&mut r);
+    r.handle_input(Time(0), RouterInput::LookupFailed { agent: A });
+    assert!(r.poll_timeout().unwrap() < Time(200), "store failing: poll");
+    let mut r = router();
+    r.handle_input(Time(0), RouterInput::PubSubUp);
+    start(&mut r, 0, 1, 10_000);
+    r.handle_input(Time(0), RouterInput::Subscribed { agent: A });
+    drain(&mut r);
+    answer_lookup(&mut r, 0, vec![kas(3)]);
+    assert_eq!(drain(&mut r), vec![attempt(1, Target::Kas(kas(3)))]);
+    r.handle_input(
+        Time(1),
+        RouterInput::AttemptRefused {
+            request: RequestId(1),
+        },
+    );
+    assert!(r.poll_timeout().unwrap() < Time(200), "kas3 refused: poll");
 }
 
 #[test]

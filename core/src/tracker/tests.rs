@@ -134,6 +134,39 @@ fn tunnel_presence_publishes_with_its_write() {
 }
 
 #[test]
+fn refresh_announces_a_tunnel_record_only_if_it_was_missing() {
+    let mut t = tracker();
+    let first = next_batch(&mut t);
+    ack(&mut t, 0, &first, true);
+    let presence = |present| TrackerInput::TunnelPresence {
+        agent: AgentId(3),
+        present,
+    };
+    t.handle_input(Time(1), presence(true));
+    let b = next_batch(&mut t);
+    assert!(
+        b.writes[0].announce.is_empty(),
+        "the explicit event says it"
+    );
+    ack(&mut t, 2, &b, true);
+    t.handle_timeout(Time(240));
+    let refresh = next_batch(&mut t);
+    let w = refresh
+        .writes
+        .iter()
+        .find(|w| w.key == "kas:tunnels_by_agent:{agent:3}")
+        .unwrap();
+    assert!(w.publish.is_empty());
+    assert_eq!(w.announce.len(), 1);
+    let event = TunnelEvent::decode(w.announce[0].1.as_slice()).unwrap();
+    assert!(event.connected);
+    ack(&mut t, 241, &refresh, true);
+    t.handle_input(Time(242), presence(false));
+    let gone = next_batch(&mut t);
+    assert!(gone.writes[0].announce.is_empty());
+}
+
+#[test]
 fn failed_batch_is_retried_after_backoff_with_its_deletes_and_events() {
     let mut t = tracker();
     let first = next_batch(&mut t);

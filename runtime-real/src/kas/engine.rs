@@ -185,6 +185,8 @@ struct Engine {
     channels: HashMap<String, AgentId>,
     store_healthy: bool,
     wakeups: bool,
+    /// The pub-sub connection has been up before (so `Up` is a reconnection).
+    pubsub_was_up: bool,
     shutdown: Option<oneshot::Sender<()>>,
 }
 
@@ -215,6 +217,7 @@ pub fn spawn(parts: EngineParts) -> EngineHandle {
         channels: HashMap::new(),
         store_healthy: true,
         wakeups: parts.wakeups,
+        pubsub_was_up: false,
         shutdown: None,
     };
     tokio::spawn(engine.run(rx, events));
@@ -252,6 +255,11 @@ impl Engine {
             }
             self.drain(clock::now());
             self.metrics.calls.set(self.calls.len() as i64);
+            self.metrics.routing.set(self.router.request_count() as i64);
+            self.metrics
+                .tunnel_waiters
+                .set(self.registry.waiter_count() as i64);
+            self.metrics.subscriptions.set(self.channels.len() as i64);
         }
     }
 
@@ -433,11 +441,20 @@ impl Engine {
                     },
                 );
             }
-            PubSubEvent::Reconnected => {
-                tracing::info!("pub-sub connection re-established");
-                self.router
-                    .handle_input(now, RouterInput::PubSubReconnected);
-                self.tracker.handle_input(now, TrackerInput::RewriteAll);
+            PubSubEvent::Up => {
+                // Without wake-ups the router is never told: its calls keep polling.
+                if self.wakeups {
+                    self.router.handle_input(now, RouterInput::PubSubUp);
+                }
+                if std::mem::replace(&mut self.pubsub_was_up, true) {
+                    // The store may have restarted empty.
+                    tracing::info!("pub-sub connection re-established");
+                    self.tracker.handle_input(now, TrackerInput::RewriteAll);
+                }
+            }
+            PubSubEvent::Down => {
+                tracing::warn!("pub-sub connection lost: waiting calls poll until it is back");
+                self.router.handle_input(now, RouterInput::PubSubDown);
             }
         }
     }

@@ -61,6 +61,12 @@ pub struct Metrics {
     pub tunnels: Gauge,
     /// Calls this kas is routing or serving.
     pub calls: Gauge,
+    /// Calls the router is placing: looking up, waiting for a tunnel event or attempting.
+    pub routing: Gauge,
+    /// Calls waiting for a tunnel of a busy agent on this kas.
+    pub tunnel_waiters: Gauge,
+    /// Pub-sub channels subscribed (one per agent with waiting calls).
+    pub subscriptions: Gauge,
     /// Seconds from a call's arrival until a tunnel (local) or the holding kas (remote)
     /// took it.
     pub routing_latency: Histogram,
@@ -75,6 +81,9 @@ impl Default for Metrics {
         let connections = Gauge::default();
         let tunnels = Gauge::default();
         let calls = Gauge::default();
+        let routing = Gauge::default();
+        let tunnel_waiters = Gauge::default();
+        let subscriptions = Gauge::default();
         let routing_latency = Histogram::new(exponential_buckets(0.0001, 2.0, 20));
         let routed = Family::<RoutedLabels, Counter>::default();
         let served = Family::<OutcomeLabels, Counter>::default();
@@ -86,6 +95,21 @@ impl Default for Metrics {
         );
         registry.register("tunnels", "Open agent tunnels on this kas", tunnels.clone());
         registry.register("calls", "Calls being routed or served", calls.clone());
+        registry.register(
+            "routing_calls",
+            "Calls being placed by the router (looking up, waiting or attempting)",
+            routing.clone(),
+        );
+        registry.register(
+            "tunnel_waiters",
+            "Calls waiting for a tunnel of a busy agent on this kas",
+            tunnel_waiters.clone(),
+        );
+        registry.register(
+            "pubsub_subscriptions",
+            "Tunnel-event channels subscribed (agents with waiting calls)",
+            subscriptions.clone(),
+        );
         registry.register(
             "routing_latency_seconds",
             "From a call's arrival until a local tunnel or the holding kas took it",
@@ -111,6 +135,9 @@ impl Default for Metrics {
             connections,
             tunnels,
             calls,
+            routing,
+            tunnel_waiters,
+            subscriptions,
             routing_latency,
             routed,
             served,

@@ -35,8 +35,9 @@ impl Keyspace {
         }
     }
 
-    /// Applies each write as one transaction (`HDEL; HSET; PEXPIRE; PUBLISH`) at `now`;
-    /// returns the messages to publish, in order.
+    /// Applies each write as one transaction (`HDEL; HSET; PEXPIRE; PUBLISH`, then the
+    /// announcements if `HSET` created a field) at `now`; returns the messages to publish,
+    /// in order.
     pub fn execute(&mut self, writes: &[KeyWrite], now: Instant) -> Vec<(String, Vec<u8>)> {
         let mut publish = Vec::new();
         for w in writes {
@@ -45,8 +46,9 @@ impl Keyspace {
             for f in &w.delete {
                 h.fields.remove(f);
             }
+            let mut created = false;
             for (f, v) in &w.set {
-                h.fields.insert(f.clone(), v.clone());
+                created |= h.fields.insert(f.clone(), v.clone()).is_none();
             }
             if let Some(ttl) = w.expire {
                 h.expires = Some(now + ttl);
@@ -55,6 +57,9 @@ impl Keyspace {
                 self.hashes.remove(&w.key);
             }
             publish.extend(w.publish.iter().cloned());
+            if created {
+                publish.extend(w.announce.iter().cloned());
+            }
         }
         publish
     }
@@ -153,6 +158,9 @@ impl MemoryStore {
         let mut bus = self.bus.subscribe();
         tokio::spawn(async move {
             let mut channels = HashSet::new();
+            if events.send(PubSubEvent::Up).await.is_err() {
+                return;
+            }
             loop {
                 tokio::select! {
                     biased;
@@ -174,7 +182,8 @@ impl MemoryStore {
                                 PubSubEvent::Message { channel, payload }
                             }
                             Ok(_) => continue,
-                            Err(broadcast::error::RecvError::Lagged(_)) => PubSubEvent::Reconnected,
+                            // Messages were missed: as after a reconnection.
+                            Err(broadcast::error::RecvError::Lagged(_)) => PubSubEvent::Up,
                             Err(broadcast::error::RecvError::Closed) => return,
                         };
                         if events.send(event).await.is_err() {

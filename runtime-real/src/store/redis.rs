@@ -23,6 +23,52 @@ end
 return n
 ";
 
+/// Applies a tracker batch in one round trip and one command, atomically. For each key
+/// (`KEYS[k]`), ARGV holds, in order: the fields to delete (count, then names), the fields
+/// to set (count, then name/value pairs), the key's TTL in ms (0: none), the messages to
+/// publish (count, then channel/payload pairs), and the messages to publish only if the
+/// set created a field (same shape). Long lists go in chunks (Lua's `unpack` limit).
+const WRITE_BATCH: &str = r"
+local a = 1
+local function take()
+  a = a + 1
+  return ARGV[a - 1]
+end
+local function chunked(cmd, key, n, width)
+  local total = 0
+  while n > 0 do
+    local m = math.min(n, 200)
+    local args = {}
+    for i = 1, m * width do
+      args[i] = take()
+    end
+    total = total + redis.call(cmd, key, unpack(args))
+    n = n - m
+  end
+  return total
+end
+for k = 1, #KEYS do
+  local key = KEYS[k]
+  chunked('HDEL', key, tonumber(take()), 1)
+  local created = chunked('HSET', key, tonumber(take()), 2)
+  local ttl = tonumber(take())
+  if ttl > 0 then
+    redis.call('PEXPIRE', key, ttl)
+  end
+  for i = 1, tonumber(take()) do
+    local channel, payload = take(), take()
+    redis.call('PUBLISH', channel, payload)
+  end
+  for i = 1, tonumber(take()) do
+    local channel, payload = take(), take()
+    if created > 0 then
+      redis.call('PUBLISH', channel, payload)
+    end
+  end
+end
+return #KEYS
+";
+
 /// A Redis server shared by the kas replicas.
 #[derive(Clone)]
 pub struct RedisStore {
@@ -30,6 +76,7 @@ pub struct RedisStore {
     conn: ConnectionManager,
     timeout: Duration,
     delete_unchanged: Arc<Script>,
+    write_batch: Arc<Script>,
 }
 
 fn err(e: impl std::fmt::Display) -> StoreError {
@@ -67,50 +114,44 @@ impl RedisStore {
             conn,
             timeout,
             delete_unchanged: Arc::new(Script::new(DELETE_UNCHANGED)),
+            write_batch: Arc::new(Script::new(WRITE_BATCH)),
         })
     }
 
+    /// Writes the batch with one `EVALSHA` (see [`WRITE_BATCH`]).
     pub(super) async fn execute(&self, writes: &[KeyWrite]) -> Result<(), StoreError> {
-        let mut pipe = ::redis::pipe();
+        if writes.is_empty() {
+            return Ok(());
+        }
+        let mut inv = self.write_batch.prepare_invoke();
         for w in writes {
-            pipe.cmd("MULTI").ignore();
-            if !w.delete.is_empty() {
-                pipe.cmd("HDEL").arg(&w.key).arg(&w.delete).ignore();
+            inv.key(&w.key);
+            inv.arg(w.delete.len()).arg(&w.delete);
+            inv.arg(w.set.len());
+            for (f, v) in &w.set {
+                inv.arg(f).arg(v);
             }
-            if !w.set.is_empty() {
-                pipe.cmd("HSET").arg(&w.key);
-                for (f, v) in &w.set {
-                    pipe.arg(f).arg(v);
+            let ttl = w
+                .expire
+                .map_or(0, |t| u64::try_from(t.as_millis()).unwrap_or(u64::MAX));
+            inv.arg(ttl);
+            for messages in [&w.publish, &w.announce] {
+                inv.arg(messages.len());
+                for (channel, payload) in messages {
+                    inv.arg(channel).arg(payload);
                 }
-                pipe.ignore();
             }
-            if let Some(ttl) = w.expire {
-                let ms = u64::try_from(ttl.as_millis()).unwrap_or(u64::MAX);
-                pipe.cmd("PEXPIRE").arg(&w.key).arg(ms).ignore();
-            }
-            for (channel, payload) in &w.publish {
-                pipe.cmd("PUBLISH").arg(channel).arg(payload).ignore();
-            }
-            pipe.cmd("EXEC");
         }
         let mut conn = self.conn.clone();
-        let results: Vec<Value> = pipe.query_async(&mut conn).await.map_err(err)?;
-        for (w, r) in writes.iter().zip(&results) {
-            match r {
-                Value::Array(items) => {
-                    if let Some(Value::ServerError(e)) =
-                        items.iter().find(|v| matches!(v, Value::ServerError(_)))
-                    {
-                        return Err(StoreError(format!("transaction on {}: {e:?}", w.key)));
-                    }
-                }
-                other => {
-                    return Err(StoreError(format!(
-                        "transaction on {} did not run: {other:?}",
-                        w.key
-                    )));
-                }
-            }
+        let keys: usize = inv
+            .invoke_async(&mut conn)
+            .await
+            .map_err(|e| StoreError(format!("batch write of {} keys: {e}", writes.len())))?;
+        if keys != writes.len() {
+            return Err(StoreError(format!(
+                "batch write applied {keys} of {} keys",
+                writes.len()
+            )));
         }
         Ok(())
     }
@@ -155,7 +196,8 @@ impl RedisStore {
 }
 
 /// Keeps one pub-sub connection up: (re)connects with backoff, restores subscriptions,
-/// relays messages. Ends when the handle or the event receiver is dropped.
+/// relays messages, checks the connection with `PING` every [`super::KEEPALIVE`]. Ends
+/// when the handle or the event receiver is dropped.
 async fn run_pubsub(
     client: Client,
     timeout: Duration,
@@ -163,7 +205,6 @@ async fn run_pubsub(
     events: mpsc::Sender<PubSubEvent>,
 ) {
     let mut channels: HashSet<String> = HashSet::new();
-    let mut connected_before = false;
     let mut delay = Duration::from_millis(50);
     loop {
         let conn = tokio::time::timeout(timeout, client.get_async_pubsub()).await;
@@ -181,7 +222,7 @@ async fn run_pubsub(
             continue;
         }
         delay = Duration::from_millis(50);
-        if connected_before && events.send(PubSubEvent::Reconnected).await.is_err() {
+        if events.send(PubSubEvent::Up).await.is_err() {
             return;
         }
         for ch in &channels {
@@ -193,7 +234,8 @@ async fn run_pubsub(
                 return;
             }
         }
-        connected_before = true;
+        let mut keepalive = tokio::time::interval(super::KEEPALIVE);
+        keepalive.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
         loop {
             tokio::select! {
                 biased;
@@ -215,6 +257,12 @@ async fn run_pubsub(
                         }
                     }
                 },
+                _ = keepalive.tick() => {
+                    let pong = tokio::time::timeout(timeout, sink.ping::<Value>()).await;
+                    if !matches!(pong, Ok(Ok(_))) {
+                        break;
+                    }
+                }
                 msg = stream.next() => {
                     let Some(msg) = msg else { break };
                     let event = PubSubEvent::Message {
@@ -226,6 +274,9 @@ async fn run_pubsub(
                     }
                 }
             }
+        }
+        if events.send(PubSubEvent::Down).await.is_err() {
+            return;
         }
     }
 }

@@ -13,7 +13,7 @@ use tokio::sync::mpsc;
 /// A request to the simulated Redis.
 #[derive(Clone, Debug)]
 pub enum SimRequest {
-    /// `MULTI; HDEL; HSET; PEXPIRE; PUBLISH; EXEC` per write. Answer: `Done`.
+    /// The batch write (see the Redis store's script). Answer: `Done`.
     Execute(Vec<KeyWrite>),
     /// `HGETALL`. Answer: `Hash`.
     Read(String),
@@ -123,19 +123,20 @@ impl SimStore {
         cmds: mpsc::UnboundedReceiver<PubSubCommand>,
         events: mpsc::Sender<PubSubEvent>,
     ) {
-        tokio::spawn(run_pubsub(self.server, cmds, events));
+        tokio::spawn(run_pubsub(self.server, self.timeout, cmds, events));
     }
 }
 
 /// Keeps one subscriber connection up, as the Redis driver does: reconnects with backoff,
-/// restores every subscription, and reports `Reconnected` (messages in between are lost).
+/// restores every subscription, reports `Up` and `Down` (messages in between are lost),
+/// and checks the connection with `PING` every [`super::KEEPALIVE`].
 async fn run_pubsub(
     server: SocketAddr,
+    timeout: Duration,
     mut cmds: mpsc::UnboundedReceiver<PubSubCommand>,
     events: mpsc::Sender<PubSubEvent>,
 ) {
     let mut channels: HashSet<String> = HashSet::new();
-    let mut connected_before = false;
     let mut delay = Duration::from_millis(50);
     loop {
         let Ok((tx, mut rx)) = connect(server).await else {
@@ -153,10 +154,12 @@ async fn run_pubsub(
                 .await
                 .is_ok();
         }
-        if connected_before && ok && events.send(PubSubEvent::Reconnected).await.is_err() {
+        if ok && events.send(PubSubEvent::Up).await.is_err() {
             return;
         }
-        connected_before |= ok;
+        let mut keepalive = tokio::time::interval(super::KEEPALIVE);
+        // When the unanswered PING was sent.
+        let mut ping_sent: Option<tokio::time::Instant> = None;
         while ok {
             tokio::select! {
                 cmd = cmds.recv() => match cmd {
@@ -170,11 +173,21 @@ async fn run_pubsub(
                         ok = tx.send(Box::new(SimRequest::Unsubscribe(ch))).await.is_ok();
                     }
                 },
+                _ = keepalive.tick() => match ping_sent {
+                    Some(at) => ok = at.elapsed() < timeout,
+                    None => {
+                        ping_sent = Some(tokio::time::Instant::now());
+                        ok = tx.send(Box::new(SimRequest::Ping)).await.is_ok();
+                    }
+                },
                 reply = receive(&mut rx) => {
                     let event = match reply {
                         Ok(SimReply::Subscribed(ch)) => PubSubEvent::Subscribed(ch),
                         Ok(SimReply::Message(channel, payload)) => PubSubEvent::Message { channel, payload },
-                        Ok(_) => continue,
+                        Ok(_) => {
+                            ping_sent = None;
+                            continue;
+                        }
                         Err(_) => break,
                     };
                     if events.send(event).await.is_err() {
@@ -182,6 +195,9 @@ async fn run_pubsub(
                     }
                 }
             }
+        }
+        if events.send(PubSubEvent::Down).await.is_err() {
+            return;
         }
         // Lost: pause before reconnecting.
         tokio::time::sleep(delay).await;
