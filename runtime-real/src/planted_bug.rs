@@ -14,6 +14,8 @@ pub enum Bug {
     WrongAgent,
     /// After an agent answered, deliver the same call again.
     DeliverTwice,
+    /// Ignore every tunnel event from pub-sub (a lost wake-up).
+    DropWakeup,
 }
 
 thread_local! {

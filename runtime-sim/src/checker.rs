@@ -2,12 +2,13 @@
 //! truth) and with the cluster's state after the faults have healed.
 //!
 //! DESIGN.md's invariants, as checked here:
-//! 1. a call is delivered only to the agent it names;
-//! 2. every call has an outcome by its deadline (plus a bound);
+//! 1. a call is delivered only to the agent it names (and the replica, if it named one);
+//! 2. every call has an outcome by its deadline (plus a bound, plus any time jump);
 //! 3. at most once: no call is delivered twice;
 //! 4. at most one kas -> kas hop (kas metrics);
 //! 5. and 7. after faults heal, every kas routes to every live agent and lists exactly the
-//!    live replicas (the final phase);
+//!    live replicas, and calls waiting for an agent that connects are delivered (the final
+//!    phase, in `scenario`);
 //! 6. nothing leaks: once agents are gone and records expire, no tunnel, call, connection
 //!    or Redis record is left.
 
@@ -16,13 +17,19 @@ use crate::truth::Delivery;
 use crate::workload::Call;
 use std::collections::BTreeMap;
 use std::time::Duration;
+use tokio::time::Instant;
 
 /// How much later than its timeout a call may end.
 pub const OUTCOME_BOUND: Duration = Duration::from_secs(1);
 
 /// Violations of invariants 1, 2 and 3 by `calls`, given `truth`; `absent` agents never
-/// connect.
-pub fn check_calls(calls: &[Call], truth: &[Delivery], absent: &[i64]) -> Vec<String> {
+/// connect; `jumps` are the simulated clock's jumps (when, how far).
+pub fn check_calls(
+    calls: &[Call],
+    truth: &[Delivery],
+    absent: &[i64],
+    jumps: &[(Instant, Duration)],
+) -> Vec<String> {
     let mut violations = Vec::new();
     let mut delivered: BTreeMap<&str, Vec<&Delivery>> = BTreeMap::new();
     for d in truth {
@@ -41,14 +48,19 @@ pub fn check_calls(calls: &[Call], truth: &[Delivery], absent: &[i64]) -> Vec<St
             ));
         }
         for d in &got {
-            if d.agent != c.agent {
+            if d.agent != c.agent || c.replica.is_some_and(|r| r != d.replica) {
                 violations.push(format!(
-                    "inv 1: {} for agent {} delivered to agent {} replica {}",
-                    c.marker, c.agent, d.agent, d.replica
+                    "inv 1: {} for agent {} (replica {:?}) delivered to agent {} replica {}",
+                    c.marker, c.agent, c.replica, d.agent, d.replica
                 ));
             }
         }
-        if c.took > c.timeout + OUTCOME_BOUND {
+        let jumped: Duration = jumps
+            .iter()
+            .filter(|(at, _)| *at >= c.started && *at <= c.started + c.took)
+            .map(|(_, d)| *d)
+            .sum();
+        if c.took > c.timeout + OUTCOME_BOUND + jumped {
             violations.push(format!(
                 "inv 2: {} (timeout {:?}) ended after {:?}",
                 c.marker, c.timeout, c.took
@@ -105,22 +117,30 @@ pub struct Stats {
     pub p50: Duration,
     /// See `p50`.
     pub p99: Duration,
+    /// Median and 99th percentile wake-up latency: from a tunnel's registration to the
+    /// delivery of a call that was waiting for it (the final phase's late agent).
+    pub wakeup_p50: Duration,
+    /// See `wakeup_p50`.
+    pub wakeup_p99: Duration,
+}
+
+/// The `q` quantile of sorted `v` (zero when empty).
+pub fn quantile(v: &[Duration], q: f64) -> Duration {
+    v.get(((v.len() as f64 * q) as usize).min(v.len().saturating_sub(1)))
+        .copied()
+        .unwrap_or_default()
 }
 
 impl Stats {
-    /// The numbers of `calls`.
-    pub fn of(calls: &[Call]) -> Stats {
+    /// The numbers of `calls`, and of the wake-up latencies `wakeups`.
+    pub fn of(calls: &[Call], mut wakeups: Vec<Duration>) -> Stats {
         let mut ok: Vec<Duration> = calls
             .iter()
             .filter(|c| c.result.is_ok())
             .map(|c| c.took)
             .collect();
         ok.sort();
-        let pick = |q: f64| {
-            ok.get(((ok.len() as f64 * q) as usize).min(ok.len().saturating_sub(1)))
-                .copied()
-                .unwrap_or_default()
-        };
+        wakeups.sort();
         let mut errors = BTreeMap::new();
         for c in calls {
             if let Err((code, _)) = &c.result {
@@ -131,8 +151,10 @@ impl Stats {
             requests: calls.len(),
             delivered: ok.len(),
             errors,
-            p50: pick(0.5),
-            p99: pick(0.99),
+            p50: quantile(&ok, 0.5),
+            p99: quantile(&ok, 0.99),
+            wakeup_p50: quantile(&wakeups, 0.5),
+            wakeup_p99: quantile(&wakeups, 0.99),
         }
     }
 }
@@ -146,6 +168,8 @@ mod tests {
             marker: marker.into(),
             kas: 0,
             agent,
+            replica: None,
+            started: Instant::now(),
             timeout: Duration::from_secs(1),
             took: Duration::from_millis(10),
             result: result.map(str::to_string).map_err(|c| (c, String::new())),
@@ -157,24 +181,26 @@ mod tests {
             marker: marker.into(),
             agent,
             replica,
+            at: Instant::now(),
         }
     }
 
-    #[test]
-    fn a_clean_history_has_no_violation() {
+    #[madsim::test]
+    async fn a_clean_history_has_no_violation() {
         let calls = [
             call("c1", 1, Ok("agent1-replica0")),
             call("c2", 9, Err(tonic::Code::Unavailable)),
         ];
         let truth = [delivery("c1", 1, 0)];
-        assert!(check_calls(&calls, &truth, &[9]).is_empty());
+        assert!(check_calls(&calls, &truth, &[9], &[]).is_empty());
     }
 
-    #[test]
-    fn each_planted_bug_is_reported() {
+    #[madsim::test]
+    async fn each_planted_bug_is_reported() {
         let wrong_agent = check_calls(
             &[call("c1", 1, Ok("agent2-replica0"))],
             &[delivery("c1", 2, 0)],
+            &[],
             &[],
         );
         assert!(
@@ -185,12 +211,25 @@ mod tests {
             &[call("c1", 1, Ok("agent1-replica0"))],
             &[delivery("c1", 1, 0), delivery("c1", 1, 1)],
             &[],
+            &[],
         );
         assert!(twice.iter().any(|v| v.starts_with("inv 3")), "{twice:?}");
         let mut late = call("c1", 1, Err(tonic::Code::DeadlineExceeded));
         late.took = Duration::from_secs(5);
-        let late = check_calls(&[late], &[], &[]);
+        let jump = [(
+            late.started + Duration::from_secs(1),
+            Duration::from_secs(4),
+        )];
+        assert!(check_calls(&[late.clone()], &[], &[], &jump).is_empty());
+        let late = check_calls(&[late], &[], &[], &[]);
         assert!(late.iter().any(|v| v.starts_with("inv 2")), "{late:?}");
+        let mut pinned = call("c1", 1, Ok("agent1-replica1"));
+        pinned.replica = Some(0);
+        let wrong_replica = check_calls(&[pinned], &[delivery("c1", 1, 1)], &[], &[]);
+        assert!(
+            wrong_replica.iter().any(|v| v.starts_with("inv 1")),
+            "{wrong_replica:?}"
+        );
         let hops = check_hops(
             0,
             "kas_routed_requests_total{outcome=\"delivered\",hops=\"2\"} 1",

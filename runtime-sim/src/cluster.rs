@@ -76,6 +76,7 @@ pub struct Cluster {
     pub agent_nodes: Vec<(i64, usize, NodeHandle)>,
     gitlab_secret: Secret,
     next_caller: AtomicU64,
+    next_agent_ip: u8,
     /// Secrets and tokens read by kas at each (re)start; removed with the cluster.
     dir: PathBuf,
 }
@@ -95,8 +96,11 @@ pub fn kas_addr(i: usize, port: u16) -> SocketAddr {
 /// The Redis node's address.
 pub const REDIS: SocketAddr = SocketAddr::new(IpAddr::V4(Ipv4Addr::new(10, 0, 0, 1)), 6379);
 
+/// Agents `1..=MAX_AGENT` have tokens, so that agents may be added while the cluster runs.
+pub const MAX_AGENT: i64 = 64;
+
 /// Writes the secrets and the tokens file the kas configs name; returns their directory.
-fn write_files(spec: &ClusterSpec) -> PathBuf {
+fn write_files() -> PathBuf {
     static N: AtomicU64 = AtomicU64::new(0);
     let dir = std::env::temp_dir().join(format!(
         "kas-sim-{}-{}",
@@ -107,11 +111,10 @@ fn write_files(spec: &ClusterSpec) -> PathBuf {
     std::fs::write(dir.join("gitlab.secret"), "R2l0TGFi".repeat(8)).unwrap();
     std::fs::write(dir.join("kas.secret"), "S2FzS2Fz".repeat(8)).unwrap();
     let mut tokens = String::from("agents:\n");
-    for a in &spec.agents {
+    for agent in 1..=MAX_AGENT {
         tokens += &format!(
-            "  - {{token: {}, agent_id: {}, project_id: {PROJECT}}}\n",
-            token(a.agent),
-            a.agent
+            "  - {{token: {}, agent_id: {agent}, project_id: {PROJECT}}}\n",
+            token(agent),
         );
     }
     std::fs::write(dir.join("tokens.yaml"), tokens).unwrap();
@@ -137,7 +140,7 @@ impl Cluster {
     /// Creates every node; they start at once.
     pub fn build(spec: &ClusterSpec) -> Cluster {
         let handle = Handle::current();
-        let dir = write_files(spec);
+        let dir = write_files();
         let redis = RedisState::default();
         let truth = Truth::default();
         let health: Vec<HealthSlot> = (0..spec.kas).map(|_| HealthSlot::default()).collect();
@@ -170,53 +173,74 @@ impl Cluster {
                     .build()
             })
             .collect();
-        let mut agent_nodes = Vec::new();
-        let mut ip = 0u8;
-        for a in &spec.agents {
-            for (replica, &kas) in a.replicas.iter().enumerate() {
-                ip += 1;
-                let (agent, pod) = (a.agent, pod_name(a.agent, replica));
-                let truth = truth.clone();
-                let node = handle
-                    .create_node()
-                    .name(pod.clone())
-                    .ip(IpAddr::V4(Ipv4Addr::new(10, 0, 2, ip)))
-                    .init(move || {
-                        let meta = AgentMeta {
-                            version: "sim".into(),
-                            commit: String::new(),
-                            pod_namespace: "default".into(),
-                            pod_name: pod.clone(),
-                        };
-                        let mut options =
-                            AgentOptions::new(kas_addr(kas, 8150).to_string(), token(agent), meta);
-                        options.seed = u64::from(ip);
-                        options.heartbeat = Duration::from_millis(500);
-                        // Reconnect delays capped at 4 s (the default cap is 60 s), so that
-                        // the healed phase may expect every agent back within its settle time.
-                        options.reconnect.max = RECONNECT_MAX;
-                        let modules = Arc::new(truth.module(agent, replica, &pod));
-                        let (stop, shutdown) = tokio::sync::watch::channel(false);
-                        async move {
-                            agent::run(options, modules, shutdown).await;
-                            drop(stop);
-                        }
-                    })
-                    .build();
-                agent_nodes.push((agent, replica, node));
-            }
-        }
         Cluster {
             redis,
             truth,
             health,
             redis_node,
             kas_nodes,
-            agent_nodes,
+            agent_nodes: Vec::new(),
             gitlab_secret: Secret::load(&dir.join("gitlab.secret")).expect("secret"),
             next_caller: AtomicU64::new(0),
+            next_agent_ip: 0,
             dir,
         }
+        .with_agents(&spec.agents)
+    }
+
+    fn with_agents(mut self, agents: &[AgentSpec]) -> Cluster {
+        for a in agents {
+            for (replica, &kas) in a.replicas.iter().enumerate() {
+                self.add_agent(a.agent, replica, kas, Duration::ZERO);
+            }
+        }
+        self
+    }
+
+    /// Creates the node of replica `replica` of `agent`, connecting to kas `kas` after
+    /// `delay` (at once after a restart of the node).
+    pub fn add_agent(&mut self, agent: i64, replica: usize, kas: usize, delay: Duration) {
+        assert!(
+            (1..=MAX_AGENT).contains(&agent),
+            "agent ids are 1..={MAX_AGENT}"
+        );
+        self.next_agent_ip += 1;
+        let ip = self.next_agent_ip;
+        let pod = pod_name(agent, replica);
+        let truth = self.truth.clone();
+        // The delay applies to the first start only.
+        let delay = Arc::new(AtomicU64::new(
+            u64::try_from(delay.as_millis()).unwrap_or(u64::MAX),
+        ));
+        let node = Handle::current()
+            .create_node()
+            .name(pod.clone())
+            .ip(IpAddr::V4(Ipv4Addr::new(10, 0, 2, ip)))
+            .init(move || {
+                let meta = AgentMeta {
+                    version: "sim".into(),
+                    commit: String::new(),
+                    pod_namespace: "default".into(),
+                    pod_name: pod.clone(),
+                };
+                let mut options =
+                    AgentOptions::new(kas_addr(kas, 8150).to_string(), token(agent), meta);
+                options.seed = u64::from(ip);
+                options.heartbeat = Duration::from_millis(500);
+                // Reconnect delays capped at 4 s (the default cap is 60 s), so that the
+                // healed phase may expect every agent back within its settle time.
+                options.reconnect.max = RECONNECT_MAX;
+                let modules = Arc::new(truth.module(agent, replica, &pod));
+                let (stop, shutdown) = tokio::sync::watch::channel(false);
+                let delay = Duration::from_millis(delay.swap(0, Ordering::Relaxed));
+                async move {
+                    tokio::time::sleep(delay).await;
+                    agent::run(options, modules, shutdown).await;
+                    drop(stop);
+                }
+            })
+            .build();
+        self.agent_nodes.push((agent, replica, node));
     }
 
     /// A new GitLab caller node.

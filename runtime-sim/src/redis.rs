@@ -1,6 +1,7 @@
 //! The simulated Redis node: hashes with key expiry (passive on access, active every
-//! 100 ms), each key's transaction applied atomically, the GC's compare-and-delete, and
-//! fire-and-forget pub-sub (a subscriber that is not connected misses messages). A restart
+//! 100 ms), each batch write applied atomically (with its conditional announcements), the
+//! GC's compare-and-delete, and fire-and-forget pub-sub (a subscriber that is not
+//! connected misses messages; every publication is logged for the checker). A restart
 //! of the node loses every key, as a Redis without persistence does. Latency is injected
 //! per request through [`RedisKnobs`].
 
@@ -41,6 +42,7 @@ pub struct Db {
     keyspace: Keyspace,
     subscribers: BTreeMap<u64, Subscriber>,
     next_subscriber: u64,
+    published: Vec<(Instant, String)>,
 }
 
 #[derive(Debug)]
@@ -55,10 +57,19 @@ impl Db {
         self.keyspace.keys(now)
     }
 
+    /// When the first message on `channel` was published (since the last restart).
+    pub fn first_publication(&self, channel: &str) -> Option<Instant> {
+        self.published
+            .iter()
+            .find(|(_, c)| c == channel)
+            .map(|(at, _)| *at)
+    }
+
     fn apply(&mut self, request: SimRequest, now: Instant) -> Option<SimReply> {
         Some(match request {
             SimRequest::Execute(writes) => {
                 for (channel, payload) in self.keyspace.execute(&writes, now) {
+                    self.published.push((now, channel.clone()));
                     self.publish(&channel, payload);
                 }
                 SimReply::Done

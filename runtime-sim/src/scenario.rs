@@ -1,9 +1,12 @@
 //! Named scenarios: a cluster, GitLab's calls, a fault schedule drawn from the seed, then
-//! a fault-free final phase that checks convergence and leaks.
+//! a fault-free final phase that checks convergence, liveness (calls waiting for an agent
+//! that connects are delivered, and how fast) and leaks.
 
 use crate::checker::{self, Stats};
 use crate::cluster::{AgentSpec, Cluster, ClusterSpec, pod_name};
 use crate::workload::{self, Call};
+use kas_core::AgentId;
+use kas_core::keys::Keys;
 use madsim::net::NetSim;
 use madsim::rand::{Rng, thread_rng};
 use madsim::runtime::Handle;
@@ -17,7 +20,8 @@ pub enum Scenario {
     Steady,
     /// kas replicas killed and restarted.
     KasCrash,
-    /// Links between kas, and between kas and Redis, clogged (one way or both).
+    /// Links between kas, and between kas and Redis, clogged (one way or both), and whole
+    /// kas nodes cut off.
     Partition,
     /// Redis restarted empty, and slowed down.
     RedisRestart,
@@ -25,7 +29,7 @@ pub enum Scenario {
     ReconnectStorm,
     /// Agent replicas killed and restarted.
     AgentChurn,
-    /// Fault kinds and rates drawn from the seed.
+    /// Fault kinds and rates drawn from the seed, including clock jumps past the TTL.
     Swarm,
 }
 
@@ -71,10 +75,16 @@ pub struct Report {
     pub violations: Vec<String>,
     /// Failed calls other than Unavailable and DeadlineExceeded, with their messages.
     pub odd_errors: Vec<String>,
+    /// Each wake-up latency measured (see [`Stats::wakeup_p50`]).
+    pub wakeups: Vec<Duration>,
 }
 
-/// The agent that never connects.
+/// The agent no replica of which ever runs.
 const ABSENT: i64 = 99;
+/// The agent whose one replica connects at a random time during the faults.
+const LATE: i64 = 50;
+/// The agent that connects during the final phase, while calls wait for it.
+const LIVENESS: i64 = 51;
 /// Registry record lifetime in the simulation.
 const TTL: Duration = Duration::from_secs(4);
 /// How long the faulty phase lasts.
@@ -116,22 +126,29 @@ fn random_ms(lo: u64, hi: u64) -> Duration {
     Duration::from_millis(thread_rng().gen_range(lo..hi))
 }
 
-/// Injects faults of `kinds` until `until`; returns how many. Everything is healed at the
-/// end.
-async fn faults(cluster: &Cluster, kinds: &[Fault], until: Instant) -> usize {
+/// The faults injected in a run.
+#[derive(Debug, Default)]
+struct FaultLog {
+    count: usize,
+    /// Clock jumps: when, and how far.
+    jumps: Vec<(Instant, Duration)>,
+}
+
+/// Injects faults of `kinds` until `until`. Everything is healed at the end.
+async fn faults(cluster: &Cluster, kinds: &[Fault], until: Instant) -> FaultLog {
     let handle = Handle::current();
     let net = NetSim::current();
-    let mut n = 0;
+    let mut log = FaultLog::default();
     if kinds.is_empty() {
         tokio::time::sleep_until(until).await;
-        return 0;
+        return log;
     }
     while Instant::now() + Duration::from_secs(5) < until {
         tokio::time::sleep(random_ms(500, 3_000)).await;
         let fault = kinds[thread_rng().gen_range(0..kinds.len())];
         let kas = thread_rng().gen_range(0..cluster.kas_nodes.len());
         let lasting = random_ms(500, 4_000);
-        n += 1;
+        log.count += 1;
         tracing::info!(?fault, kas, ?lasting, "fault");
         match fault {
             Fault::KillKas => {
@@ -152,12 +169,31 @@ async fn faults(cluster: &Cluster, kinds: &[Fault], until: Instant) -> usize {
                 net.unclog_link(b, a);
             }
             Fault::ClogRedis => {
+                // Both ways, or only kas -> Redis, or only Redis -> kas.
                 let (a, r) = (cluster.kas_nodes[kas].id(), cluster.redis_node.id());
-                net.clog_link(a, r);
-                net.clog_link(r, a);
+                let way = thread_rng().gen_range(0..3);
+                if way != 2 {
+                    net.clog_link(a, r);
+                }
+                if way != 1 {
+                    net.clog_link(r, a);
+                }
                 tokio::time::sleep(lasting).await;
                 net.unclog_link(a, r);
                 net.unclog_link(r, a);
+            }
+            Fault::ClogNode => {
+                let id = cluster.kas_nodes[kas].id();
+                net.clog_node(id);
+                tokio::time::sleep(lasting).await;
+                net.unclog_node(id);
+            }
+            Fault::TimeJump => {
+                // The whole world stalls past the record TTL (a VM pause, say): records
+                // expire, heartbeats are missed, every timer fires at once.
+                let jump = TTL + random_ms(0, 2_000);
+                log.jumps.push((Instant::now(), jump));
+                madsim::time::advance(jump);
             }
             Fault::RestartRedis => {
                 // Kill first: a bare restart keeps the node's sockets bound.
@@ -179,7 +215,7 @@ async fn faults(cluster: &Cluster, kinds: &[Fault], until: Instant) -> usize {
             }
         }
     }
-    n
+    log
 }
 
 /// A kind of fault.
@@ -191,6 +227,8 @@ enum Fault {
     RestartRedis,
     SlowRedis,
     KillAgent,
+    ClogNode,
+    TimeJump,
 }
 
 fn fault_kinds(scenario: Scenario) -> Vec<Fault> {
@@ -198,12 +236,21 @@ fn fault_kinds(scenario: Scenario) -> Vec<Fault> {
     match scenario {
         Scenario::Steady => vec![],
         Scenario::KasCrash => vec![KillKas],
-        Scenario::Partition => vec![Clog, ClogRedis],
+        Scenario::Partition => vec![Clog, ClogRedis, ClogNode],
         Scenario::RedisRestart => vec![RestartRedis, SlowRedis],
         Scenario::ReconnectStorm => vec![],
         Scenario::AgentChurn => vec![KillAgent],
         Scenario::Swarm => {
-            let all = [KillKas, Clog, ClogRedis, RestartRedis, SlowRedis, KillAgent];
+            let all = [
+                KillKas,
+                Clog,
+                ClogRedis,
+                RestartRedis,
+                SlowRedis,
+                KillAgent,
+                ClogNode,
+                TimeJump,
+            ];
             let mut kinds: Vec<Fault> = all
                 .into_iter()
                 .filter(|_| thread_rng().gen_bool(0.5))
@@ -219,9 +266,17 @@ fn fault_kinds(scenario: Scenario) -> Vec<Fault> {
 /// Runs `scenario` in the current madsim runtime.
 pub async fn run(scenario: Scenario) -> Report {
     let spec = spec(scenario);
-    let cluster = Cluster::build(&spec);
+    let mut cluster = Cluster::build(&spec);
+    // One more agent, connecting at a random moment of the faulty phase.
+    let mut agents = spec.agents.clone();
+    let late_kas = thread_rng().gen_range(0..spec.kas);
+    cluster.add_agent(LATE, 0, late_kas, random_ms(3_000, 15_000));
+    agents.push(AgentSpec {
+        agent: LATE,
+        replicas: vec![late_kas],
+    });
     let secret = cluster.gitlab_secret();
-    let mut targets: Vec<i64> = spec.agents.iter().map(|a| a.agent).collect();
+    let mut targets: Vec<i64> = agents.iter().map(|a| a.agent).collect();
     targets.push(ABSENT);
     let start = Instant::now();
     let until = start + FAULTY;
@@ -234,17 +289,17 @@ pub async fn run(scenario: Scenario) -> Report {
         until,
         "call",
     ));
-    let mut injected = 0;
+    let mut log = FaultLog::default();
     if scenario == Scenario::ReconnectStorm {
         for _ in 0..3 {
             tokio::time::sleep(random_ms(2_000, 5_000)).await;
             Handle::current().kill(cluster.kas_nodes[0].id());
             tokio::time::sleep(random_ms(500, 2_000)).await;
             Handle::current().restart(cluster.kas_nodes[0].id());
-            injected += 1;
+            log.count += 1;
         }
     } else {
-        injected = faults(&cluster, &fault_kinds(scenario), until).await;
+        log = faults(&cluster, &fault_kinds(scenario), until).await;
     }
     let mut calls: Vec<Call> = calls.await.expect("caller finished");
 
@@ -255,11 +310,11 @@ pub async fn run(scenario: Scenario) -> Report {
     let final_calls = caller
         .spawn({
             let secret = secret.clone();
-            let spec = spec.clone();
+            let agents = agents.clone();
             async move {
                 let mut out = Vec::new();
                 for k in 0..spec.kas {
-                    for a in &spec.agents {
+                    for a in &agents {
                         let marker = format!("final-kas{k}-agent{}", a.agent);
                         out.push(
                             workload::call(&secret, k, a.agent, marker, Duration::from_secs(10))
@@ -282,11 +337,11 @@ pub async fn run(scenario: Scenario) -> Report {
     }
     let listed = caller
         .spawn({
-            let (secret, spec) = (secret.clone(), spec.clone());
+            let (secret, agents) = (secret.clone(), agents.clone());
             async move {
                 let mut out = Vec::new();
                 for k in 0..spec.kas {
-                    for a in &spec.agents {
+                    for a in &agents {
                         out.push((k, a.agent, workload::listed(&secret, k, a.agent).await));
                     }
                 }
@@ -296,8 +351,7 @@ pub async fn run(scenario: Scenario) -> Report {
         .await
         .expect("listing");
     for (k, agent, pods) in listed {
-        let replicas = spec
-            .agents
+        let replicas = agents
             .iter()
             .find(|a| a.agent == agent)
             .map_or(0, |a| a.replicas.len());
@@ -310,11 +364,52 @@ pub async fn run(scenario: Scenario) -> Report {
         }
     }
     calls.extend(final_calls);
-    violations.extend(checker::check_calls(
-        &calls,
-        &cluster.truth.deliveries(),
-        &[ABSENT],
-    ));
+
+    // Liveness: a call waits on every kas for an agent that is not connected; it connects
+    // to one of them; every call must be delivered, woken by the tunnel's registration.
+    let live_kas = thread_rng().gen_range(0..spec.kas);
+    let waiting = caller.spawn({
+        let secret = secret.clone();
+        async move {
+            let tasks: Vec<_> = (0..spec.kas)
+                .map(|k| {
+                    let secret = secret.clone();
+                    let marker = format!("wait-kas{k}");
+                    tokio::spawn(async move {
+                        workload::call(&secret, k, LIVENESS, marker, Duration::from_secs(10)).await
+                    })
+                })
+                .collect();
+            let mut out = Vec::new();
+            for t in tasks {
+                out.push(t.await.expect("waiting call"));
+            }
+            out
+        }
+    });
+    tokio::time::sleep(random_ms(500, 2_000)).await;
+    cluster.add_agent(LIVENESS, 0, live_kas, Duration::ZERO);
+    let waited = waiting.await.expect("waiting calls");
+    let channel = Keys::new("kas").tunnel_events(AgentId(LIVENESS));
+    let registered = cluster.redis.with_db(|db| db.first_publication(&channel));
+    let truth = cluster.truth.deliveries();
+    let mut wakeups = Vec::new();
+    for c in &waited {
+        match (&c.result, registered) {
+            (Ok(_), Some(at)) if c.kas != live_kas => {
+                if let Some(d) = truth.iter().find(|d| d.marker == c.marker) {
+                    wakeups.push(d.at.saturating_duration_since(at));
+                }
+            }
+            (Ok(_), _) => {}
+            (Err((code, msg)), _) => violations.push(format!(
+                "inv 7: kas{}'s call waiting for agent {LIVENESS}, which connected to kas{live_kas} meanwhile, ended {code:?} {msg}",
+                c.kas
+            )),
+        }
+    }
+    calls.extend(waited);
+    violations.extend(checker::check_calls(&calls, &truth, &[ABSENT], &log.jumps));
 
     // Leaks: with every agent gone and records expired, nothing may remain.
     for (_, _, node) in &cluster.agent_nodes {
@@ -329,7 +424,14 @@ pub async fn run(scenario: Scenario) -> Report {
             .map(|h| h.metrics_text())
             .unwrap_or_default();
         violations.extend(checker::check_hops(k, &metrics));
-        for gauge in ["kas_tunnels", "kas_calls", "kas_connected_agents"] {
+        for gauge in [
+            "kas_tunnels",
+            "kas_calls",
+            "kas_connected_agents",
+            "kas_routing_calls",
+            "kas_tunnel_waiters",
+            "kas_pubsub_subscriptions",
+        ] {
             match checker::gauge(&metrics, gauge) {
                 Some(0.0) => {}
                 other => violations.push(format!("inv 6: kas{k} {gauge} = {other:?} at the end")),
@@ -361,8 +463,9 @@ pub async fn run(scenario: Scenario) -> Report {
         .collect();
     Report {
         odd_errors,
-        stats: Stats::of(&calls),
-        faults: injected,
+        stats: Stats::of(&calls, wakeups.clone()),
+        wakeups,
+        faults: log.count,
         violations,
     }
 }

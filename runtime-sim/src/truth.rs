@@ -5,9 +5,10 @@
 use kas_proto::pods::{ListRequest, ListResponse, Pod};
 use kas_runtime::agent::{Modules, PODS_LIST};
 use std::sync::{Arc, Mutex};
+use tokio::time::Instant;
 
 /// One call served by an agent replica.
-#[derive(Clone, Debug, PartialEq, Eq)]
+#[derive(Clone, Debug)]
 pub struct Delivery {
     /// The caller's marker.
     pub marker: String,
@@ -15,6 +16,8 @@ pub struct Delivery {
     pub agent: i64,
     /// Its replica.
     pub replica: usize,
+    /// When the agent received it.
+    pub at: Instant,
 }
 
 /// The log of deliveries, shared by every agent node (it survives their restarts).
@@ -32,6 +35,7 @@ impl Truth {
                 marker: req.namespace,
                 agent,
                 replica,
+                at: Instant::now(),
             });
             let pod = Pod {
                 namespace: "default".into(),

@@ -1,5 +1,6 @@
 //! GitLab's calls during a scenario: each call goes to a random kas for a random agent
-//! (connected, absent or late) with a random deadline, and its outcome is recorded.
+//! (connected, absent or late) with a random deadline, some pinned to one replica's
+//! connection, and its outcome is recorded.
 
 use crate::cluster::kas_addr;
 use kas_runtime::api_client::ApiClient;
@@ -18,6 +19,10 @@ pub struct Call {
     pub kas: usize,
     /// The agent asked for.
     pub agent: i64,
+    /// The replica whose connection the call named, if it named one.
+    pub replica: Option<usize>,
+    /// When it was issued.
+    pub started: Instant,
     /// Its timeout.
     pub timeout: Duration,
     /// How long it took.
@@ -34,10 +39,23 @@ pub async fn call(
     marker: String,
     timeout: Duration,
 ) -> Call {
+    pinned(secret, kas, agent, None, marker, timeout).await
+}
+
+/// Issues one call through kas `kas`, for the connection of `pin` (replica, connection id)
+/// if set, and records it.
+pub async fn pinned(
+    secret: &Secret,
+    kas: usize,
+    agent: i64,
+    pin: Option<(usize, i64)>,
+    marker: String,
+    timeout: Duration,
+) -> Call {
     let started = Instant::now();
     let result = match ApiClient::connect(&kas_addr(kas, 8153).to_string(), secret, timeout).await {
         Err(e) => Err((tonic::Code::Unavailable, e)),
-        Ok(api) => match api.pods(agent, None, &marker).await {
+        Ok(api) => match api.pods(agent, pin.map(|p| p.1), &marker).await {
             Ok(pods) => Ok(pods.first().map(|p| p.name.clone()).unwrap_or_default()),
             Err(s) => Err((s.code(), s.message().to_string())),
         },
@@ -46,10 +64,34 @@ pub async fn call(
         marker,
         kas,
         agent,
+        replica: pin.map(|p| p.0),
+        started,
         timeout,
         took: started.elapsed(),
         result,
     }
+}
+
+/// The connections of `agent` that kas `kas` lists: (replica, connection id).
+pub async fn connections(secret: &Secret, kas: usize, agent: i64) -> Vec<(usize, i64)> {
+    let Ok(api) = ApiClient::connect(
+        &kas_addr(kas, 8153).to_string(),
+        secret,
+        Duration::from_secs(2),
+    )
+    .await
+    else {
+        return Vec::new();
+    };
+    let agents = api.agents_by_id(agent).await.unwrap_or_default();
+    agents
+        .into_iter()
+        .filter_map(|a| {
+            let pod = a.agent_meta.unwrap_or_default().pod_name;
+            let replica = pod.rsplit_once("-replica")?.1.parse().ok()?;
+            Some((replica, a.connection_id))
+        })
+        .collect()
 }
 
 /// The pod names of `agent`'s replicas that kas `kas` lists, sorted.
@@ -94,10 +136,19 @@ pub async fn run(
             )
         };
         n += 1;
+        let pin_one = thread_rng().gen_bool(0.25);
+        let pick = thread_rng().r#gen::<usize>();
         let (secret, calls) = (secret.clone(), calls.clone());
         let marker = format!("{prefix}-{n}");
         tasks.push(tokio::spawn(async move {
-            let c = call(&secret, k, agent, marker, timeout).await;
+            // A quarter of the calls name one of the connections the kas lists.
+            let pin = if pin_one {
+                let listed = connections(&secret, k, agent).await;
+                (!listed.is_empty()).then(|| listed[pick % listed.len()])
+            } else {
+                None
+            };
+            let c = pinned(&secret, k, agent, pin, marker, timeout).await;
             calls.lock().unwrap_or_else(|p| p.into_inner()).push(c);
         }));
         tokio::time::sleep(pause).await;

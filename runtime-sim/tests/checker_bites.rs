@@ -23,3 +23,13 @@ async fn a_second_delivery_of_a_call_is_reported_as_inv_3() {
     let v = violations_with(Bug::DeliverTwice).await;
     assert!(v.iter().any(|v| v.starts_with("inv 3:")), "{v:?}");
 }
+
+#[madsim::test]
+async fn a_dropped_wake_up_is_reported_as_inv_7() {
+    let v = violations_with(Bug::DropWakeup).await;
+    assert!(
+        v.iter()
+            .any(|v| v.starts_with("inv 7: kas") && v.contains("waiting for agent")),
+        "{v:?}"
+    );
+}

@@ -19,7 +19,7 @@ fn main() -> std::process::ExitCode {
 
 #[cfg(madsim)]
 mod sim {
-    use kas_sim::checker::Stats;
+    use kas_sim::checker::{Stats, quantile};
     use kas_sim::scenario::{self, Scenario};
     use std::process::ExitCode;
     use std::time::{Duration, Instant};
@@ -54,7 +54,7 @@ mod sim {
     }
 
     fn ms(d: Duration) -> String {
-        format!("{:.0}ms", d.as_secs_f64() * 1000.0)
+        format!("{:.1}ms", d.as_secs_f64() * 1000.0)
     }
 
     /// Runs one seed; a panic inside the simulation counts as a violation.
@@ -91,19 +91,22 @@ mod sim {
         for s in scenarios {
             let mut all = Stats::default();
             let (mut p50s, mut p99s) = (Vec::new(), Vec::new());
+            let mut wakeups = Vec::new();
             let mut faults = 0;
             for seed in seeds.clone() {
                 runs += 1;
                 match run_seed(s, seed) {
                     Ok(r) if r.violations.is_empty() => {
                         println!(
-                            "{} seed {seed}: ok  requests={} delivered={} errors={:?} p50={} p99={} faults={}",
+                            "{} seed {seed}: ok  requests={} delivered={} errors={:?} p50={} p99={} wake-up p50={} p99={} faults={}",
                             s.name(),
                             r.stats.requests,
                             r.stats.delivered,
                             r.stats.errors,
                             ms(r.stats.p50),
                             ms(r.stats.p99),
+                            ms(r.stats.wakeup_p50),
+                            ms(r.stats.wakeup_p99),
                             r.faults
                         );
                         all.requests += r.stats.requests;
@@ -113,6 +116,7 @@ mod sim {
                         }
                         p50s.push(r.stats.p50);
                         p99s.push(r.stats.p99);
+                        wakeups.extend(r.wakeups);
                         faults += r.faults;
                     }
                     outcome => {
@@ -132,9 +136,10 @@ mod sim {
             }
             p50s.sort();
             p99s.sort();
-            let median = |v: &[Duration]| v.get(v.len() / 2).copied().unwrap_or_default();
+            wakeups.sort();
+            let median = |v: &[Duration]| quantile(v, 0.5);
             table.push(format!(
-                "| {} | {} | {} | {} | {:?} | {} | {} | {} |",
+                "| {} | {} | {} | {} | {:?} | {} | {} | {} | {} | {} |",
                 s.name(),
                 seeds.end.saturating_sub(seeds.start),
                 all.requests,
@@ -142,14 +147,16 @@ mod sim {
                 all.errors,
                 ms(median(&p50s)),
                 ms(median(&p99s)),
+                ms(quantile(&wakeups, 0.5)),
+                ms(quantile(&wakeups, 0.99)),
                 faults
             ));
         }
         let minutes = started.elapsed().as_secs_f64() / 60.0;
         println!(
-            "\n| scenario | seeds | requests | delivered | errors | p50 (median of seeds) | p99 (median of seeds) | faults |"
+            "\n| scenario | seeds | requests | delivered | errors | p50 (median of seeds) | p99 (median of seeds) | wake-up p50 | wake-up p99 | faults |"
         );
-        println!("|---|---|---|---|---|---|---|---|");
+        println!("|---|---|---|---|---|---|---|---|---|---|");
         for row in &table {
             println!("{row}");
         }

@@ -428,6 +428,10 @@ impl Engine {
                 }
             }
             PubSubEvent::Message { channel, payload } => {
+                #[cfg(madsim)]
+                if crate::planted_bug::planted() == crate::planted_bug::Bug::DropWakeup {
+                    return;
+                }
                 let Ok(ev) = TunnelEvent::decode(payload.as_slice()) else {
                     tracing::warn!(%channel, "undecodable tunnel event ignored");
                     return;
