@@ -3,6 +3,7 @@
 //! Redis, one kas on its in-memory registry. kas and agents run in this process, on the
 //! production code paths; Redis is a child process.
 
+pub mod kas_process;
 pub mod redis_server;
 
 use crate::agent::{self, AgentOptions, Modules, PodSource};

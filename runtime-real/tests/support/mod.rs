@@ -17,6 +17,7 @@ use tokio::io::{AsyncReadExt, AsyncWriteExt};
 use tokio::task::JoinHandle;
 use tonic::transport::Channel;
 
+pub use kas_runtime::local::kas_process::KasProcess;
 pub use kas_runtime::local::redis_server::RedisServer as Redis;
 
 /// A free TCP port on 127.0.0.1 (bound, then released).
@@ -100,7 +101,7 @@ pub fn agent_section(ttl_ms: u64) -> String {
 
 /// A kas process.
 pub struct KasProc {
-    child: Option<Child>,
+    process: KasProcess,
     pub agent: SocketAddr,
     pub api: SocketAddr,
     pub private: SocketAddr,
@@ -156,60 +157,33 @@ impl KasProc {
         let path = secrets.path(&format!("{name}.yaml"));
         std::fs::write(&path, config).unwrap();
         let log = secrets.path(&format!("{name}.log"));
-        let mut child = Command::new(env!("CARGO_BIN_EXE_kas"))
-            .arg("--config")
-            .arg(&path)
-            .args(["--log", "info,kas_runtime=debug"])
-            .stdout(Stdio::null())
-            .stderr(std::fs::File::create(&log).unwrap())
-            .spawn()
-            .expect("kas starts");
-        let log_path = log.clone();
-        let started = eventually(Duration::from_secs(20), "kas to start", || {
-            let exited = child.try_wait().ok().flatten();
-            let text = std::fs::read_to_string(&log_path).unwrap_or_default();
-            async move {
-                if let Some(status) = exited {
-                    panic!("kas exited ({status}) at start:\n{text}");
-                }
-                text.lines()
-                    .find(|l| l.contains("kas started"))
-                    .map(str::to_string)
-            }
-        })
-        .await;
-        let field = |key: &str| -> SocketAddr {
-            started
-                .split_whitespace()
-                .find_map(|w| w.strip_prefix(&format!("{key}=")))
-                .and_then(|v| v.parse().ok())
-                .unwrap_or_else(|| panic!("no {key}= in {started:?}"))
-        };
+        let process = KasProcess::spawn(
+            std::path::Path::new(env!("CARGO_BIN_EXE_kas")),
+            &path,
+            "info,kas_runtime=debug",
+            &log,
+        )
+        .await
+        .unwrap_or_else(|e| panic!("{e}"));
+        let a = process.addresses;
         KasProc {
-            child: Some(child),
-            agent: field("agent"),
-            api: field("api"),
-            private: field("private_api"),
-            observability: field("observability"),
+            process,
+            agent: a.agent,
+            api: a.api,
+            private: a.private_api,
+            observability: a.observability,
             log,
         }
     }
 
     /// SIGKILL: no goodbye, nothing deleted.
     pub fn kill9(&mut self) {
-        if let Some(mut c) = self.child.take() {
-            let _ = c.kill();
-            let _ = c.wait();
-        }
+        self.process.kill();
     }
 
     /// SIGTERM, then waits for the exit status.
     pub fn terminate(&mut self) -> std::process::ExitStatus {
-        let mut c = self.child.take().expect("running");
-        let _ = Command::new("kill")
-            .args(["-TERM", &c.id().to_string()])
-            .status();
-        c.wait().expect("kas exits")
+        self.process.terminate().expect("kas was running")
     }
 
     pub fn log_text(&self) -> String {
@@ -225,12 +199,6 @@ impl KasProc {
             .await
             .map(|(_, b)| b)
             .unwrap_or_default()
-    }
-}
-
-impl Drop for KasProc {
-    fn drop(&mut self) {
-        self.kill9();
     }
 }
 
