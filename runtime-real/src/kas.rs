@@ -97,7 +97,8 @@ async fn serve(
     listener: TcpListener,
     signal: impl Future<Output = ()>,
 ) -> Result<(), tonic::transport::Error> {
-    let incoming = tokio_stream::wrappers::TcpListenerStream::new(listener);
+    // Without TCP_NODELAY each small response waits out the peer's delayed ACK (~40 ms).
+    let incoming = tonic::transport::server::TcpIncoming::from(listener).with_nodelay(Some(true));
     router.serve_with_incoming_shutdown(incoming, signal).await
 }
 

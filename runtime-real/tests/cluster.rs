@@ -2,6 +2,7 @@
 
 mod support;
 
+use kas_runtime::local::kas_process::http_get;
 use std::time::{Duration, Instant};
 use support::*;
 

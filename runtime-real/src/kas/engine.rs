@@ -678,14 +678,14 @@ impl Engine {
                 let store = self.store.clone();
                 let metrics = self.metrics.clone();
                 tokio::spawn(async move {
-                    for key in keys {
-                        match store.gc(&key, clock::now()).await {
-                            Ok(0) => {}
-                            Ok(n) => tracing::debug!(%key, n, "expired registry fields removed"),
-                            Err(e) => {
-                                metrics.store_error("gc");
-                                tracing::warn!(%key, error = %e, "registry GC failed");
-                            }
+                    match store.gc(&keys, clock::now()).await {
+                        Ok(0) => {}
+                        Ok(n) => {
+                            tracing::debug!(keys = keys.len(), n, "expired registry fields removed")
+                        }
+                        Err(e) => {
+                            metrics.store_error("gc");
+                            tracing::warn!(keys = keys.len(), error = %e, "registry GC failed");
                         }
                     }
                 });

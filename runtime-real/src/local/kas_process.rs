@@ -93,6 +93,13 @@ impl KasProcess {
         Some(kb * 1024)
     }
 
+    /// Its metrics (OpenMetrics text), or `None` when it does not answer.
+    pub async fn metrics(&self) -> Option<String> {
+        http_get(self.addresses.observability, "/metrics")
+            .await
+            .map(|(_, body)| body)
+    }
+
     /// SIGKILL: no goodbye, nothing deleted.
     pub fn kill(&mut self) {
         if let Some(mut c) = self.child.take() {
@@ -119,4 +126,18 @@ impl Drop for KasProcess {
 
 fn unspecified() -> SocketAddr {
     SocketAddr::from(([0, 0, 0, 0], 0))
+}
+
+/// A minimal HTTP/1.0 GET: (status, body), or `None` when nothing answers.
+pub async fn http_get(addr: SocketAddr, path: &str) -> Option<(u16, String)> {
+    use tokio::io::{AsyncReadExt, AsyncWriteExt};
+    let mut s = tokio::net::TcpStream::connect(addr).await.ok()?;
+    s.write_all(format!("GET {path} HTTP/1.0\r\nHost: kas\r\n\r\n").as_bytes())
+        .await
+        .ok()?;
+    let mut out = String::new();
+    s.read_to_string(&mut out).await.ok()?;
+    let code = out.split_whitespace().nth(1)?.parse().ok()?;
+    let body = out.split_once("\r\n\r\n").map(|(_, b)| b.to_string())?;
+    Some((code, body))
 }

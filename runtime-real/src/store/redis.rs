@@ -5,22 +5,50 @@ use super::{PubSubCommand, PubSubEvent, StoreError};
 use ::redis::aio::{ConnectionManager, ConnectionManagerConfig};
 use ::redis::{Client, Script, Value};
 use futures::StreamExt;
+use kas_core::Time;
 use kas_core::tracker::KeyWrite;
 use std::collections::HashSet;
 use std::sync::Arc;
 use std::time::Duration;
 use tokio::sync::mpsc;
 
-/// Deletes each field (ARGV pairs: field, value) only while it still holds that value, so
-/// a field refreshed after the GC read it survives.
-const DELETE_UNCHANGED: &str = r"
-local n = 0
-for i = 1, #ARGV, 2 do
-  if redis.call('HGET', KEYS[1], ARGV[i]) == ARGV[i + 1] then
-    n = n + redis.call('HDEL', KEYS[1], ARGV[i])
+/// Deletes the expired fields of every key in KEYS at ARGV[1] (Unix ms), atomically, and
+/// returns how many went. A field's `ExpiringValue` starts with its `expires_at` (protobuf
+/// field 1, a varint); a field without it counts as expired, like an undecodable one.
+const COLLECT_GARBAGE: &str = r"
+local now = tonumber(ARGV[1])
+local function expires_at(v)
+  if string.byte(v, 1) ~= 8 then
+    return 0
+  end
+  local n, mul = 0, 1
+  for i = 2, 11 do
+    local b = string.byte(v, i)
+    if b == nil then
+      return 0
+    end
+    n = n + (b % 128) * mul
+    if b < 128 then
+      return n
+    end
+    mul = mul * 128
+  end
+  return 0
+end
+local gone = 0
+for k = 1, #KEYS do
+  local all = redis.call('HGETALL', KEYS[k])
+  local dead = {}
+  for i = 1, #all, 2 do
+    if expires_at(all[i + 1]) <= now then
+      dead[#dead + 1] = all[i]
+    end
+  end
+  for i = 1, #dead, 200 do
+    gone = gone + redis.call('HDEL', KEYS[k], unpack(dead, i, math.min(i + 199, #dead)))
   end
 end
-return n
+return gone
 ";
 
 /// Applies a tracker batch in one round trip and one command, atomically. For each key
@@ -75,7 +103,7 @@ pub struct RedisStore {
     client: Client,
     conn: ConnectionManager,
     timeout: Duration,
-    delete_unchanged: Arc<Script>,
+    collect_garbage: Arc<Script>,
     write_batch: Arc<Script>,
 }
 
@@ -113,7 +141,7 @@ impl RedisStore {
             client,
             conn,
             timeout,
-            delete_unchanged: Arc::new(Script::new(DELETE_UNCHANGED)),
+            collect_garbage: Arc::new(Script::new(COLLECT_GARBAGE)),
             write_batch: Arc::new(Script::new(WRITE_BATCH)),
         })
     }
@@ -165,16 +193,14 @@ impl RedisStore {
             .map_err(err)
     }
 
-    pub(super) async fn delete_unchanged(
-        &self,
-        key: &str,
-        fields: &[(String, Vec<u8>)],
-    ) -> Result<usize, StoreError> {
+    /// Deletes the expired fields of `keys` at `now` with one `EVALSHA`.
+    pub(super) async fn gc(&self, keys: &[String], now: Time) -> Result<usize, StoreError> {
         let mut conn = self.conn.clone();
-        let mut inv = self.delete_unchanged.key(key);
-        for (f, v) in fields {
-            inv.arg(f).arg(v);
+        let mut inv = self.collect_garbage.prepare_invoke();
+        for k in keys {
+            inv.key(k);
         }
+        inv.arg(now.as_millis());
         inv.invoke_async(&mut conn).await.map_err(err)
     }
 

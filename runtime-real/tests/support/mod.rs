@@ -13,7 +13,6 @@ use std::path::PathBuf;
 use std::process::{Child, Command, Stdio};
 use std::sync::Arc;
 use std::time::{Duration, Instant};
-use tokio::io::{AsyncReadExt, AsyncWriteExt};
 use tokio::task::JoinHandle;
 use tonic::transport::Channel;
 
@@ -195,24 +194,8 @@ impl KasProc {
     }
 
     pub async fn metrics(&self) -> String {
-        http_get(self.observability, "/metrics")
-            .await
-            .map(|(_, b)| b)
-            .unwrap_or_default()
+        self.process.metrics().await.unwrap_or_default()
     }
-}
-
-/// A minimal HTTP/1.0 GET: (status, body), or `None` when nothing answers.
-pub async fn http_get(addr: SocketAddr, path: &str) -> Option<(u16, String)> {
-    let mut s = tokio::net::TcpStream::connect(addr).await.ok()?;
-    s.write_all(format!("GET {path} HTTP/1.0\r\nHost: kas\r\n\r\n").as_bytes())
-        .await
-        .ok()?;
-    let mut out = String::new();
-    s.read_to_string(&mut out).await.ok()?;
-    let code = out.split_whitespace().nth(1)?.parse().ok()?;
-    let body = out.split_once("\r\n\r\n").map(|(_, b)| b.to_string())?;
-    Some((code, body))
 }
 
 /// A loopback channel to `addr`.

@@ -1,0 +1,358 @@
+//! `kas-bench`: routing overhead, wake-up latency, idle tunnel cost and Redis cost of the
+//! kas router, measured in one run on loopback, printed as tables and written as JSON.
+
+mod scale;
+mod setup;
+mod stats;
+mod unary;
+mod wakeup;
+
+use clap::Parser;
+use kas_runtime::api_client::ApiClient;
+use kas_runtime::local::kas_process::KasProcess;
+use scale::{Commands, Fleet, await_gauge};
+use serde_json::{Value, json};
+use setup::{KasOptions, World};
+use stats::ms;
+use std::path::PathBuf;
+use std::process::ExitCode;
+use std::time::Duration;
+
+/// Benchmarks the kas router on loopback against a private redis-server and prints tables
+/// (and writes them as JSON). Run it in release mode, beside the release `kas` binary:
+///
+///   cargo build --release --bin kas --bin kas-bench && target/release/kas-bench
+///
+/// 1. Unary latency and throughput at concurrency 1, 16 and 64 on three paths: direct
+///    (GitLab calling the agent's Pods service), local route (the kas holding the tunnel)
+///    and remote route (another kas, which forwards), each as a ratio to direct.
+/// 2. Wake-up latency: a call waits on kas B, its agent connects to kas A; from the
+///    tunnel's registration to delivery, with pub-sub and with polling only.
+/// 3. Redis commands per waiting call per second, both ways.
+/// 4. kas resident memory per connected agent and per idle tunnel at --agents agents, and
+///    Redis commands per agent per minute at steady state.
+///
+/// kas runs as child processes (`kas` next to this binary); agents and GitLab's client run
+/// in this process.
+#[derive(Parser)]
+#[command(version, about, long_about)]
+struct Args {
+    /// Agents for the idle-cost and Redis-cost part (each on its own TCP connection).
+    #[arg(long, default_value_t = 10_000)]
+    agents: i64,
+    /// How long each latency point is measured (after a warm-up of a third of it).
+    #[arg(long, value_name = "DURATION", default_value = "3s", value_parser = humantime::parse_duration)]
+    point: Duration,
+    /// Wake-up samples with pub-sub (polling only: a third of them).
+    #[arg(long, default_value_t = 60)]
+    wakeups: usize,
+    /// Calls waiting at once for the Redis cost of waiting calls.
+    #[arg(long, default_value_t = 1_000)]
+    waiting: i64,
+    /// Registry record TTL of the kas (refreshed every half): the Redis cost window is two
+    /// refresh periods.
+    #[arg(long, value_name = "DURATION", default_value = "20s", value_parser = humantime::parse_duration)]
+    ttl: Duration,
+    /// Where to write the results as JSON.
+    #[arg(long, value_name = "FILE", default_value = "kas-bench.json")]
+    json: PathBuf,
+}
+
+fn main() -> ExitCode {
+    let args = Args::parse();
+    let runtime = match tokio::runtime::Builder::new_multi_thread()
+        .enable_all()
+        .build()
+    {
+        Ok(r) => r,
+        Err(e) => {
+            eprintln!("kas-bench: {e}");
+            return ExitCode::FAILURE;
+        }
+    };
+    match runtime.block_on(run(&args)) {
+        Ok(results) => {
+            let text = serde_json::to_string_pretty(&results).unwrap_or_default();
+            if let Err(e) = std::fs::write(&args.json, text + "\n") {
+                eprintln!("kas-bench: {}: {e}", args.json.display());
+                return ExitCode::FAILURE;
+            }
+            println!("\nresults written to {}", args.json.display());
+            ExitCode::SUCCESS
+        }
+        Err(e) => {
+            eprintln!("kas-bench: {e}");
+            ExitCode::FAILURE
+        }
+    }
+}
+
+/// Raises the open-file limit to its hard limit; returns the new limit.
+fn raise_file_limit() -> u64 {
+    rlimit::increase_nofile_limit(u64::MAX).unwrap_or(1024)
+}
+
+async fn pair(world: &mut World, options: KasOptions) -> Result<(KasProcess, KasProcess), String> {
+    Ok((world.kas(options).await?, world.kas(options).await?))
+}
+
+async fn gitlab(world: &World, kas: &KasProcess) -> Result<ApiClient, String> {
+    ApiClient::connect(
+        &kas.addresses.api.to_string(),
+        &world.gitlab,
+        Duration::from_secs(10),
+    )
+    .await
+}
+
+async fn run(args: &Args) -> Result<Value, String> {
+    let files = raise_file_limit();
+    let agents = args
+        .agents
+        .min(i64::try_from(files / 2).unwrap_or(i64::MAX) - 500);
+    if agents < args.agents {
+        println!(
+            "open-file limit {files}: measuring {agents} agents instead of {}",
+            args.agents
+        );
+    }
+    let poll_samples = (args.wakeups / 3).max(1);
+    // Tokens: agents 1..=agents for the idle part, then one per wake-up sample.
+    let mut world = World::start(agents.max(1) + (args.wakeups + poll_samples) as i64)?;
+    let cores = std::thread::available_parallelism().map_or(1, |n| n.get());
+    println!(
+        "kas-bench: {cores} cores, redis {}, loopback",
+        world
+            .redis
+            .cli(&["INFO", "server"])
+            .lines()
+            .find_map(|l| l.strip_prefix("redis_version:"))
+            .unwrap_or("?")
+            .trim()
+    );
+    let pubsub = KasOptions {
+        pubsub: true,
+        ttl: args.ttl,
+    };
+    let (a, b) = pair(&mut world, pubsub).await?;
+
+    // 1. Unary paths. Agent 1 on kas A with a warm tunnel pool.
+    let mut options = kas_runtime::agent::AgentOptions::new(
+        a.addresses.agent.to_string(),
+        setup::token(1),
+        kas_proto::registry::AgentMeta {
+            version: "bench".into(),
+            pod_name: "bench-agent".into(),
+            ..Default::default()
+        },
+    );
+    options.pool.min_idle = 16;
+    options.pool.max = 256;
+    let (stop_agent, shutdown) = tokio::sync::watch::channel(false);
+    let agent_task = tokio::spawn(kas_runtime::agent::run(
+        options,
+        setup::modules(|| {}),
+        shutdown,
+    ));
+    await_gauge(&a, "kas_tunnels", 16.0, Duration::from_secs(20)).await?;
+    let direct = unary::direct(unary::serve_direct().await?).await?;
+    let paths = [
+        ("direct", direct),
+        ("local route", unary::routed(gitlab(&world, &a).await?, 1)),
+        ("remote route", unary::routed(gitlab(&world, &b).await?, 1)),
+    ];
+    let warmup = args.point / 3;
+    println!(
+        "\n## Unary calls (a 10-pod list, {} bytes)\n",
+        prost::Message::encoded_len(&setup::pods())
+    );
+    println!(
+        "| path | concurrency | p50 ms | p99 ms | calls/s | p50 / direct | calls/s / direct | errors |"
+    );
+    println!("|---|---|---|---|---|---|---|---|");
+    let mut unary_json = Vec::new();
+    for concurrency in [1, 16, 64] {
+        let mut base: Option<unary::Point> = None;
+        for (name, call) in &paths {
+            let p = unary::measure(call.clone(), concurrency, warmup, args.point).await;
+            let b = base.get_or_insert_with(|| p.clone());
+            let p50 = p.latencies.quantile(0.5);
+            let ratio = p50.as_secs_f64() / b.latencies.quantile(0.5).as_secs_f64().max(1e-9);
+            let tput = p.per_second / b.per_second.max(1e-9);
+            println!(
+                "| {name} | {concurrency} | {:.3} | {:.3} | {:.0} | {ratio:.2} | {:.0}% | {} |",
+                ms(p50),
+                ms(p.latencies.quantile(0.99)),
+                p.per_second,
+                tput * 100.0,
+                p.errors
+            );
+            unary_json.push(json!({
+                "path": name, "concurrency": concurrency,
+                "p50_ms": ms(p50), "p99_ms": ms(p.latencies.quantile(0.99)),
+                "calls_per_s": p.per_second, "p50_ratio_to_direct": ratio,
+                "throughput_ratio_to_direct": tput, "calls": p.latencies.len(), "errors": p.errors,
+            }));
+        }
+    }
+    let _ = stop_agent.send(true);
+    let _ = tokio::time::timeout(Duration::from_secs(15), agent_task).await;
+
+    // 2 and 3 with pub-sub.
+    let gitlab_b = gitlab(&world, &b).await?;
+    let redis = world.redis.address();
+    let first_wakeup = agents.max(1) + 1;
+    let woken = wakeup::measure(&redis, &gitlab_b, &a, first_wakeup, args.wakeups).await?;
+    let waiting_pubsub = scale::waiting_calls(
+        &world.redis,
+        &gitlab_b,
+        &b,
+        args.waiting,
+        Duration::from_secs(10),
+    )
+    .await?;
+    drop((a, b));
+    // ... and polling only.
+    let (a, b) = pair(
+        &mut world,
+        KasOptions {
+            pubsub: false,
+            ..pubsub
+        },
+    )
+    .await?;
+    let gitlab_b = gitlab(&world, &b).await?;
+    let polled = wakeup::measure(
+        &redis,
+        &gitlab_b,
+        &a,
+        first_wakeup + args.wakeups as i64,
+        poll_samples,
+    )
+    .await?;
+    let waiting_poll = scale::waiting_calls(
+        &world.redis,
+        &gitlab_b,
+        &b,
+        args.waiting,
+        Duration::from_secs(10),
+    )
+    .await?;
+    drop((a, b));
+    println!(
+        "\n## Wake-up: a call waits on kas B, its agent connects to kas A (registration to delivery)\n"
+    );
+    println!("| mode | samples | p50 ms | p99 ms | failed |");
+    println!("|---|---|---|---|---|");
+    let mut wake_json = Vec::new();
+    for (mode, w) in [("pub-sub", &woken), ("polling only", &polled)] {
+        println!(
+            "| {mode} | {} | {:.2} | {:.2} | {} |",
+            w.latencies.len(),
+            ms(w.latencies.quantile(0.5)),
+            ms(w.latencies.quantile(0.99)),
+            w.failed
+        );
+        wake_json.push(json!({
+            "mode": mode, "samples": w.latencies.len(), "failed": w.failed,
+            "p50_ms": ms(w.latencies.quantile(0.5)), "p99_ms": ms(w.latencies.quantile(0.99)),
+        }));
+    }
+    println!(
+        "\n## Redis commands of {} calls waiting 10 s for absent agents\n",
+        args.waiting
+    );
+    println!("| mode | commands sent | per waiting call per second | by command |");
+    println!("|---|---|---|---|");
+    let mut waiting_json = Vec::new();
+    for (mode, c) in [
+        ("pub-sub", &waiting_pubsub),
+        ("polling only", &waiting_poll),
+    ] {
+        let per = c.sent() as f64 / args.waiting as f64 / 10.0;
+        println!("| {mode} | {} | {per:.4} | {:?} |", c.sent(), c.0);
+        waiting_json.push(json!({"mode": mode, "commands_sent": c.sent(), "per_call_per_s": per, "by_command": c.0}));
+    }
+
+    // 4. Many agents on one fresh kas.
+    let kas = world.kas(pubsub).await?;
+    let rss0 = kas.resident_bytes().unwrap_or(0);
+    let mut fleet = Fleet::connect(&kas, agents).await?;
+    await_gauge(
+        &kas,
+        "kas_connected_agents",
+        agents as f64,
+        Duration::from_secs(60),
+    )
+    .await?;
+    tokio::time::sleep(Duration::from_secs(2)).await;
+    let rss1 = kas.resident_bytes().unwrap_or(0);
+    fleet.open_tunnels(setup::modules(|| {}));
+    await_gauge(&kas, "kas_tunnels", agents as f64, Duration::from_secs(60)).await?;
+    tokio::time::sleep(Duration::from_secs(2)).await;
+    let rss2 = kas.resident_bytes().unwrap_or(0);
+    // Steady state: the first writes are done; count two refresh periods.
+    tokio::time::sleep(args.ttl / 2).await;
+    let refresh = args.ttl / 2;
+    let before = Commands::read(&world.redis);
+    tokio::time::sleep(refresh * 2).await;
+    let steady = Commands::read(&world.redis).since(&before);
+    drop(fleet);
+    drop(kas);
+    let per_agent = |bytes: u64| bytes as f64 / agents as f64 / 1024.0;
+    let minutes = (refresh * 2).as_secs_f64() / 60.0;
+    println!("\n## One kas with {agents} agents (each on its own connection)\n");
+    println!("| | kas RSS MiB | KiB each |");
+    println!("|---|---|---|");
+    println!("| no agents | {:.1} | |", rss0 as f64 / 1048576.0);
+    println!(
+        "| + {agents} agents (GetConfiguration open) | {:.1} | {:.2} per agent |",
+        rss1 as f64 / 1048576.0,
+        per_agent(rss1.saturating_sub(rss0))
+    );
+    println!(
+        "| + one idle tunnel each | {:.1} | {:.2} per tunnel |",
+        rss2 as f64 / 1048576.0,
+        per_agent(rss2.saturating_sub(rss1))
+    );
+    let sent_per_agent_min = steady.sent() as f64 / agents as f64 / minutes;
+    let all_per_agent_min = steady.all() as f64 / agents as f64 / minutes;
+    println!(
+        "\n## Redis at steady state, {agents} agents, refresh every {refresh:?}, over {:?}\n",
+        refresh * 2
+    );
+    println!("| commands | total | per agent per minute | per agent per refresh | by command |");
+    println!("|---|---|---|---|---|");
+    let per_refresh = |n: u64| n as f64 / agents as f64 / 2.0;
+    println!(
+        "| sent by kas | {} | {sent_per_agent_min:.4} | {:.4} | |",
+        steady.sent(),
+        per_refresh(steady.sent())
+    );
+    println!(
+        "| run by Redis (inside scripts too) | {} | {all_per_agent_min:.3} | {:.3} | {:?} |",
+        steady.all(),
+        per_refresh(steady.all()),
+        steady.0
+    );
+
+    Ok(json!({
+        "machine": {"cores": cores, "open_file_limit": files},
+        "unary": unary_json,
+        "wakeup": wake_json,
+        "waiting_calls": waiting_json,
+        "idle": {
+            "agents": agents,
+            "rss_bytes": {"none": rss0, "agents": rss1, "tunnels": rss2},
+            "kib_per_agent": per_agent(rss1.saturating_sub(rss0)),
+            "kib_per_tunnel": per_agent(rss2.saturating_sub(rss1)),
+        },
+        "redis_steady": {
+            "agents": agents, "refresh_s": refresh.as_secs_f64(), "window_s": (refresh * 2).as_secs_f64(),
+            "sent": steady.sent(), "all": steady.all(), "by_command": steady.0,
+            "sent_per_agent_per_minute": sent_per_agent_min,
+            "all_per_agent_per_minute": all_per_agent_min,
+            "sent_per_agent_per_refresh": per_refresh(steady.sent()),
+        },
+    }))
+}

@@ -1,0 +1,206 @@
+//! Many agents on one kas: its resident memory per connected agent and per idle tunnel,
+//! and Redis's work (`INFO commandstats`) per agent and per waiting call.
+
+use crate::setup::token;
+use kas_proto::registry::AgentMeta;
+use kas_runtime::agent::{AgentClient, Modules};
+use kas_runtime::api_client::ApiClient;
+use kas_runtime::local::kas_process::KasProcess;
+use kas_runtime::local::redis_server::RedisServer;
+use std::collections::BTreeMap;
+use std::sync::Arc;
+use std::time::Duration;
+use tokio::sync::Semaphore;
+use tokio::task::JoinHandle;
+
+/// Commands Redis runs only inside our scripts (the batch write and the GC).
+const IN_SCRIPTS: [&str; 5] = ["hset", "hdel", "hget", "pexpire", "publish"];
+
+/// Successful calls per command (`INFO commandstats`).
+#[derive(Clone, Debug, Default)]
+pub struct Commands(pub BTreeMap<String, u64>);
+
+impl Commands {
+    /// Reads them now.
+    pub fn read(redis: &RedisServer) -> Commands {
+        let mut out = BTreeMap::new();
+        for line in redis.cli(&["INFO", "commandstats"]).lines() {
+            let Some((name, rest)) = line
+                .strip_prefix("cmdstat_")
+                .and_then(|l| l.split_once(':'))
+            else {
+                continue;
+            };
+            let field = |key: &str| -> u64 {
+                rest.split(',')
+                    .find_map(|kv| kv.strip_prefix(key))
+                    .and_then(|v| v.trim().parse().ok())
+                    .unwrap_or(0)
+            };
+            out.insert(name.to_string(), field("calls=") - field("failed_calls="));
+        }
+        Commands(out)
+    }
+
+    /// What ran between `earlier` and `self`.
+    pub fn since(&self, earlier: &Commands) -> Commands {
+        Commands(
+            self.0
+                .iter()
+                .map(|(k, v)| (k.clone(), v - earlier.0.get(k).copied().unwrap_or(0)))
+                .filter(|(_, v)| *v > 0)
+                .collect(),
+        )
+    }
+
+    /// Commands clients sent (not counting those run inside scripts).
+    pub fn sent(&self) -> u64 {
+        self.0
+            .iter()
+            .filter(|(k, _)| !IN_SCRIPTS.contains(&k.as_str()))
+            .map(|(_, v)| v)
+            .sum()
+    }
+
+    /// Every command Redis ran, inside scripts too.
+    pub fn all(&self) -> u64 {
+        self.0.values().sum()
+    }
+}
+
+/// Agents connected to one kas, each on its own connection, holding `GetConfiguration`
+/// open and, once [`Fleet::open_tunnels`] ran, one idle tunnel.
+pub struct Fleet {
+    agents: Vec<(AgentClient, kas_core::ConnectionId)>,
+    tasks: Vec<JoinHandle<()>>,
+}
+
+impl Fleet {
+    /// Connects agents `1..=n` to `kas`, 256 at a time.
+    pub async fn connect(kas: &KasProcess, n: i64) -> Result<Fleet, String> {
+        let gate = Arc::new(Semaphore::new(256));
+        let addr = format!("http://{}", kas.addresses.agent);
+        let joins: Vec<_> = (1..=n)
+            .map(|agent| {
+                let (gate, addr) = (gate.clone(), addr.clone());
+                tokio::spawn(async move {
+                    let _permit = gate.acquire_owned().await;
+                    let channel = tonic::transport::Endpoint::from_shared(addr)
+                        .map_err(|e| e.to_string())?
+                        .connect()
+                        .await
+                        .map_err(|e| format!("agent {agent}: {e}"))?;
+                    let client = AgentClient::new(channel, token(agent));
+                    let meta = AgentMeta {
+                        version: "bench".into(),
+                        pod_name: format!("idle-{agent}"),
+                        ..Default::default()
+                    };
+                    let (connection, _, mut stream) = client
+                        .connect(meta)
+                        .await
+                        .map_err(|s| format!("agent {agent}: {s}"))?;
+                    let hold =
+                        tokio::spawn(
+                            async move { while let Ok(Some(_)) = stream.message().await {} },
+                        );
+                    Ok::<_, String>((client, connection, hold))
+                })
+            })
+            .collect();
+        let mut fleet = Fleet {
+            agents: Vec::new(),
+            tasks: Vec::new(),
+        };
+        for j in joins {
+            let (client, connection, hold) = j.await.map_err(|e| e.to_string())??;
+            fleet.agents.push((client, connection));
+            fleet.tasks.push(hold);
+        }
+        Ok(fleet)
+    }
+
+    /// Opens one tunnel per agent (heartbeat every 20 s), serving `modules`.
+    pub fn open_tunnels(&mut self, modules: Arc<Modules>) {
+        for (client, connection) in &self.agents {
+            let (client, connection, modules) = (client.clone(), *connection, modules.clone());
+            self.tasks.push(tokio::spawn(async move {
+                client
+                    .serve_tunnel(connection, modules, Duration::from_secs(20), None)
+                    .await;
+            }));
+        }
+    }
+}
+
+impl Drop for Fleet {
+    fn drop(&mut self) {
+        for t in &self.tasks {
+            t.abort();
+        }
+    }
+}
+
+/// The value of an unlabelled gauge in `kas`'s metrics.
+pub async fn gauge(kas: &KasProcess, name: &str) -> Option<f64> {
+    let text = kas.metrics().await?;
+    text.lines().find_map(|l| {
+        let (n, v) = l.split_once(' ')?;
+        (n == name).then(|| v.trim().parse().ok())?
+    })
+}
+
+/// Waits (up to `within`) until `kas` reports `name` = `value`.
+pub async fn await_gauge(
+    kas: &KasProcess,
+    name: &str,
+    value: f64,
+    within: Duration,
+) -> Result<(), String> {
+    let end = tokio::time::Instant::now() + within;
+    loop {
+        let now = gauge(kas, name).await;
+        if now == Some(value) {
+            return Ok(());
+        }
+        if tokio::time::Instant::now() > end {
+            return Err(format!("{name} is {now:?}, not {value}, after {within:?}"));
+        }
+        tokio::time::sleep(Duration::from_millis(200)).await;
+    }
+}
+
+/// Redis commands while `calls` calls for agents that never connect wait on `kas` for
+/// `window` (counted from 3 s after they started, once each has looked up).
+pub async fn waiting_calls(
+    redis: &RedisServer,
+    gitlab: &ApiClient,
+    kas: &KasProcess,
+    calls: i64,
+    window: Duration,
+) -> Result<Commands, String> {
+    let api = gitlab.with_timeout(window + Duration::from_secs(10));
+    let running: Vec<_> = (0..calls)
+        .map(|i| {
+            let api = api.clone();
+            tokio::spawn(async move { api.pods(5_000_000 + i, None, "").await })
+        })
+        .collect();
+    let waiting = u32::try_from(calls).map_err(|e| e.to_string())?;
+    await_gauge(
+        kas,
+        "kas_routing_calls",
+        f64::from(waiting),
+        Duration::from_secs(10),
+    )
+    .await?;
+    tokio::time::sleep(Duration::from_secs(3)).await;
+    let before = Commands::read(redis);
+    tokio::time::sleep(window).await;
+    let during = Commands::read(redis).since(&before);
+    for r in running {
+        r.abort();
+    }
+    await_gauge(kas, "kas_routing_calls", 0.0, Duration::from_secs(10)).await?;
+    Ok(during)
+}

@@ -1,0 +1,139 @@
+//! The bench's world on loopback: a private redis-server, kas processes sharing it, agent
+//! tokens, and GitLab's secret.
+
+use kas_proto::pods::{ListRequest, ListResponse, Pod};
+use kas_runtime::agent::{Modules, PODS_LIST};
+use kas_runtime::jwt::Secret;
+use kas_runtime::local::kas_process::KasProcess;
+use kas_runtime::local::redis_server::RedisServer;
+use std::fmt::Write as _;
+use std::path::{Path, PathBuf};
+use std::sync::Arc;
+use std::time::Duration;
+
+/// How a pair of kas is configured.
+#[derive(Clone, Copy, Debug)]
+pub struct KasOptions {
+    /// Wake waiting calls by pub-sub (else they poll).
+    pub pubsub: bool,
+    /// Registry record lifetime; refreshed every half of it.
+    pub ttl: Duration,
+}
+
+/// Files, Redis and secrets shared by every kas the bench starts.
+pub struct World {
+    pub dir: PathBuf,
+    pub redis: RedisServer,
+    pub gitlab: Secret,
+    kas_exe: PathBuf,
+    started: usize,
+}
+
+/// The token of `agent` (every agent 1..=max has one).
+pub fn token(agent: i64) -> String {
+    format!("bench-agent-token-{agent:08}")
+}
+
+fn write(dir: &Path, name: &str, text: &str) -> Result<PathBuf, String> {
+    let path = dir.join(name);
+    std::fs::write(&path, text).map_err(|e| format!("{}: {e}", path.display()))?;
+    Ok(path)
+}
+
+impl World {
+    /// Starts Redis and writes secrets and tokens for agents `1..=max_agent` into a new
+    /// directory under the system temp dir.
+    pub fn start(max_agent: i64) -> Result<World, String> {
+        let dir = std::env::temp_dir().join(format!("kas-bench-{}", std::process::id()));
+        std::fs::create_dir_all(&dir).map_err(|e| format!("{}: {e}", dir.display()))?;
+        let secret =
+            |bytes: [u8; 32]| Secret::from_base64(&base64(&bytes)).map_err(|e| e.to_string());
+        let gitlab = secret(rand::random())?;
+        write(&dir, "gitlab.secret", &gitlab.to_base64())?;
+        write(&dir, "kas.secret", &secret(rand::random())?.to_base64())?;
+        let mut tokens = String::from("agents:\n");
+        for agent in 1..=max_agent {
+            let _ = writeln!(
+                tokens,
+                "  - {{token: {}, agent_id: {agent}, project_id: {}}}",
+                token(agent),
+                100 + agent % 100
+            );
+        }
+        write(&dir, "tokens.yaml", &tokens)?;
+        let kas_exe = std::env::current_exe()
+            .map_err(|e| format!("where is kas-bench? {e}"))?
+            .with_file_name("kas");
+        if !kas_exe.exists() {
+            return Err(format!(
+                "{} is missing: build it with `cargo build --release --bin kas`",
+                kas_exe.display()
+            ));
+        }
+        Ok(World {
+            redis: RedisServer::start()?,
+            dir,
+            gitlab,
+            kas_exe,
+            started: 0,
+        })
+    }
+
+    /// Starts one kas process.
+    pub async fn kas(&mut self, options: KasOptions) -> Result<KasProcess, String> {
+        self.started += 1;
+        let name = format!("kas{}", self.started);
+        let ttl = options.ttl.as_millis();
+        let config = format!(
+            "agent:\n  listen: {{address: '127.0.0.1:0'}}\n  tokens_file: '{d}/tokens.yaml'\n  redis_conn_info_ttl: {ttl}ms\n  redis_conn_info_refresh: {}ms\n  redis_conn_info_gc: {ttl}ms\napi:\n  listen: {{address: '127.0.0.1:0', authentication_secret_file: '{d}/gitlab.secret'}}\n  max_timeout: 120s\nprivate_api:\n  listen: {{address: '127.0.0.1:0', authentication_secret_file: '{d}/kas.secret'}}\nobservability:\n  listen: {{address: '127.0.0.1:0'}}\nredis:\n  server: {{address: '{}'}}\n  key_prefix: kas\n  pubsub_wakeups: {}\nshutdown_grace: 1s\n",
+            ttl / 2,
+            self.redis.address(),
+            options.pubsub,
+            d = self.dir.display(),
+        );
+        let path = write(&self.dir, &format!("{name}.yaml"), &config)?;
+        KasProcess::spawn(
+            &self.kas_exe,
+            &path,
+            // "kas started" (with the addresses) is logged at info.
+            "warn,kas_runtime::kas=info",
+            &self.dir.join(format!("{name}.log")),
+        )
+        .await
+    }
+}
+
+impl Drop for World {
+    fn drop(&mut self) {
+        let _ = std::fs::remove_dir_all(&self.dir);
+    }
+}
+
+fn base64(bytes: &[u8]) -> String {
+    use base64::Engine;
+    base64::engine::general_purpose::STANDARD.encode(bytes)
+}
+
+/// The pod list every bench agent answers (ten pods, about 600 bytes encoded).
+pub fn pods() -> ListResponse {
+    ListResponse {
+        pods: (0..10)
+            .map(|i| Pod {
+                namespace: "bench".into(),
+                name: format!("web-{i:02}-7d9f8c6b5d-x2x9q"),
+                phase: "Running".into(),
+                node_name: format!("node-{i}"),
+            })
+            .collect(),
+    }
+}
+
+/// An agent's modules answering [`pods`], calling `seen` on each call first.
+pub fn modules(seen: impl Fn() + Send + Sync + 'static) -> Arc<Modules> {
+    let mut m = Modules::default();
+    m.unary(PODS_LIST, move |_: ListRequest| {
+        seen();
+        async { Ok(pods()) }
+    });
+    Arc::new(m)
+}

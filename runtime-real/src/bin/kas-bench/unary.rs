@@ -1,0 +1,132 @@
+//! Unary latency and throughput on three paths: direct (GitLab calling the agent's Pods
+//! service itself), local route (kas holding the tunnel) and remote route (another kas,
+//! which forwards).
+
+use crate::setup::pods;
+use crate::stats::Latencies;
+use kas_proto::pods::pods_client::PodsClient;
+use kas_proto::pods::pods_server::{Pods, PodsServer};
+use kas_proto::pods::{ListRequest, ListResponse};
+use kas_runtime::api_client::ApiClient;
+use std::future::Future;
+use std::net::SocketAddr;
+use std::pin::Pin;
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+use tonic::transport::Channel;
+use tonic::{Request, Response, Status};
+
+/// The agent's Pods module served as a gRPC service of its own: the direct baseline.
+struct Direct;
+
+#[tonic::async_trait]
+impl Pods for Direct {
+    async fn list(&self, _: Request<ListRequest>) -> Result<Response<ListResponse>, Status> {
+        Ok(Response::new(pods()))
+    }
+}
+
+/// Serves [`Direct`] on a free loopback port; returns its address.
+pub async fn serve_direct() -> Result<SocketAddr, String> {
+    let listener = tokio::net::TcpListener::bind("127.0.0.1:0")
+        .await
+        .map_err(|e| format!("bind: {e}"))?;
+    let addr = listener.local_addr().map_err(|e| e.to_string())?;
+    let incoming = tonic::transport::server::TcpIncoming::from(listener).with_nodelay(Some(true));
+    tokio::spawn(
+        tonic::transport::Server::builder()
+            .add_service(PodsServer::new(Direct))
+            .serve_with_incoming(incoming),
+    );
+    Ok(addr)
+}
+
+/// One call on a path.
+pub type CallFn =
+    Arc<dyn Fn() -> Pin<Box<dyn Future<Output = Result<(), String>> + Send>> + Send + Sync>;
+
+/// A path's call: direct to `addr`.
+pub async fn direct(addr: SocketAddr) -> Result<CallFn, String> {
+    let channel = Channel::from_shared(format!("http://{addr}"))
+        .map_err(|e| e.to_string())?
+        .connect()
+        .await
+        .map_err(|e| format!("direct: {e}"))?;
+    let client = PodsClient::new(channel);
+    Ok(Arc::new(move || {
+        let mut c = client.clone();
+        Box::pin(async move {
+            c.list(ListRequest::default())
+                .await
+                .map(|_| ())
+                .map_err(|s| s.to_string())
+        })
+    }))
+}
+
+/// A path's call: through kas's public API for `agent`.
+pub fn routed(api: ApiClient, agent: i64) -> CallFn {
+    Arc::new(move || {
+        let api = api.clone();
+        Box::pin(async move {
+            api.pods(agent, None, "")
+                .await
+                .map(|_| ())
+                .map_err(|s| s.to_string())
+        })
+    })
+}
+
+/// What one (path, concurrency) point measured.
+#[derive(Clone, Debug)]
+pub struct Point {
+    pub latencies: Latencies,
+    pub per_second: f64,
+    pub errors: usize,
+}
+
+/// Runs `call` from `concurrency` workers for `warmup`, then measures for `length`.
+pub async fn measure(
+    call: CallFn,
+    concurrency: usize,
+    warmup: Duration,
+    length: Duration,
+) -> Point {
+    run(call.clone(), concurrency, warmup).await;
+    let started = Instant::now();
+    let (latencies, errors) = run(call, concurrency, length).await;
+    let elapsed = started.elapsed().as_secs_f64();
+    Point {
+        per_second: latencies.len() as f64 / elapsed,
+        latencies: Latencies::new(latencies),
+        errors,
+    }
+}
+
+async fn run(call: CallFn, concurrency: usize, length: Duration) -> (Vec<Duration>, usize) {
+    let end = Instant::now() + length;
+    let workers: Vec<_> = (0..concurrency)
+        .map(|_| {
+            let call = call.clone();
+            tokio::spawn(async move {
+                let (mut took, mut errors) = (Vec::new(), 0);
+                while Instant::now() < end {
+                    let t = Instant::now();
+                    match call().await {
+                        Ok(()) => took.push(t.elapsed()),
+                        Err(_) => errors += 1,
+                    }
+                }
+                (took, errors)
+            })
+        })
+        .collect();
+    let (mut all, mut errors) = (Vec::new(), 0);
+    for w in workers {
+        if let Ok((t, e)) = w.await {
+            all.extend(t);
+            errors += e;
+        }
+    }
+    (all, errors)
+}
