@@ -182,6 +182,14 @@ impl Forwarder {
                 return Forwarded::Done; // the caller went away; dropping the stream cancels
             }
             if let Progress::Finished(_) = progress {
+                // Read the stream to its end (the serving kas ends it right after): dropping
+                // it here would reset the HTTP/2 stream, and a server that sees many resets
+                // on one connection closes it with ENHANCE_YOUR_CALM (h2's reset-flood
+                // guard), failing every call on it. Found by kas-bench at concurrency 16.
+                let _ = tokio::time::timeout(Duration::from_secs(1), async {
+                    while let Ok(Some(_)) = inbound.message().await {}
+                })
+                .await;
                 return Forwarded::Done;
             }
         }

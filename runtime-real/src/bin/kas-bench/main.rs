@@ -49,6 +49,9 @@ struct Args {
     /// Calls waiting at once for the Redis cost of waiting calls.
     #[arg(long, default_value_t = 1_000)]
     waiting: i64,
+    /// How long the Redis commands of waiting calls are counted.
+    #[arg(long, value_name = "DURATION", default_value = "10s", value_parser = humantime::parse_duration)]
+    waiting_window: Duration,
     /// Registry record TTL of the kas (refreshed every half): the Redis cost window is two
     /// refresh periods.
     #[arg(long, value_name = "DURATION", default_value = "20s", value_parser = humantime::parse_duration)]
@@ -107,9 +110,10 @@ async fn gitlab(world: &World, kas: &KasProcess) -> Result<ApiClient, String> {
 
 async fn run(args: &Args) -> Result<Value, String> {
     let files = raise_file_limit();
+    // Each end of an agent's connection is in its own process: kas, or this one.
     let agents = args
         .agents
-        .min(i64::try_from(files / 2).unwrap_or(i64::MAX) - 500);
+        .min(i64::try_from(files).unwrap_or(i64::MAX) - 1_000);
     if agents < args.agents {
         println!(
             "open-file limit {files}: measuring {agents} agents instead of {}",
@@ -187,11 +191,14 @@ async fn run(args: &Args) -> Result<Value, String> {
                 tput * 100.0,
                 p.errors
             );
+            if let Some(e) = &p.first_error {
+                println!("|   first error: {e} | | | | | | | |");
+            }
             unary_json.push(json!({
                 "path": name, "concurrency": concurrency,
                 "p50_ms": ms(p50), "p99_ms": ms(p.latencies.quantile(0.99)),
                 "calls_per_s": p.per_second, "p50_ratio_to_direct": ratio,
-                "throughput_ratio_to_direct": tput, "calls": p.latencies.len(), "errors": p.errors,
+                "throughput_ratio_to_direct": tput, "calls": p.latencies.len(), "errors": p.errors, "first_error": p.first_error,
             }));
         }
     }
@@ -208,7 +215,7 @@ async fn run(args: &Args) -> Result<Value, String> {
         &gitlab_b,
         &b,
         args.waiting,
-        Duration::from_secs(10),
+        args.waiting_window,
     )
     .await?;
     drop((a, b));
@@ -235,7 +242,7 @@ async fn run(args: &Args) -> Result<Value, String> {
         &gitlab_b,
         &b,
         args.waiting,
-        Duration::from_secs(10),
+        args.waiting_window,
     )
     .await?;
     drop((a, b));
@@ -258,8 +265,9 @@ async fn run(args: &Args) -> Result<Value, String> {
             "p50_ms": ms(w.latencies.quantile(0.5)), "p99_ms": ms(w.latencies.quantile(0.99)),
         }));
     }
+    let window = args.waiting_window.as_secs_f64();
     println!(
-        "\n## Redis commands of {} calls waiting 10 s for absent agents\n",
+        "\n## Redis commands of {} calls waiting {window:.0} s for absent agents\n",
         args.waiting
     );
     println!("| mode | commands sent | per waiting call per second | by command |");
@@ -269,9 +277,12 @@ async fn run(args: &Args) -> Result<Value, String> {
         ("pub-sub", &waiting_pubsub),
         ("polling only", &waiting_poll),
     ] {
-        let per = c.sent() as f64 / args.waiting as f64 / 10.0;
-        println!("| {mode} | {} | {per:.4} | {:?} |", c.sent(), c.0);
-        waiting_json.push(json!({"mode": mode, "commands_sent": c.sent(), "per_call_per_s": per, "by_command": c.0}));
+        let sent = c.sent(&scale::IN_SCRIPTS);
+        let per = sent as f64 / args.waiting as f64 / window;
+        println!("| {mode} | {sent} | {per:.4} | {:?} |", c.0);
+        waiting_json.push(
+            json!({"mode": mode, "commands_sent": sent, "per_call_per_s": per, "by_command": c.0}),
+        );
     }
 
     // 4. Many agents on one fresh kas.
@@ -315,7 +326,8 @@ async fn run(args: &Args) -> Result<Value, String> {
         rss2 as f64 / 1048576.0,
         per_agent(rss2.saturating_sub(rss1))
     );
-    let sent_per_agent_min = steady.sent() as f64 / agents as f64 / minutes;
+    let sent_per_agent_min =
+        steady.sent(&scale::IN_SCRIPTS_NO_LOOKUPS) as f64 / agents as f64 / minutes;
     let all_per_agent_min = steady.all() as f64 / agents as f64 / minutes;
     println!(
         "\n## Redis at steady state, {agents} agents, refresh every {refresh:?}, over {:?}\n",
@@ -326,8 +338,8 @@ async fn run(args: &Args) -> Result<Value, String> {
     let per_refresh = |n: u64| n as f64 / agents as f64 / 2.0;
     println!(
         "| sent by kas | {} | {sent_per_agent_min:.4} | {:.4} | |",
-        steady.sent(),
-        per_refresh(steady.sent())
+        steady.sent(&scale::IN_SCRIPTS_NO_LOOKUPS),
+        per_refresh(steady.sent(&scale::IN_SCRIPTS_NO_LOOKUPS))
     );
     println!(
         "| run by Redis (inside scripts too) | {} | {all_per_agent_min:.3} | {:.3} | {:?} |",
@@ -349,10 +361,10 @@ async fn run(args: &Args) -> Result<Value, String> {
         },
         "redis_steady": {
             "agents": agents, "refresh_s": refresh.as_secs_f64(), "window_s": (refresh * 2).as_secs_f64(),
-            "sent": steady.sent(), "all": steady.all(), "by_command": steady.0,
+            "sent": steady.sent(&scale::IN_SCRIPTS_NO_LOOKUPS), "all": steady.all(), "by_command": steady.0,
             "sent_per_agent_per_minute": sent_per_agent_min,
             "all_per_agent_per_minute": all_per_agent_min,
-            "sent_per_agent_per_refresh": per_refresh(steady.sent()),
+            "sent_per_agent_per_refresh": per_refresh(steady.sent(&scale::IN_SCRIPTS_NO_LOOKUPS)),
         },
     }))
 }

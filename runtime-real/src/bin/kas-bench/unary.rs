@@ -83,6 +83,8 @@ pub struct Point {
     pub latencies: Latencies,
     pub per_second: f64,
     pub errors: usize,
+    /// The first error's message, if any.
+    pub first_error: Option<String>,
 }
 
 /// Runs `call` from `concurrency` workers for `warmup`, then measures for `length`.
@@ -94,39 +96,48 @@ pub async fn measure(
 ) -> Point {
     run(call.clone(), concurrency, warmup).await;
     let started = Instant::now();
-    let (latencies, errors) = run(call, concurrency, length).await;
+    let (latencies, errors, first_error) = run(call, concurrency, length).await;
     let elapsed = started.elapsed().as_secs_f64();
     Point {
         per_second: latencies.len() as f64 / elapsed,
         latencies: Latencies::new(latencies),
         errors,
+        first_error,
     }
 }
 
-async fn run(call: CallFn, concurrency: usize, length: Duration) -> (Vec<Duration>, usize) {
+async fn run(
+    call: CallFn,
+    concurrency: usize,
+    length: Duration,
+) -> (Vec<Duration>, usize, Option<String>) {
     let end = Instant::now() + length;
     let workers: Vec<_> = (0..concurrency)
         .map(|_| {
             let call = call.clone();
             tokio::spawn(async move {
-                let (mut took, mut errors) = (Vec::new(), 0);
+                let (mut took, mut errors, mut first) = (Vec::new(), 0, None);
                 while Instant::now() < end {
                     let t = Instant::now();
                     match call().await {
                         Ok(()) => took.push(t.elapsed()),
-                        Err(_) => errors += 1,
+                        Err(e) => {
+                            errors += 1;
+                            first.get_or_insert(e);
+                        }
                     }
                 }
-                (took, errors)
+                (took, errors, first)
             })
         })
         .collect();
-    let (mut all, mut errors) = (Vec::new(), 0);
+    let (mut all, mut errors, mut first) = (Vec::new(), 0, None);
     for w in workers {
-        if let Ok((t, e)) = w.await {
+        if let Ok((t, e, f)) = w.await {
             all.extend(t);
             errors += e;
+            first = first.or(f);
         }
     }
-    (all, errors)
+    (all, errors, first)
 }

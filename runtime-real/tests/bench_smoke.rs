@@ -1,0 +1,40 @@
+//! `kas-bench` runs end to end (small sizes, debug build) and writes every section of its
+//! JSON. Its numbers are not judged here: speed is measured by running it in release.
+
+use serde_json::Value;
+use std::process::Command;
+
+#[test]
+fn kas_bench_runs_every_part_and_writes_its_json() {
+    let json = std::env::temp_dir().join(format!("kas-bench-smoke-{}.json", std::process::id()));
+    let out = Command::new(env!("CARGO_BIN_EXE_kas-bench"))
+        .args(["--agents", "100", "--point", "300ms", "--wakeups", "3"])
+        .args(["--waiting", "20", "--waiting-window", "1s", "--ttl", "2s"])
+        .arg("--json")
+        .arg(&json)
+        .output()
+        .expect("kas-bench runs");
+    let stdout = String::from_utf8_lossy(&out.stdout);
+    assert!(
+        out.status.success(),
+        "{stdout}\n{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    let v: Value = serde_json::from_str(&std::fs::read_to_string(&json).unwrap()).unwrap();
+    let _ = std::fs::remove_file(&json);
+    let unary = v["unary"].as_array().unwrap();
+    assert_eq!(unary.len(), 9, "3 paths x 3 concurrencies");
+    for row in unary {
+        assert!(row["calls"].as_u64().unwrap() > 0, "{row}");
+        assert_eq!(row["errors"], 0, "{row}");
+    }
+    for row in v["wakeup"].as_array().unwrap() {
+        assert_eq!(row["failed"], 0, "{row}");
+        assert!(row["samples"].as_u64().unwrap() >= 1, "{row}");
+    }
+    assert_eq!(v["waiting_calls"].as_array().unwrap().len(), 2);
+    assert_eq!(v["idle"]["agents"], 100);
+    assert!(v["idle"]["rss_bytes"]["tunnels"].as_u64().unwrap() > 0);
+    assert!(v["redis_steady"]["sent"].as_u64().unwrap() > 0);
+    assert!(stdout.contains("## Unary calls"), "{stdout}");
+}
