@@ -231,6 +231,19 @@ enum Fault {
     TimeJump,
 }
 
+impl Fault {
+    const ALL: [Fault; 8] = [
+        Fault::KillKas,
+        Fault::Clog,
+        Fault::ClogRedis,
+        Fault::RestartRedis,
+        Fault::SlowRedis,
+        Fault::KillAgent,
+        Fault::ClogNode,
+        Fault::TimeJump,
+    ];
+}
+
 fn fault_kinds(scenario: Scenario) -> Vec<Fault> {
     use Fault::*;
     match scenario {
@@ -241,16 +254,7 @@ fn fault_kinds(scenario: Scenario) -> Vec<Fault> {
         Scenario::ReconnectStorm => vec![],
         Scenario::AgentChurn => vec![KillAgent],
         Scenario::Swarm => {
-            let all = [
-                KillKas,
-                Clog,
-                ClogRedis,
-                RestartRedis,
-                SlowRedis,
-                KillAgent,
-                ClogNode,
-                TimeJump,
-            ];
+            let all = Fault::ALL;
             let mut kinds: Vec<Fault> = all
                 .into_iter()
                 .filter(|_| thread_rng().gen_bool(0.5))

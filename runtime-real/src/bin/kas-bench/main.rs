@@ -99,6 +99,30 @@ async fn pair(world: &mut World, options: KasOptions) -> Result<(KasProcess, Kas
     Ok((world.kas(options).await?, world.kas(options).await?))
 }
 
+/// Parts 2 and 3 on a fresh pair of kas: `samples` wake-ups with agents `first..`, then
+/// the Redis commands of waiting calls.
+async fn waiting_parts(
+    world: &mut World,
+    options: KasOptions,
+    first: i64,
+    samples: usize,
+    args: &Args,
+) -> Result<(wakeup::Wakeups, Commands), String> {
+    let (a, b) = pair(world, options).await?;
+    let gitlab_b = gitlab(world, &b).await?;
+    let redis = world.redis.address();
+    let woken = wakeup::measure(&redis, &gitlab_b, &a, first, samples).await?;
+    let waiting = scale::waiting_calls(
+        &world.redis,
+        &gitlab_b,
+        &b,
+        args.waiting,
+        args.waiting_window,
+    )
+    .await?;
+    Ok((woken, waiting))
+}
+
 async fn gitlab(world: &World, kas: &KasProcess) -> Result<ApiClient, String> {
     ApiClient::connect(
         &kas.addresses.api.to_string(),
@@ -205,47 +229,19 @@ async fn run(args: &Args) -> Result<Value, String> {
     let _ = stop_agent.send(true);
     let _ = tokio::time::timeout(Duration::from_secs(15), agent_task).await;
 
-    // 2 and 3 with pub-sub.
-    let gitlab_b = gitlab(&world, &b).await?;
-    let redis = world.redis.address();
+    drop((a, b));
+
+    // 2 and 3, with pub-sub and polling only, each on a fresh pair of kas.
     let first_wakeup = agents.max(1) + 1;
-    let woken = wakeup::measure(&redis, &gitlab_b, &a, first_wakeup, args.wakeups).await?;
-    let waiting_pubsub = scale::waiting_calls(
-        &world.redis,
-        &gitlab_b,
-        &b,
-        args.waiting,
-        args.waiting_window,
-    )
-    .await?;
-    drop((a, b));
-    // ... and polling only.
-    let (a, b) = pair(
-        &mut world,
-        KasOptions {
-            pubsub: false,
-            ..pubsub
-        },
-    )
-    .await?;
-    let gitlab_b = gitlab(&world, &b).await?;
-    let polled = wakeup::measure(
-        &redis,
-        &gitlab_b,
-        &a,
-        first_wakeup + args.wakeups as i64,
-        poll_samples,
-    )
-    .await?;
-    let waiting_poll = scale::waiting_calls(
-        &world.redis,
-        &gitlab_b,
-        &b,
-        args.waiting,
-        args.waiting_window,
-    )
-    .await?;
-    drop((a, b));
+    let (woken, waiting_pubsub) =
+        waiting_parts(&mut world, pubsub, first_wakeup, args.wakeups, args).await?;
+    let polling = KasOptions {
+        pubsub: false,
+        ..pubsub
+    };
+    let first_polled = first_wakeup + args.wakeups as i64;
+    let (polled, waiting_poll) =
+        waiting_parts(&mut world, polling, first_polled, poll_samples, args).await?;
     println!(
         "\n## Wake-up: a call waits on kas B, its agent connects to kas A (registration to delivery)\n"
     );
