@@ -78,21 +78,22 @@ impl Store {
     /// elsewhere each key is read, then each garbage field deleted only if it still holds
     /// the value that was judged garbage.
     pub async fn gc(&self, keys: &[String], now: Time) -> Result<usize, StoreError> {
+        let mut n = 0;
         if let Store::Redis(s) = self {
-            let mut n = 0;
             for chunk in keys.chunks(256) {
                 n += s.gc(chunk, now).await?;
             }
-            return Ok(n);
-        }
-        let mut n = 0;
-        for key in keys {
-            n += self.gc_one(key, now).await?;
+        } else {
+            for key in keys {
+                n += self.gc_by_compare_and_delete(key, now).await?;
+            }
         }
         Ok(n)
     }
 
-    async fn gc_one(&self, key: &str, now: Time) -> Result<usize, StoreError> {
+    /// GC of one key: read, judge, then delete each garbage field only if it still holds
+    /// the value judged (Redis, which `gc` batches instead, would run its script).
+    async fn gc_by_compare_and_delete(&self, key: &str, now: Time) -> Result<usize, StoreError> {
         let fields = self.read(key).await?;
         let garbage: Vec<(String, Vec<u8>)> = {
             let dead = kas_core::expiring::garbage_fields(
@@ -104,11 +105,9 @@ impl Store {
                 .filter(|(f, _)| dead.contains(f))
                 .collect()
         };
-        if garbage.is_empty() {
-            return Ok(0);
-        }
         match self {
-            Store::Redis(_) => unreachable!("Redis collects with its script"),
+            _ if garbage.is_empty() => Ok(0),
+            Store::Redis(s) => s.gc(&[key.to_string()], now).await,
             Store::Memory(s) => Ok(s.delete_unchanged(key, &garbage)),
             #[cfg(madsim)]
             Store::Sim(s) => s.delete_unchanged(key, &garbage).await,

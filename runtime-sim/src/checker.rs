@@ -86,14 +86,6 @@ pub fn check_calls(
     violations
 }
 
-/// The value of an unlabelled metric (a gauge) in OpenMetrics text.
-pub fn gauge(metrics: &str, name: &str) -> Option<f64> {
-    metrics.lines().find_map(|l| {
-        let (n, v) = l.split_once(' ')?;
-        (n == name).then(|| v.trim().parse().ok())?
-    })
-}
-
 /// Violations of invariant 4: routed calls with more than one hop.
 pub fn check_hops(kas: usize, metrics: &str) -> Vec<String> {
     metrics

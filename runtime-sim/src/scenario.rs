@@ -7,6 +7,7 @@ use crate::cluster::{AgentSpec, Cluster, ClusterSpec, pod_name};
 use crate::workload::{self, Call};
 use kas_core::AgentId;
 use kas_core::keys::Keys;
+use kas_runtime::kas::observability;
 use madsim::net::NetSim;
 use madsim::rand::{Rng, thread_rng};
 use madsim::runtime::Handle;
@@ -436,7 +437,7 @@ pub async fn run(scenario: Scenario) -> Report {
             "kas_tunnel_waiters",
             "kas_pubsub_subscriptions",
         ] {
-            match checker::gauge(&metrics, gauge) {
+            match observability::gauge(&metrics, gauge) {
                 Some(0.0) => {}
                 other => violations.push(format!("inv 6: kas{k} {gauge} = {other:?} at the end")),
             }

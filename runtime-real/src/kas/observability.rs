@@ -32,6 +32,14 @@ impl Health {
     }
 }
 
+/// The value of an unlabelled metric (a gauge) in OpenMetrics text.
+pub fn gauge(metrics: &str, name: &str) -> Option<f64> {
+    metrics.lines().find_map(|l| {
+        let (n, v) = l.split_once(' ')?;
+        (n == name).then(|| v.trim().parse().ok())?
+    })
+}
+
 /// Serves `/metrics`, `/liveness` and `/readiness` on `listener` until `signal` resolves.
 #[cfg(not(madsim))]
 pub async fn serve(

@@ -5,6 +5,7 @@ use crate::setup::token;
 use kas_proto::registry::AgentMeta;
 use kas_runtime::agent::{AgentClient, Modules};
 use kas_runtime::api_client::ApiClient;
+use kas_runtime::kas::observability;
 use kas_runtime::local::kas_process::KasProcess;
 use kas_runtime::local::redis_server::RedisServer;
 use std::collections::BTreeMap;
@@ -147,11 +148,7 @@ impl Drop for Fleet {
 
 /// The value of an unlabelled gauge in `kas`'s metrics.
 pub async fn gauge(kas: &KasProcess, name: &str) -> Option<f64> {
-    let text = kas.metrics().await?;
-    text.lines().find_map(|l| {
-        let (n, v) = l.split_once(' ')?;
-        (n == name).then(|| v.trim().parse().ok())?
-    })
+    observability::gauge(&kas.metrics().await?, name)
 }
 
 /// Waits (up to `within`) until `kas` reports `name` = `value`.
