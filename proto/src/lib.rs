@@ -46,6 +46,11 @@ pub mod agent_api {
 /// The agent-side Pods module.
 pub mod pods {
     package!("kas.pods");
+
+    /// The full gRPC name of `Pods.List`, as routed through tunnels.
+    pub const LIST_METHOD: &str = "/kas.pods.Pods/List";
+    /// The full gRPC name of `Pods.Logs`, as routed through tunnels.
+    pub const LOGS_METHOD: &str = "/kas.pods.Pods/Logs";
 }
 
 pub use prost;

@@ -14,5 +14,5 @@ pub mod run;
 
 pub use client::AgentClient;
 pub use modules::Modules;
-pub use pods::{PODS_LIST, PodSource};
+pub use pods::{PODS_LIST, PODS_LOGS, PodSource};
 pub use run::{AgentOptions, run};

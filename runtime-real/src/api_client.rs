@@ -1,15 +1,15 @@
 //! GitLab's side of kas's public API: a client that signs every call with GitLab's secret.
 
 use crate::jwt::{self, Secret, Signer};
-use kas_proto::pods::Pod;
+use kas_proto::pods::{LogChunk, Pod};
 use kas_proto::public_api::kas_api_client::KasApiClient;
 use kas_proto::public_api::{
-    ConnectedAgentsByIdRequest, ConnectedAgentsForProjectRequest, GetPodsRequest,
+    ConnectedAgentsByIdRequest, ConnectedAgentsForProjectRequest, GetPodLogsRequest, GetPodsRequest,
 };
 use kas_proto::registry::ConnectedAgentInfo;
 use std::time::Duration;
-use tonic::Status;
 use tonic::transport::Channel;
+use tonic::{Status, Streaming};
 
 /// A public API client of one kas.
 #[derive(Clone)]
@@ -90,5 +90,27 @@ impl ApiClient {
             namespace: namespace.into(),
         });
         Ok(self.client.clone().get_pods(req).await?.into_inner().pods)
+    }
+
+    /// The log of `namespace/pod` (its `container`, when not empty; at most about
+    /// `limit_bytes`, the agent's cap when 0), streamed from `agent` through kas.
+    pub async fn pod_logs(
+        &self,
+        agent: i64,
+        connection: Option<i64>,
+        namespace: &str,
+        pod: &str,
+        container: &str,
+        limit_bytes: i64,
+    ) -> Result<Streaming<LogChunk>, Status> {
+        let req = self.request(GetPodLogsRequest {
+            agent_id: agent,
+            connection_id: connection,
+            namespace: namespace.into(),
+            pod: pod.into(),
+            container: container.into(),
+            limit_bytes,
+        });
+        Ok(self.client.clone().get_pod_logs(req).await?.into_inner())
     }
 }

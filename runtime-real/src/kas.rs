@@ -16,7 +16,7 @@ mod public_api;
 mod tunnel;
 
 pub use deadline::parse_grpc_timeout;
-pub use public_api::PODS_LIST;
+pub use public_api::{PODS_LIST, PODS_LOGS};
 
 use crate::agent_auth::{AgentAuth, CachedResolver, GitLabClient, StaticTokens};
 use crate::clock;

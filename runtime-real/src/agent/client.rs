@@ -3,6 +3,7 @@
 
 use super::modules::Modules;
 use crate::frames;
+use futures::StreamExt;
 use kas_core::ConnectionId;
 use kas_core::frame_sequence::{Direction, FrameSequence, StreamKind};
 use kas_core::tunnel_pool::{PoolInput, Slot};
@@ -216,34 +217,33 @@ impl Tunnel {
         }
     }
 
-    /// Runs the module and sends its answer, heartbeating while it runs.
+    /// Runs the module and sends its answer as it comes, heartbeating while it runs.
     async fn answer(&mut self, id: u64, method: &str, body: Vec<u8>) -> Result<(), Status> {
-        let modules = self.modules.clone();
-        let call = modules.call(method, body);
-        tokio::pin!(call);
-        let result = loop {
-            tokio::select! {
+        let mut answer = self.modules.call(method, body);
+        loop {
+            let next = tokio::select! {
                 biased;
-                r = &mut call => break r,
-                _ = self.heartbeat.tick() => self.beat().await?,
-            }
-        };
-        let out = match result {
-            Ok(bytes) => vec![
-                frames::message(id, bytes),
-                frames::trailer(id, &Status::ok("")),
-            ],
-            Err(status) => vec![frames::trailer(id, &status)],
-        };
-        for f in out {
+                next = answer.next() => next,
+                _ = self.heartbeat.tick() => {
+                    self.beat().await?;
+                    continue;
+                }
+            };
+            let (frame, last) = match next {
+                Some(Ok(bytes)) => (frames::message(id, bytes), false),
+                Some(Err(status)) => (frames::trailer(id, &status), true),
+                None => (frames::trailer(id, &Status::ok("")), true),
+            };
             self.sequence
-                .check(Direction::FromAgent, &f)
+                .check(Direction::FromAgent, &frame)
                 .map_err(|e| Status::internal(format!("agent answer out of order: {e}")))?;
             self.tx
-                .send(f)
+                .send(frame)
                 .await
                 .map_err(|_| Status::unavailable("tunnel closed"))?;
+            if last {
+                return Ok(());
+            }
         }
-        Ok(())
     }
 }

@@ -4,6 +4,7 @@ use clap::{Parser, Subcommand};
 use kas_proto::registry::ConnectedAgentInfo;
 use kas_runtime::api_client::ApiClient;
 use kas_runtime::jwt::Secret;
+use std::io::Write;
 use std::path::PathBuf;
 use std::process::ExitCode;
 use std::time::Duration;
@@ -58,6 +59,27 @@ enum Cmd {
         /// Only this namespace's pods.
         #[arg(long, short = 'n', default_value = "")]
         namespace: String,
+    },
+    /// A pod's current log, through the agent's tunnel, written to standard output as it
+    /// arrives.
+    Logs {
+        /// The agent.
+        #[arg(long)]
+        agent: i64,
+        /// One replica (a connection id from `kasctl agents`).
+        #[arg(long)]
+        connection: Option<i64>,
+        /// The pod's namespace.
+        #[arg(long, short = 'n')]
+        namespace: String,
+        /// The pod.
+        pod: String,
+        /// The container (needed when the pod has several).
+        #[arg(long, short = 'c', default_value = "")]
+        container: String,
+        /// Stop after about this many bytes (0: the agent's cap, 64 MiB by default).
+        #[arg(long, value_name = "BYTES", default_value_t = 0)]
+        limit_bytes: i64,
     },
 }
 
@@ -121,6 +143,25 @@ async fn run(args: &Args) -> Result<(), String> {
                     })
                     .collect();
                 table(&["NAMESPACE", "NAME", "PHASE", "NODE"], rows);
+            }
+        }
+        Cmd::Logs {
+            agent,
+            connection,
+            ref namespace,
+            ref pod,
+            ref container,
+            limit_bytes,
+        } => {
+            let mut log = client
+                .pod_logs(agent, connection, namespace, pod, container, limit_bytes)
+                .await
+                .map_err(explain)?;
+            let mut out = std::io::stdout().lock();
+            while let Some(chunk) = log.message().await.map_err(explain)? {
+                out.write_all(&chunk.data)
+                    .and_then(|()| out.flush())
+                    .map_err(|e| format!("writing the log: {e}"))?;
             }
         }
     }

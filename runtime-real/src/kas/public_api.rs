@@ -7,14 +7,15 @@ use super::engine::{CancelOnDrop, Command, EngineHandle};
 use crate::clock;
 use crate::frames;
 use crate::store::Store;
+use futures::stream::{self, BoxStream, StreamExt, TryStreamExt};
 use kas_core::keys::Keys;
 use kas_core::{AgentId, ConnectionId, ProjectId, Time};
 use kas_proto::frame::{Frame, RequestStart, frame::Kind};
-use kas_proto::pods::{ListRequest, ListResponse};
+use kas_proto::pods::{ListRequest, ListResponse, LogChunk, LogsRequest};
 use kas_proto::public_api::kas_api_server::KasApi;
 use kas_proto::public_api::{
     ConnectedAgentsByIdRequest, ConnectedAgentsByIdResponse, ConnectedAgentsForProjectRequest,
-    ConnectedAgentsForProjectResponse, GetPodsRequest, GetPodsResponse,
+    ConnectedAgentsForProjectResponse, GetPodLogsRequest, GetPodsRequest, GetPodsResponse,
 };
 use kas_proto::registry::ConnectedAgentInfo;
 use prost::Message;
@@ -23,8 +24,7 @@ use std::time::Duration;
 use tokio::sync::mpsc;
 use tonic::{Request, Response, Status};
 
-/// The Pods module's list method, as routed through tunnels.
-pub const PODS_LIST: &str = "/kas.pods.Pods/List";
+pub use kas_proto::pods::{LIST_METHOD as PODS_LIST, LOGS_METHOD as PODS_LOGS};
 
 /// How long past its deadline a caller waits for an answer already under way.
 const ANSWER_GRACE: Duration = Duration::from_secs(3);
@@ -61,17 +61,17 @@ impl PublicService {
         Ok(agents)
     }
 
-    /// Routes a unary call to the agent and returns its one response message.
-    async fn call_agent(
+    /// Routes a call to the agent; its answer arrives through the returned [`Reply`].
+    fn call_agent(
         &self,
         agent: AgentId,
         connection: Option<ConnectionId>,
         method: &str,
         request: Vec<u8>,
         deadline: Time,
-    ) -> Result<Vec<u8>, Status> {
+    ) -> Reply {
         let id = self.engine.next_request_id();
-        let (tx, mut rx) = mpsc::channel(16);
+        let (tx, rx) = mpsc::channel(16);
         let call = Call {
             agent,
             connection,
@@ -87,57 +87,143 @@ impl PublicService {
             requests: Arc::new(vec![frames::message(0, request), frames::close_send(0)]),
             responses: tx,
         };
-        let mut cancel = CancelOnDrop::new(self.engine.clone(), id);
+        let cancel = CancelOnDrop::new(self.engine.clone(), id);
         self.engine.send(Command::Route(id, call));
-        let give_up = tokio::time::Instant::now() + clock::until(deadline) + ANSWER_GRACE;
-        let mut body = None;
-        loop {
-            let item = tokio::time::timeout(
-                give_up.saturating_duration_since(tokio::time::Instant::now()),
-                rx.recv(),
-            )
-            .await
-            .map_err(|_| {
-                Status::deadline_exceeded(format!("agent {agent} did not answer by the deadline"))
-            })?;
-            // Whatever ends the call from here on came from the engine, a tunnel or a
-            // forward, which end it themselves.
-            if matches!(
-                &item,
-                None | Some(Err(_))
-                    | Some(Ok(Frame {
-                        kind: Some(Kind::Trailer(_) | Kind::Error(_))
-                    }))
-            ) {
-                cancel.disarm();
-            }
-            let frame = match item {
-                None => return Err(Status::unavailable("the call ended without an answer")),
-                Some(Err(status)) => return Err(status),
-                Some(Ok(frame)) => frame,
-            };
-            match frame.kind {
-                Some(Kind::Message(m)) if body.is_none() => body = Some(m.data),
-                Some(Kind::Message(_)) => {
-                    return Err(Status::internal(
-                        "agent sent more than one response to a unary call",
-                    ));
-                }
-                Some(Kind::Trailer(t)) if t.code == 0 => {
-                    return body.ok_or_else(|| {
-                        Status::internal("agent answered without a response message")
-                    });
-                }
-                Some(Kind::Trailer(t)) => return Err(frames::status(t.code, &t.message)),
-                Some(Kind::Error(e)) => return Err(frames::status(e.code, &e.message)),
-                _ => {}
-            }
+        Reply {
+            agent,
+            rx,
+            cancel,
+            give_up: tokio::time::Instant::now() + clock::until(deadline) + ANSWER_GRACE,
+            ended: false,
+        }
+    }
+
+    /// Routes a unary call to the agent and returns its one response message.
+    async fn call_unary(
+        &self,
+        agent: AgentId,
+        connection: Option<ConnectionId>,
+        method: &str,
+        request: Vec<u8>,
+        deadline: Time,
+    ) -> Result<Vec<u8>, Status> {
+        let mut reply = self.call_agent(agent, connection, method, request, deadline);
+        let body = reply
+            .message()
+            .await?
+            .ok_or_else(|| Status::internal("agent answered without a response message"))?;
+        match reply.message().await? {
+            None => Ok(body),
+            Some(_) => Err(Status::internal(
+                "agent sent more than one response to a unary call",
+            )),
         }
     }
 }
 
+/// The answer of a routed call as it arrives; dropping it before the end cancels the call.
+struct Reply {
+    agent: AgentId,
+    rx: mpsc::Receiver<Result<Frame, Status>>,
+    cancel: CancelOnDrop,
+    give_up: tokio::time::Instant,
+    ended: bool,
+}
+
+impl Reply {
+    /// The next response message; `None` once the agent ended the call with OK.
+    async fn message(&mut self) -> Result<Option<Vec<u8>>, Status> {
+        while !self.ended {
+            let item = tokio::time::timeout_at(self.give_up, self.rx.recv())
+                .await
+                .map_err(|_| {
+                    Status::deadline_exceeded(format!(
+                        "agent {} did not answer by the deadline",
+                        self.agent
+                    ))
+                })?;
+            // Whatever ends the call came from the engine, a tunnel or a forward, which
+            // end it themselves.
+            let frame = match item {
+                Some(Ok(frame)) => frame,
+                Some(Err(status)) => return Err(self.end(status)),
+                None => {
+                    return Err(self.end(Status::unavailable("the call ended without an answer")));
+                }
+            };
+            match frame.kind {
+                Some(Kind::Message(m)) => return Ok(Some(m.data)),
+                Some(Kind::Trailer(t)) if t.code == 0 => {
+                    self.end(Status::ok(""));
+                }
+                Some(Kind::Trailer(t)) => return Err(self.end(frames::status(t.code, &t.message))),
+                Some(Kind::Error(e)) => return Err(self.end(frames::status(e.code, &e.message))),
+                _ => {}
+            }
+        }
+        Ok(None)
+    }
+
+    /// Marks the call ended by `status`, which it returns.
+    fn end(&mut self, status: Status) -> Status {
+        self.ended = true;
+        self.cancel.disarm();
+        status
+    }
+}
+
+/// A pod log as GitLab receives it.
+pub type LogChunks = BoxStream<'static, Result<LogChunk, Status>>;
+
+fn log_chunk(bytes: Vec<u8>) -> Result<LogChunk, Status> {
+    LogChunk::decode(bytes.as_slice())
+        .map_err(|e| Status::internal(format!("agent sent a malformed log chunk: {e}")))
+}
+
 #[tonic::async_trait]
 impl KasApi for PublicService {
+    type GetPodLogsStream = LogChunks;
+
+    async fn get_pod_logs(
+        &self,
+        req: Request<GetPodLogsRequest>,
+    ) -> Result<Response<LogChunks>, Status> {
+        let deadline = deadline(req.metadata(), self.default_timeout, self.max_timeout);
+        let r = req.into_inner();
+        if r.agent_id <= 0 {
+            return Err(Status::invalid_argument("agent_id must be positive"));
+        }
+        if r.namespace.is_empty() || r.pod.is_empty() {
+            return Err(Status::invalid_argument(
+                "a log request needs both namespace and pod",
+            ));
+        }
+        let logs = LogsRequest {
+            namespace: r.namespace,
+            pod: r.pod,
+            container: r.container,
+            limit_bytes: r.limit_bytes,
+        }
+        .encode_to_vec();
+        let mut reply = self.call_agent(
+            AgentId(r.agent_id),
+            r.connection_id.map(ConnectionId),
+            PODS_LOGS,
+            logs,
+            deadline,
+        );
+        // The first piece (or the refusal) before the headers: a call that reached no agent
+        // fails as a plain status.
+        let first = reply.message().await?;
+        let rest = stream::try_unfold(reply, |mut reply| async move {
+            Ok(reply.message().await?.map(|m| (m, reply)))
+        });
+        let chunks = stream::iter(first.map(Ok))
+            .chain(rest)
+            .and_then(|bytes| async move { log_chunk(bytes) });
+        Ok(Response::new(chunks.boxed()))
+    }
+
     async fn connected_agents_for_project(
         &self,
         req: Request<ConnectedAgentsForProjectRequest>,
@@ -185,7 +271,7 @@ impl KasApi for PublicService {
         #[cfg(madsim)]
         let list_again = list.clone();
         let answer = self
-            .call_agent(
+            .call_unary(
                 AgentId(r.agent_id),
                 r.connection_id.map(ConnectionId),
                 PODS_LIST,
@@ -197,7 +283,7 @@ impl KasApi for PublicService {
         if crate::planted_bug::planted() == crate::planted_bug::Bug::DeliverTwice {
             let again = AgentId(r.agent_id);
             let _ = self
-                .call_agent(again, None, PODS_LIST, list_again, deadline)
+                .call_unary(again, None, PODS_LIST, list_again, deadline)
                 .await;
         }
         let list = ListResponse::decode(answer.as_slice())

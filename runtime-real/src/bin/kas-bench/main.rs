@@ -4,6 +4,7 @@
 mod scale;
 mod setup;
 mod stats;
+mod streaming;
 mod unary;
 mod wakeup;
 
@@ -26,9 +27,11 @@ use std::time::Duration;
 /// 1. Unary latency and throughput at concurrency 1, 16 and 64 on three paths: direct
 ///    (GitLab calling the agent's Pods service), local route (the kas holding the tunnel)
 ///    and remote route (another kas, which forwards), each as a ratio to direct.
-/// 2. Wake-up latency: a call waits on kas B, its agent connects to kas A; from the
+/// 2. Streaming throughput: a pod log of --log-mib MiB in 64 KiB messages, read whole on
+///    the same three paths, as a ratio to direct.
+/// 3. Wake-up latency: a call waits on kas B, its agent connects to kas A; from the
 ///    tunnel's registration to delivery, with pub-sub and with polling only.
-/// 3. Redis commands per waiting call per second, both ways.
+///    And the Redis commands per waiting call per second, both ways.
 /// 4. kas resident memory per connected agent and per idle tunnel at --agents agents, and
 ///    Redis commands per agent per minute at steady state.
 ///
@@ -56,9 +59,35 @@ struct Args {
     /// refresh periods.
     #[arg(long, value_name = "DURATION", default_value = "20s", value_parser = humantime::parse_duration)]
     ttl: Duration,
+    /// Size of the log read in the streaming part, in MiB.
+    #[arg(long, value_name = "MIB", default_value_t = 64)]
+    log_mib: i64,
+    /// Timed reads of the log per path (after one warm-up read); the median counts.
+    #[arg(long, default_value_t = 5)]
+    log_reads: usize,
+    /// The parts to run, comma-separated.
+    #[arg(
+        long,
+        value_delimiter = ',',
+        default_value = "unary,streaming,wakeup,scale"
+    )]
+    parts: Vec<Part>,
     /// Where to write the results as JSON.
     #[arg(long, value_name = "FILE", default_value = "kas-bench.json")]
     json: PathBuf,
+}
+
+/// A part of the bench.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, clap::ValueEnum)]
+enum Part {
+    /// Unary latency and throughput (1).
+    Unary,
+    /// Streaming throughput (2).
+    Streaming,
+    /// Wake-up latency and the Redis cost of waiting calls (3).
+    Wakeup,
+    /// Idle cost and Redis cost at --agents agents (4).
+    Scale,
 }
 
 fn main() -> ExitCode {
@@ -138,7 +167,7 @@ async fn run(args: &Args) -> Result<Value, String> {
     let agents = args
         .agents
         .min(i64::try_from(files).unwrap_or(i64::MAX) - 1_000);
-    if agents < args.agents {
+    if agents < args.agents && args.parts.contains(&Part::Scale) {
         println!(
             "open-file limit {files}: measuring {agents} agents instead of {}",
             args.agents
@@ -162,9 +191,36 @@ async fn run(args: &Args) -> Result<Value, String> {
         pubsub: true,
         ttl: args.ttl,
     };
-    let (a, b) = pair(&mut world, pubsub).await?;
+    let mut results = json!({"machine": {"cores": cores, "open_file_limit": files}});
+    if args.parts.contains(&Part::Unary) || args.parts.contains(&Part::Streaming) {
+        routed_parts(&mut world, pubsub, args, &mut results).await?;
+    }
+    if args.parts.contains(&Part::Wakeup) {
+        let first_wakeup = agents.max(1) + 1;
+        waiting_section(
+            &mut world,
+            pubsub,
+            first_wakeup,
+            poll_samples,
+            args,
+            &mut results,
+        )
+        .await?;
+    }
+    if args.parts.contains(&Part::Scale) {
+        scale_section(&mut world, pubsub, agents, args, &mut results).await?;
+    }
+    Ok(results)
+}
 
-    // 1. Unary paths. Agent 1 on kas A with a warm tunnel pool.
+/// Parts 1 and 2, with agent 1 on kas A (a warm tunnel pool) and a direct Pods server.
+async fn routed_parts(
+    world: &mut World,
+    pubsub: KasOptions,
+    args: &Args,
+    results: &mut Value,
+) -> Result<(), String> {
+    let (a, b) = pair(world, pubsub).await?;
     let mut options = kas_runtime::agent::AgentOptions::new(
         a.addresses.agent.to_string(),
         setup::token(1),
@@ -183,12 +239,39 @@ async fn run(args: &Args) -> Result<Value, String> {
         shutdown,
     ));
     await_gauge(&a, "kas_tunnels", 16.0, Duration::from_secs(20)).await?;
-    let direct = unary::direct(unary::serve_direct().await?).await?;
-    let paths = [
-        ("direct", direct),
-        ("local route", unary::routed(gitlab(&world, &a).await?, 1)),
-        ("remote route", unary::routed(gitlab(&world, &b).await?, 1)),
-    ];
+    let direct = unary::direct_client(unary::serve_direct().await?).await?;
+    let (gitlab_a, gitlab_b) = (gitlab(world, &a).await?, gitlab(world, &b).await?);
+    if args.parts.contains(&Part::Unary) {
+        let paths = [
+            ("direct", unary::direct(direct.clone())),
+            ("local route", unary::routed(gitlab_a.clone(), 1)),
+            ("remote route", unary::routed(gitlab_b.clone(), 1)),
+        ];
+        results["unary"] = unary_part(&paths, args).await;
+    }
+    if args.parts.contains(&Part::Streaming) {
+        // A read may take long on a slow build: calls get a minute.
+        let minute = Duration::from_secs(60);
+        let paths = [
+            ("direct", streaming::Path::Direct(direct)),
+            (
+                "local route",
+                streaming::Path::Routed(gitlab_a.with_timeout(minute), 1),
+            ),
+            (
+                "remote route",
+                streaming::Path::Routed(gitlab_b.with_timeout(minute), 1),
+            ),
+        ];
+        results["streaming"] = streaming_part(&paths, args).await?;
+    }
+    let _ = stop_agent.send(true);
+    let _ = tokio::time::timeout(Duration::from_secs(15), agent_task).await;
+    Ok(())
+}
+
+/// Part 1: each path at concurrency 1, 16 and 64.
+async fn unary_part(paths: &[(&str, unary::CallFn); 3], args: &Args) -> Value {
     let warmup = args.point / 3;
     println!(
         "\n## Unary calls (a 10-pod list, {} bytes)\n",
@@ -198,10 +281,10 @@ async fn run(args: &Args) -> Result<Value, String> {
         "| path | concurrency | p50 ms | p99 ms | calls/s | p50 / direct | calls/s / direct | errors |"
     );
     println!("|---|---|---|---|---|---|---|---|");
-    let mut unary_json = Vec::new();
+    let mut rows = Vec::new();
     for concurrency in [1, 16, 64] {
         let mut base: Option<unary::Point> = None;
-        for (name, call) in &paths {
+        for (name, call) in paths {
             let p = unary::measure(call.clone(), concurrency, warmup, args.point).await;
             let b = base.get_or_insert_with(|| p.clone());
             let p50 = p.latencies.quantile(0.5);
@@ -218,7 +301,7 @@ async fn run(args: &Args) -> Result<Value, String> {
             if let Some(e) = &p.first_error {
                 println!("|   first error: {e} | | | | | | | |");
             }
-            unary_json.push(json!({
+            rows.push(json!({
                 "path": name, "concurrency": concurrency,
                 "p50_ms": ms(p50), "p99_ms": ms(p.latencies.quantile(0.99)),
                 "calls_per_s": p.per_second, "p50_ratio_to_direct": ratio,
@@ -226,22 +309,64 @@ async fn run(args: &Args) -> Result<Value, String> {
             }));
         }
     }
-    let _ = stop_agent.send(true);
-    let _ = tokio::time::timeout(Duration::from_secs(15), agent_task).await;
+    Value::Array(rows)
+}
 
-    drop((a, b));
+/// Part 2: the log read whole, --log-reads times per path.
+async fn streaming_part(
+    paths: &[(&str, streaming::Path); 3],
+    args: &Args,
+) -> Result<Value, String> {
+    let bytes = args.log_mib << 20;
+    println!(
+        "\n## Streaming: a {} MiB pod log in 64 KiB messages (median of {} reads)\n",
+        args.log_mib, args.log_reads
+    );
+    println!("| path | MB/s | fastest read ms | slowest read ms | MB/s / direct |");
+    println!("|---|---|---|---|---|");
+    let mut rows = Vec::new();
+    let mut direct = None;
+    for (name, path) in paths {
+        let reads = path
+            .measure(bytes, args.log_reads.max(1))
+            .await
+            .map_err(|e| format!("streaming through {name}: {e}"))?;
+        let rate = reads.median_mb_per_s(bytes);
+        let ratio = rate / *direct.get_or_insert(rate);
+        let (fastest, slowest) = (reads.0[0], reads.0[reads.0.len() - 1]);
+        println!(
+            "| {name} | {rate:.0} | {:.1} | {:.1} | {:.0}% |",
+            ms(fastest),
+            ms(slowest),
+            ratio * 100.0
+        );
+        rows.push(json!({
+            "path": name, "bytes": bytes, "reads": reads.0.len(), "mb_per_s": rate,
+            "fastest_ms": ms(fastest), "slowest_ms": ms(slowest), "ratio_to_direct": ratio,
+        }));
+    }
+    Ok(Value::Array(rows))
+}
 
-    // 2 and 3, with pub-sub and polling only, each on a fresh pair of kas.
-    let first_wakeup = agents.max(1) + 1;
+/// Part 3 with pub-sub and polling only, each on a fresh pair of kas, wake-up samples
+/// using agents `first..`.
+async fn waiting_section(
+    world: &mut World,
+    pubsub: KasOptions,
+    first_wakeup: i64,
+    poll_samples: usize,
+    args: &Args,
+    results: &mut Value,
+) -> Result<(), String> {
     let (woken, waiting_pubsub) =
-        waiting_parts(&mut world, pubsub, first_wakeup, args.wakeups, args).await?;
+        waiting_parts(world, pubsub, first_wakeup, args.wakeups, args).await?;
     let polling = KasOptions {
         pubsub: false,
         ..pubsub
     };
     let first_polled = first_wakeup + args.wakeups as i64;
     let (polled, waiting_poll) =
-        waiting_parts(&mut world, polling, first_polled, poll_samples, args).await?;
+        waiting_parts(world, polling, first_polled, poll_samples, args).await?;
     println!(
         "\n## Wake-up: a call waits on kas B, its agent connects to kas A (registration to delivery)\n"
     );
@@ -281,7 +406,19 @@ async fn run(args: &Args) -> Result<Value, String> {
         );
     }
 
-    // 4. Many agents on one fresh kas.
+    results["wakeup"] = Value::Array(wake_json);
+    results["waiting_calls"] = Value::Array(waiting_json);
+    Ok(())
+}
+
+/// Part 4: `agents` agents on one fresh kas.
+async fn scale_section(
+    world: &mut World,
+    pubsub: KasOptions,
+    agents: i64,
+    args: &Args,
+    results: &mut Value,
+) -> Result<(), String> {
     let kas = world.kas(pubsub).await?;
     let rss0 = kas.resident_bytes().unwrap_or(0);
     let mut fleet = Fleet::connect(&kas, agents).await?;
@@ -344,23 +481,18 @@ async fn run(args: &Args) -> Result<Value, String> {
         steady.0
     );
 
-    Ok(json!({
-        "machine": {"cores": cores, "open_file_limit": files},
-        "unary": unary_json,
-        "wakeup": wake_json,
-        "waiting_calls": waiting_json,
-        "idle": {
-            "agents": agents,
-            "rss_bytes": {"none": rss0, "agents": rss1, "tunnels": rss2},
-            "kib_per_agent": per_agent(rss1.saturating_sub(rss0)),
-            "kib_per_tunnel": per_agent(rss2.saturating_sub(rss1)),
-        },
-        "redis_steady": {
-            "agents": agents, "refresh_s": refresh.as_secs_f64(), "window_s": (refresh * 2).as_secs_f64(),
-            "sent": steady.sent(&scale::IN_SCRIPTS_NO_LOOKUPS), "all": steady.all(), "by_command": steady.0,
-            "sent_per_agent_per_minute": sent_per_agent_min,
-            "all_per_agent_per_minute": all_per_agent_min,
-            "sent_per_agent_per_refresh": per_refresh(steady.sent(&scale::IN_SCRIPTS_NO_LOOKUPS)),
-        },
-    }))
+    results["idle"] = json!({
+        "agents": agents,
+        "rss_bytes": {"none": rss0, "agents": rss1, "tunnels": rss2},
+        "kib_per_agent": per_agent(rss1.saturating_sub(rss0)),
+        "kib_per_tunnel": per_agent(rss2.saturating_sub(rss1)),
+    });
+    results["redis_steady"] = json!({
+        "agents": agents, "refresh_s": refresh.as_secs_f64(), "window_s": (refresh * 2).as_secs_f64(),
+        "sent": steady.sent(&scale::IN_SCRIPTS_NO_LOOKUPS), "all": steady.all(), "by_command": steady.0,
+        "sent_per_agent_per_minute": sent_per_agent_min,
+        "all_per_agent_per_minute": all_per_agent_min,
+        "sent_per_agent_per_refresh": per_refresh(steady.sent(&scale::IN_SCRIPTS_NO_LOOKUPS)),
+    });
+    Ok(())
 }

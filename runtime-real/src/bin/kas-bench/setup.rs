@@ -1,14 +1,15 @@
 //! The bench's world on loopback: a private redis-server, kas processes sharing it, agent
 //! tokens, and GitLab's secret.
 
-use kas_proto::pods::{ListRequest, ListResponse, Pod};
-use kas_runtime::agent::{Modules, PODS_LIST};
+use kas_proto::pods::{ListRequest, ListResponse, LogsRequest, Pod};
+use kas_runtime::agent::pods::{LogStream, chunks};
+use kas_runtime::agent::{Modules, PODS_LIST, PODS_LOGS};
 use kas_runtime::jwt::Secret;
 use kas_runtime::local::kas_process::KasProcess;
 use kas_runtime::local::redis_server::RedisServer;
 use std::fmt::Write as _;
 use std::path::{Path, PathBuf};
-use std::sync::Arc;
+use std::sync::{Arc, OnceLock};
 use std::time::Duration;
 
 /// How a pair of kas is configured.
@@ -128,12 +129,34 @@ pub fn pods() -> ListResponse {
     }
 }
 
-/// An agent's modules answering [`pods`], calling `seen` on each call first.
+/// The log every bench pod has: 256 MiB of text lines, shared.
+fn log() -> Arc<[u8]> {
+    static LOG: OnceLock<Arc<[u8]>> = OnceLock::new();
+    LOG.get_or_init(|| {
+        let line = b"2026-11-21T09:42:59.123456Z INFO  request served path=/api/v1/items status=200 took=1.2ms\n";
+        line.iter()
+            .copied()
+            .cycle()
+            .take(256 << 20)
+            .collect::<Vec<u8>>()
+            .into()
+    })
+    .clone()
+}
+
+/// What `Logs` answers on every path: the first `limit_bytes` of the shared log, in 64 KiB
+/// pieces (copied out of it, as an agent copies what it reads from the Kubernetes API).
+pub fn logs(req: &LogsRequest) -> LogStream {
+    chunks(log(), usize::try_from(req.limit_bytes).unwrap_or(0))
+}
+
+/// An agent's modules answering [`pods`] (calling `seen` on each call first) and [`logs`].
 pub fn modules(seen: impl Fn() + Send + Sync + 'static) -> Arc<Modules> {
     let mut m = Modules::default();
     m.unary(PODS_LIST, move |_: ListRequest| {
         seen();
         async { Ok(pods()) }
     });
+    m.server_streaming(PODS_LOGS, |req: LogsRequest| async move { Ok(logs(&req)) });
     Arc::new(m)
 }

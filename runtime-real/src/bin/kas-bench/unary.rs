@@ -2,11 +2,12 @@
 //! service itself), local route (kas holding the tunnel) and remote route (another kas,
 //! which forwards).
 
-use crate::setup::pods;
+use crate::setup::{logs, pods};
 use crate::stats::Latencies;
 use kas_proto::pods::pods_client::PodsClient;
 use kas_proto::pods::pods_server::{Pods, PodsServer};
-use kas_proto::pods::{ListRequest, ListResponse};
+use kas_proto::pods::{ListRequest, ListResponse, LogsRequest};
+use kas_runtime::agent::pods::LogStream;
 use kas_runtime::api_client::ApiClient;
 use std::future::Future;
 use std::net::SocketAddr;
@@ -16,13 +17,20 @@ use std::time::{Duration, Instant};
 use tonic::transport::Channel;
 use tonic::{Request, Response, Status};
 
-/// The agent's Pods module served as a gRPC service of its own: the direct baseline.
+/// The agent's Pods module served as a gRPC service of its own: the direct baseline of the
+/// unary and the streaming parts.
 struct Direct;
 
 #[tonic::async_trait]
 impl Pods for Direct {
     async fn list(&self, _: Request<ListRequest>) -> Result<Response<ListResponse>, Status> {
         Ok(Response::new(pods()))
+    }
+
+    type LogsStream = LogStream;
+
+    async fn logs(&self, req: Request<LogsRequest>) -> Result<Response<LogStream>, Status> {
+        Ok(Response::new(logs(req.get_ref())))
     }
 }
 
@@ -45,15 +53,19 @@ pub async fn serve_direct() -> Result<SocketAddr, String> {
 pub type CallFn =
     Arc<dyn Fn() -> Pin<Box<dyn Future<Output = Result<(), String>> + Send>> + Send + Sync>;
 
-/// A path's call: direct to `addr`.
-pub async fn direct(addr: SocketAddr) -> Result<CallFn, String> {
+/// A client of [`Direct`] at `addr`.
+pub async fn direct_client(addr: SocketAddr) -> Result<PodsClient<Channel>, String> {
     let channel = Channel::from_shared(format!("http://{addr}"))
         .map_err(|e| e.to_string())?
         .connect()
         .await
         .map_err(|e| format!("direct: {e}"))?;
-    let client = PodsClient::new(channel);
-    Ok(Arc::new(move || {
+    Ok(PodsClient::new(channel))
+}
+
+/// A path's call: direct to `client`.
+pub fn direct(client: PodsClient<Channel>) -> CallFn {
+    Arc::new(move || {
         let mut c = client.clone();
         Box::pin(async move {
             c.list(ListRequest::default())
@@ -61,7 +73,7 @@ pub async fn direct(addr: SocketAddr) -> Result<CallFn, String> {
                 .map(|_| ())
                 .map_err(|s| s.to_string())
         })
-    }))
+    })
 }
 
 /// A path's call: through kas's public API for `agent`.
