@@ -41,6 +41,11 @@ const PODS: [(i64, &str, &str, &str, &str); 3] = [
     (2, "shop", "cart-1", "Running", "node-b"),
 ];
 
+/// The log of fixture pod `name`.
+pub fn fixture_log(name: &str) -> String {
+    format!("{name}: started\n{name}: listening on :8080\n{name}: GET /healthz 200\n")
+}
+
 /// The pod names agent `agent` serves, in fixture order.
 pub fn fixture_pods(agent: i64) -> Vec<&'static str> {
     PODS.iter().filter(|p| p.0 == agent).map(|p| p.2).collect()
@@ -92,8 +97,12 @@ impl LocalDeployment {
             for p in PODS.iter().filter(|p| p.0 == n) {
                 let _ = writeln!(
                     pods,
-                    "- {{namespace: {}, name: {}, phase: {}, node_name: {}}}",
-                    p.1, p.2, p.3, p.4
+                    "- {{namespace: {}, name: {}, phase: {}, node_name: {}, log: {:?}}}",
+                    p.1,
+                    p.2,
+                    p.3,
+                    p.4,
+                    fixture_log(p.2)
                 );
             }
             write(&format!("pods-agent{n}.yaml"), pods)?;

@@ -10,6 +10,7 @@ fn kas_bench_runs_every_part_and_writes_its_json() {
     let out = Command::new(env!("CARGO_BIN_EXE_kas-bench"))
         .args(["--agents", "100", "--point", "300ms", "--wakeups", "3"])
         .args(["--waiting", "20", "--waiting-window", "1s", "--ttl", "2s"])
+        .args(["--log-mib", "2", "--log-reads", "1"])
         .arg("--json")
         .arg(&json)
         .output()
@@ -28,6 +29,17 @@ fn kas_bench_runs_every_part_and_writes_its_json() {
         assert!(row["calls"].as_u64().unwrap() > 0, "{row}");
         assert_eq!(row["errors"], 0, "{row}");
     }
+    let streaming = v["streaming"].as_array().unwrap();
+    let paths: Vec<&str> = streaming
+        .iter()
+        .map(|r| r["path"].as_str().unwrap())
+        .collect();
+    assert_eq!(paths, ["direct", "local route", "remote route"]);
+    for row in streaming {
+        // Each read is checked to deliver the whole log; a failed read fails the bench.
+        assert_eq!(row["bytes"], 2 << 20, "{row}");
+        assert_eq!(row["reads"], 1, "{row}");
+    }
     for row in v["wakeup"].as_array().unwrap() {
         assert_eq!(row["failed"], 0, "{row}");
         assert!(row["samples"].as_u64().unwrap() >= 1, "{row}");
@@ -37,4 +49,5 @@ fn kas_bench_runs_every_part_and_writes_its_json() {
     assert!(v["idle"]["rss_bytes"]["tunnels"].as_u64().unwrap() > 0);
     assert!(v["redis_steady"]["sent"].as_u64().unwrap() > 0);
     assert!(stdout.contains("## Unary calls"), "{stdout}");
+    assert!(stdout.contains("## Streaming"), "{stdout}");
 }

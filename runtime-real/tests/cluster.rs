@@ -105,6 +105,40 @@ async fn calls_through_every_kas_reach_the_right_agent_and_replica() {
 }
 
 #[tokio::test(flavor = "multi_thread")]
+async fn pod_logs_stream_whole_and_in_order_through_the_local_and_a_remote_kas() {
+    let c = cluster(&["", ""]).await;
+    let _a1 = TestAgent::connect(c.kas[0].agent, 1, "agent1-pod", 1).await;
+    c.await_connections(1, 1).await;
+    let expected = test_log("agent1-pod");
+    for i in 0..2 {
+        let gl = c.gitlab(i).await;
+        let (log, messages) = gl.logs(1, "agent1-pod", 0).await.unwrap();
+        assert_eq!(log.len(), expected.len(), "log length via kas{i}");
+        assert!(log == expected, "log bytes via kas{i}");
+        assert_eq!(
+            messages,
+            expected.len().div_ceil(64 << 10),
+            "pieces via kas{i}"
+        );
+        let (head, _) = gl.logs(1, "agent1-pod", 1000).await.unwrap();
+        assert_eq!(head, expected[..1000], "limited log via kas{i}");
+        let missing = gl.logs(1, "no-such-pod", 0).await.unwrap_err();
+        assert_eq!(
+            missing.code(),
+            tonic::Code::NotFound,
+            "via kas{i}: {missing}"
+        );
+        assert!(missing.message().contains("no-such-pod"), "{missing}");
+    }
+    // kas1 forwarded its three reads to kas0, which served them from the tunnel.
+    let m1 = c.kas[1].metrics().await;
+    assert!(
+        m1.contains("kas_routed_requests_total{outcome=\"delivered\",hops=\"1\"} 3"),
+        "{m1}"
+    );
+}
+
+#[tokio::test(flavor = "multi_thread")]
 async fn waiting_call_completes_when_its_agent_connects_elsewhere() {
     // kas0 is woken by pub-sub; kas2 has pub-sub wake-ups off, so only its poll finds it.
     let c = cluster(&["", "", "  pubsub_wakeups: false\n"]).await;

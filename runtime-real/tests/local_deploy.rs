@@ -1,7 +1,7 @@
 //! The local deployment, brought up by the code `kas-local` (the README's first command)
 //! runs, driven with the `kasctl` binary.
 
-use kas_runtime::local::{LocalDeployment, fixture_pods, redis_server};
+use kas_runtime::local::{LocalDeployment, fixture_log, fixture_pods, redis_server};
 use serde_json::Value;
 use std::path::Path;
 
@@ -63,6 +63,19 @@ async fn local_deployment_with_redis_routes_through_each_kas() {
     assert_eq!(d.kas().len(), 3);
     let secret = d.gitlab_secret_file();
     every_kas_routes_to_every_agent(&d).await;
+
+    // A pod's log, streamed through a kas other than the one holding the agent.
+    let api2 = d.kas()[2].addresses.api.to_string();
+    let args = ["logs", "--agent", "1", "-n", "default", "web-1"];
+    let (ok, log, err) = kasctl(&secret, &api2, &args).await;
+    assert!(ok, "{err}");
+    assert_eq!(log, fixture_log("web-1"));
+    let args = ["logs", "--agent", "1", "-n", "default", "web-9"];
+    let (ok, _, err) = kasctl(&secret, &api2, &args).await;
+    assert!(
+        !ok && err.contains("NotFound") && err.contains("web-9"),
+        "{err}"
+    );
 
     // Both replicas of agent 2 are listed with their pod names, each on its own kas.
     let api0 = d.kas()[0].addresses.api.to_string();

@@ -3,7 +3,7 @@
 #![allow(dead_code, missing_docs)] // each test binary uses a different part
 
 use kas_core::ConnectionId;
-use kas_proto::pods::{ListRequest, ListResponse, Pod};
+use kas_proto::pods::{ListRequest, ListResponse, LogsRequest, Pod};
 use kas_proto::registry::AgentMeta;
 use kas_runtime::agent::{AgentClient, Modules};
 use kas_runtime::api_client::ApiClient;
@@ -233,6 +233,26 @@ impl GitLab {
         Ok(pods.into_iter().map(|p| p.name).collect())
     }
 
+    /// The log of `pod` that agent `agent` streams (at most `limit` bytes; 0: all), and the
+    /// number of messages it came in.
+    pub async fn logs(
+        &self,
+        agent: i64,
+        pod: &str,
+        limit: i64,
+    ) -> Result<(Vec<u8>, usize), tonic::Status> {
+        let mut stream = self
+            .api
+            .pod_logs(agent, None, "default", pod, "", limit)
+            .await?;
+        let (mut log, mut messages) = (Vec::new(), 0);
+        while let Some(chunk) = stream.message().await? {
+            log.extend_from_slice(&chunk.data);
+            messages += 1;
+        }
+        Ok((log, messages))
+    }
+
     /// The live connections of agent `agent`: (connection id, pod name), sorted.
     pub async fn connections(&self, agent: i64) -> Result<Vec<(i64, String)>, tonic::Status> {
         let mut v: Vec<(i64, String)> = self
@@ -247,8 +267,15 @@ impl GitLab {
     }
 }
 
+/// The log of a `TestAgent`'s pod `pod`: numbered lines, about 300 KiB (five pieces).
+pub fn test_log(pod: &str) -> Vec<u8> {
+    (0..10_000)
+        .flat_map(|i| format!("{pod} line {i:05}: GET /healthz 200\n").into_bytes())
+        .collect()
+}
+
 /// One agent replica: a `GetConfiguration` stream and idle tunnels serving one fixture pod
-/// named `pod`. Dropping it disconnects.
+/// named `pod` (`List`, and `Logs` answering [`test_log`]). Dropping it disconnects.
 pub struct TestAgent {
     pub connection: ConnectionId,
     tasks: Vec<JoinHandle<()>>,
@@ -295,6 +322,21 @@ impl TestAgent {
             async move {
                 tokio::time::sleep(delay).await;
                 Ok(ListResponse { pods })
+            }
+        });
+        let log: Arc<[u8]> = test_log(pod).into();
+        let name = pod.to_string();
+        modules.server_streaming(kas_runtime::agent::PODS_LOGS, move |req: LogsRequest| {
+            let (log, name) = (log.clone(), name.clone());
+            async move {
+                if req.pod != name {
+                    return Err(tonic::Status::not_found(format!("no pod {}", req.pod)));
+                }
+                let limit = match req.limit_bytes {
+                    0 => usize::MAX,
+                    n => n as usize,
+                };
+                Ok(kas_runtime::agent::pods::chunks(log, limit))
             }
         });
         let modules = Arc::new(modules);

@@ -71,6 +71,51 @@ async fn list(
     .into_response()
 }
 
+/// The log the fake API holds for every pod: 200,000 bytes of numbered lines.
+fn fake_log() -> Vec<u8> {
+    (0..10_000)
+        .flat_map(|i| format!("line {i:05} of the log\n").into_bytes())
+        .collect()
+}
+
+async fn log(
+    State(api): State<Arc<FakeApi>>,
+    UrlPath((namespace, name)): UrlPath<(String, String)>,
+    Query(q): Query<HashMap<String, String>>,
+) -> Response {
+    let mut seen = format!("log {namespace}/{name}");
+    for key in ["container", "limitBytes", "follow"] {
+        if let Some(v) = q.get(key) {
+            seen.push_str(&format!(" {key}={v}"));
+        }
+    }
+    api.seen.lock().unwrap().push(seen);
+    if !api.pods.iter().any(|p| p.0 == namespace && p.1 == name) {
+        let status = json!({
+            "kind": "Status", "apiVersion": "v1", "metadata": {}, "status": "Failure",
+            "message": format!("pods \"{name}\" not found"), "reason": "NotFound", "code": 404,
+        });
+        return (StatusCode::NOT_FOUND, Json(status)).into_response();
+    }
+    let mut body = fake_log();
+    if let Some(limit) = q.get("limitBytes") {
+        body.truncate(limit.parse().unwrap());
+    }
+    body.into_response()
+}
+
+async fn read_log(source: &PodSource, pod: &str, limit: i64) -> Result<Vec<Vec<u8>>, Status> {
+    use futures::TryStreamExt;
+    let req = LogsRequest {
+        namespace: "shop".into(),
+        pod: pod.into(),
+        container: "app".into(),
+        limit_bytes: limit,
+    };
+    let pieces: Vec<LogChunk> = source.logs(req).await?.try_collect().await?;
+    Ok(pieces.into_iter().map(|c| c.data).collect())
+}
+
 async fn fake_api() -> (PodSource, Arc<FakeApi>) {
     let api = Arc::new(FakeApi {
         pods: vec![
@@ -85,6 +130,7 @@ async fn fake_api() -> (PodSource, Arc<FakeApi>) {
     let app = axum::Router::new()
         .route("/api/v1/pods", get(list))
         .route("/api/v1/namespaces/{namespace}/pods", get(list))
+        .route("/api/v1/namespaces/{namespace}/pods/{name}/log", get(log))
         .with_state(api.clone());
     let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
     let url = format!("http://{}", listener.local_addr().unwrap());
@@ -185,4 +231,78 @@ async fn fixture_file_filters_by_namespace_and_names_bad_fields() {
     let err = PodSource::fixture_file(&bad).err().expect("unknown field");
     assert!(err.contains("unknown field `nam`"), "{err}");
     assert!(err.contains("bad.yaml"), "{err}");
+}
+
+#[tokio::test]
+async fn kube_source_streams_a_log_in_pieces_up_to_its_limit() {
+    let (source, api) = fake_api().await;
+    let pieces = read_log(&source, "cart-1", 150_000).await.expect("log");
+    assert!(pieces.iter().all(|p| !p.is_empty() && p.len() <= LOG_CHUNK));
+    assert_eq!(pieces.concat(), fake_log()[..150_000]);
+    let whole = read_log(&source, "cart-1", 0).await.expect("log");
+    assert_eq!(
+        whole.concat(),
+        fake_log(),
+        "the default cap is above 200,000 bytes"
+    );
+    assert_eq!(
+        *api.seen.lock().unwrap(),
+        [
+            "log shop/cart-1 container=app limitBytes=150000",
+            format!("log shop/cart-1 container=app limitBytes={DEFAULT_LOG_LIMIT}").as_str(),
+        ]
+    );
+    let err = read_log(&source, "gone-1", 0)
+        .await
+        .expect_err("no such pod");
+    assert_eq!(err.code(), Code::NotFound, "{err}");
+    assert!(err.message().contains("gone-1"), "{}", err.message());
+}
+
+#[tokio::test]
+async fn log_requests_are_checked_before_any_read() {
+    let (source, api) = fake_api().await;
+    let err = read_log(&source, "cart-1", -1).await.expect_err("negative");
+    assert_eq!(err.code(), Code::InvalidArgument);
+    assert!(err.message().contains("limit_bytes"), "{}", err.message());
+    let err = read_log(&source, "", 0).await.expect_err("no pod");
+    assert_eq!(err.code(), Code::InvalidArgument);
+    assert!(
+        err.message().contains("namespace and pod"),
+        "{}",
+        err.message()
+    );
+    assert!(api.seen.lock().unwrap().is_empty());
+}
+
+#[tokio::test]
+async fn fixture_logs_come_in_pieces_up_to_the_limit() {
+    let dir = tempfile::tempdir().unwrap();
+    let path = dir.path().join("pods.yaml");
+    let text = "x".repeat(LOG_CHUNK * 2 + 10);
+    std::fs::write(
+        &path,
+        format!("- {{namespace: shop, name: cart-1, log: {text}}}\n- {{namespace: shop, name: cart-2}}\n"),
+    )
+    .unwrap();
+    let source = PodSource::fixture_file(&path).unwrap();
+    let sizes = |p: Vec<Vec<u8>>| p.iter().map(Vec::len).collect::<Vec<_>>();
+    assert_eq!(
+        sizes(read_log(&source, "cart-1", 0).await.unwrap()),
+        [LOG_CHUNK, LOG_CHUNK, 10]
+    );
+    assert_eq!(
+        sizes(
+            read_log(&source, "cart-1", LOG_CHUNK as i64 + 1)
+                .await
+                .unwrap()
+        ),
+        [LOG_CHUNK, 1]
+    );
+    assert!(read_log(&source, "cart-2", 0).await.unwrap().is_empty());
+    let err = read_log(&source, "cart-3", 0)
+        .await
+        .expect_err("no such pod");
+    assert_eq!(err.code(), Code::NotFound);
+    assert!(err.message().contains("shop/cart-3"), "{}", err.message());
 }
