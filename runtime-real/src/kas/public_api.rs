@@ -134,7 +134,10 @@ impl Reply {
     /// The next response message; `None` once the agent ended the call with OK.
     async fn message(&mut self) -> Result<Option<Vec<u8>>, Status> {
         while !self.ended {
-            let item = tokio::time::timeout_at(self.give_up, self.rx.recv())
+            let left = self
+                .give_up
+                .saturating_duration_since(tokio::time::Instant::now());
+            let item = tokio::time::timeout(left, self.rx.recv())
                 .await
                 .map_err(|_| {
                     Status::deadline_exceeded(format!(
