@@ -29,7 +29,11 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
 
 #[cfg(feature = "grpc")]
 fn compile(fds_path: &std::path::Path) -> Result<(), Box<dyn std::error::Error>> {
-    tonic_build::configure()
+    let builder = tonic_build::configure();
+    // madsim's generator passes messages without encoding them, so it has no codec.
+    #[cfg(not(madsim))]
+    let builder = builder.codec_path("crate::codec::LeanCodec");
+    builder
         .file_descriptor_set_path(fds_path)
         .skip_protoc_run()
         .compile_protos(FILES, &["proto"])?;

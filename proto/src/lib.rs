@@ -17,6 +17,9 @@ macro_rules! package {
     };
 }
 
+#[cfg(all(feature = "grpc", not(madsim)))]
+pub mod codec;
+
 /// The envelope that carries a routed call on every hop.
 pub mod frame {
     package!("kas.frame");

@@ -2,7 +2,7 @@
 //! replica, and `OpenTunnel`, the reverse tunnels calls travel down.
 
 use super::engine::{Command, EngineHandle};
-use super::tunnel::Tunnel;
+use super::tunnel::{self, OutboundStream, Tunnel};
 use crate::agent_auth::{AgentAuth, AgentIdentity, AuthError};
 use kas_core::frame_sequence::{Direction, FrameSequence, StreamKind};
 use kas_core::{ConnectionId, TunnelId};
@@ -57,7 +57,7 @@ impl AgentService {
 #[tonic::async_trait]
 impl AgentApi for AgentService {
     type GetConfigurationStream = ReceiverStream<Result<ConfigurationResponse, Status>>;
-    type OpenTunnelStream = ReceiverStream<Result<Frame, Status>>;
+    type OpenTunnelStream = OutboundStream;
 
     async fn get_configuration(
         &self,
@@ -154,7 +154,7 @@ impl AgentApi for AgentService {
         reply
             .await
             .map_err(|_| Status::unavailable("kas is shutting down"))??;
-        let (outbound, rx) = mpsc::channel(16);
+        let (outbound, frames) = tunnel::outbound();
         let task = Tunnel {
             id: tunnel,
             inbound,
@@ -166,7 +166,7 @@ impl AgentApi for AgentService {
             leaving: self.leaving.clone(),
         };
         tokio::spawn(task.run());
-        Ok(Response::new(ReceiverStream::new(rx)))
+        Ok(Response::new(frames))
     }
 }
 

@@ -8,7 +8,7 @@
 use super::call::Call;
 use super::forward::Forwarder;
 use super::metrics::{Metrics, Outcome};
-use super::tunnel::TunnelOrder;
+use super::tunnel::{Orders, TunnelOrder};
 use crate::clock;
 use crate::frames;
 use crate::store::{PubSub, PubSubEvent, Store};
@@ -48,7 +48,7 @@ pub enum Command {
         /// The replica's connection.
         connection: ConnectionId,
         /// Where calls for it go.
-        orders: mpsc::Sender<TunnelOrder>,
+        orders: Orders,
         /// Accepted, or why not.
         reply: oneshot::Sender<Result<(), Status>>,
     },
@@ -178,7 +178,7 @@ struct Engine {
     metrics: Metrics,
     store_ready: watch::Sender<bool>,
     handle: EngineHandle,
-    tunnels: HashMap<TunnelId, mpsc::Sender<TunnelOrder>>,
+    tunnels: HashMap<TunnelId, Orders>,
     connections: HashMap<(AgentId, ConnectionId), HashSet<TunnelId>>,
     tunnel_connection: HashMap<TunnelId, (AgentId, ConnectionId)>,
     calls: HashMap<RequestId, CallState>,
@@ -530,7 +530,7 @@ impl Engine {
                 let sent = self
                     .tunnels
                     .get(&tunnel)
-                    .is_some_and(|orders| orders.try_send(order).is_ok());
+                    .is_some_and(|orders| orders.try_send(Box::new(order)).is_ok());
                 if sent {
                     state.in_tunnel = true;
                     let hops = if state.origin == Origin::Public { 0 } else { 1 };
