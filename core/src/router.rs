@@ -17,6 +17,11 @@
 //!    polls (looks up again) on a jittered backoff.
 //! 5. At the deadline a call that is not with a kas fails with
 //!    [`RouteError::NotConnected`]; one still in an attempt is failed `grace` later.
+//! 6. After an agent's last call the router keeps its subscription for `linger`, and with
+//!    it what it knows: the kas of the last lookup, kept current by the agent's tunnel
+//!    events. A call in that time skips the subscribe and the lookup (no Redis round trip)
+//!    as long as pub-sub stayed up and no event raced the lookup. A kas refusing a call
+//!    drops that knowledge, so a kas that died without an event costs one refusal.
 //!
 //! The kas that receives a forwarded call serves it from its own registry only and never
 //! asks a router, so a call takes at most two kas hops.
@@ -178,6 +183,9 @@ pub struct RouterConfig {
     pub failure_memory: Duration,
     /// How long past its deadline a call in an attempt may run before the router fails it.
     pub grace: Duration,
+    /// How long an agent's subscription, and what it tells, outlives the agent's last
+    /// call; zero unsubscribes at once.
+    pub linger: Duration,
 }
 
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -210,6 +218,14 @@ struct AgentRoutes {
     requests: BTreeSet<RequestId>,
     subscription: Subscription,
     lookup_in_flight: bool,
+    /// An event arrived, or pub-sub went down, while the lookup was in flight: its result
+    /// may be stale, so it answers the waiting calls but is not kept.
+    lookup_raced: bool,
+    /// The other kas holding tunnels of the agent: the last lookup with every event since.
+    /// Only while the subscription stayed active and pub-sub up.
+    known: Option<BTreeSet<KasId>>,
+    /// Without calls since; unsubscribed once `linger` has passed.
+    idle_since: Option<Time>,
 }
 
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
@@ -231,6 +247,8 @@ pub struct Router {
     local: HashSet<AgentId>,
     failed_at: HashMap<KasId, Time>,
     timers: BinaryHeap<Reverse<(Time, RequestId)>>,
+    /// When lingering agents may be unsubscribed.
+    linger_timers: BinaryHeap<Reverse<(Time, AgentId)>>,
     outputs: VecDeque<RouterOutput>,
     pubsub_up: bool,
 }
@@ -247,6 +265,7 @@ impl Router {
             local: HashSet::new(),
             failed_at: HashMap::new(),
             timers: BinaryHeap::new(),
+            linger_timers: BinaryHeap::new(),
             outputs: VecDeque::new(),
             pubsub_up: false,
         }
@@ -289,6 +308,16 @@ impl Router {
                 if kas == self.self_id {
                     return;
                 }
+                if let Some(a) = self.agents.get_mut(&agent) {
+                    a.lookup_raced |= a.lookup_in_flight;
+                    if let Some(known) = &mut a.known {
+                        if connected {
+                            known.insert(kas.clone());
+                        } else {
+                            known.remove(&kas);
+                        }
+                    }
+                }
                 if connected {
                     self.failed_at.remove(&kas);
                     self.wake(now, agent, Target::Kas(kas));
@@ -298,6 +327,10 @@ impl Router {
             }
             RouterInput::PubSubDown => {
                 self.pubsub_up = false;
+                for a in self.agents.values_mut() {
+                    a.known = None;
+                    a.lookup_raced |= a.lookup_in_flight;
+                }
                 for id in self.sorted_requests() {
                     let r = self.routes.get_mut(&id).expect("listed above");
                     if matches!(r.phase, Phase::Waiting { poll_at } if poll_at >= r.deadline) {
@@ -312,7 +345,7 @@ impl Router {
                     if let Some(r) = self.routes.get_mut(&id) {
                         r.woken = true;
                         if matches!(r.phase, Phase::Waiting { .. }) {
-                            self.discover(id);
+                            self.discover(now, id);
                         }
                     }
                 }
@@ -327,10 +360,13 @@ impl Router {
                 r.quiet = false;
                 if let Some(Target::Kas(k)) = r.current.take() {
                     self.failed_at.insert(k, now);
+                    if let Some(a) = self.agents.get_mut(&r.agent) {
+                        a.known = None;
+                    }
                 }
                 self.try_next(now, request);
             }
-            RouterInput::Finished { request } => self.forget(request),
+            RouterInput::Finished { request } => self.forget(now, request),
         }
     }
 
@@ -338,6 +374,19 @@ impl Router {
     pub fn handle_timeout(&mut self, now: Time) {
         let memory = self.config.failure_memory;
         self.failed_at.retain(|_, at| *at + memory > now);
+        while let Some(Reverse((at, agent))) = self.linger_timers.peek().cloned() {
+            if at > now {
+                break;
+            }
+            self.linger_timers.pop();
+            let done = self.agents.get(&agent).is_some_and(|a| {
+                a.idle_since
+                    .is_some_and(|since| since + self.config.linger <= now)
+            });
+            if done {
+                self.unsubscribe(agent);
+            }
+        }
         while let Some(&Reverse((at, request))) = self.timers.peek() {
             if at > now {
                 break;
@@ -356,13 +405,13 @@ impl Router {
                     connection: r.connection,
                 }),
                 Phase::Waiting { poll_at } if now >= poll_at => {
-                    self.discover(request);
+                    self.discover(now, request);
                     None
                 }
                 _ => None,
             };
             if let Some(error) = error {
-                self.forget(request);
+                self.forget(now, request);
                 self.outputs
                     .push_back(RouterOutput::Fail { request, error });
             }
@@ -376,7 +425,9 @@ impl Router {
 
     /// When to call [`Self::handle_timeout`] next (may be early, never late).
     pub fn poll_timeout(&self) -> Option<Time> {
-        self.timers.peek().map(|r| r.0.0)
+        let call = self.timers.peek().map(|r| r.0.0);
+        let linger = self.linger_timers.peek().map(|r| r.0.0);
+        call.into_iter().chain(linger).min()
     }
 
     /// Calls being routed.
@@ -418,11 +469,9 @@ impl Router {
                 polls: 0,
             },
         );
-        self.agents
-            .entry(agent)
-            .or_default()
-            .requests
-            .insert(request);
+        let a = self.agents.entry(agent).or_default();
+        a.requests.insert(request);
+        a.idle_since = None;
         self.timers.push(Reverse((deadline, request)));
         self.timers
             .push(Reverse((deadline + self.config.grace, request)));
@@ -434,12 +483,13 @@ impl Router {
                 .push_back(Target::Local);
             self.try_next(now, request);
         } else {
-            self.discover(request);
+            self.discover(now, request);
         }
     }
 
-    /// Puts the call into discovery: subscribe first, look up once subscribed.
-    fn discover(&mut self, request: RequestId) {
+    /// Puts the call into discovery: subscribe first, look up once subscribed; or take
+    /// what the subscription already tells.
+    fn discover(&mut self, now: Time, request: RequestId) {
         let Some(r) = self.routes.get_mut(&request) else {
             return;
         };
@@ -447,13 +497,17 @@ impl Router {
         r.woken = false;
         let agent = r.agent;
         let a = self.agents.entry(agent).or_default();
-        match a.subscription {
-            Subscription::None => {
+        match (a.subscription, &a.known) {
+            (Subscription::None, _) => {
                 a.subscription = Subscription::Pending;
                 self.outputs.push_back(RouterOutput::Subscribe(agent));
             }
-            Subscription::Pending => {}
-            Subscription::Active => self.lookup(agent),
+            (Subscription::Pending, _) => {}
+            (Subscription::Active, Some(known)) if self.pubsub_up => {
+                let kas: Vec<KasId> = known.iter().cloned().collect();
+                self.take_lookup(now, request, agent, Some(&kas));
+            }
+            (Subscription::Active, _) => self.lookup(agent),
         }
     }
 
@@ -471,6 +525,17 @@ impl Router {
             return;
         };
         a.lookup_in_flight = false;
+        let keep = self.pubsub_up && a.subscription == Subscription::Active && !a.lookup_raced;
+        a.lookup_raced = false;
+        a.known = match &kas {
+            Some(kas) if keep => Some(
+                kas.iter()
+                    .filter(|k| **k != self.self_id)
+                    .cloned()
+                    .collect(),
+            ),
+            _ => None,
+        };
         let waiting: Vec<RequestId> = a
             .requests
             .iter()
@@ -478,23 +543,28 @@ impl Router {
             .filter(|id| self.routes[id].phase == Phase::NeedLookup)
             .collect();
         for id in waiting {
-            let targets = match &kas {
-                Some(kas) => self.order(agent, kas),
-                None => Vec::new(),
-            };
-            let r = self.routes.get_mut(&id).expect("listed above");
-            r.looked_up = true;
-            r.quiet = kas.is_some();
-            for t in targets {
-                if !r.candidates.contains(&t) {
-                    r.candidates.push_back(t);
-                }
-            }
-            if kas.is_none() {
-                r.woken = false; // the store is failing: back off rather than spin
-            }
-            self.try_next(now, id);
+            self.take_lookup(now, id, agent, kas.as_deref());
         }
+    }
+
+    /// Gives the call the result of a lookup (`None`: it failed) and moves it on.
+    fn take_lookup(&mut self, now: Time, id: RequestId, agent: AgentId, kas: Option<&[KasId]>) {
+        let targets = match kas {
+            Some(kas) => self.order(agent, kas),
+            None => Vec::new(),
+        };
+        let r = self.routes.get_mut(&id).expect("a live route");
+        r.looked_up = true;
+        r.quiet = kas.is_some();
+        for t in targets {
+            if !r.candidates.contains(&t) {
+                r.candidates.push_back(t);
+            }
+        }
+        if kas.is_none() {
+            r.woken = false; // the store is failing: back off rather than spin
+        }
+        self.try_next(now, id);
     }
 
     /// The candidates for a lookup result: shuffled, recently failed kas last, this kas
@@ -522,7 +592,7 @@ impl Router {
             self.outputs
                 .push_back(RouterOutput::Attempt { request, target });
         } else if r.woken || !r.looked_up {
-            self.discover(request);
+            self.discover(now, request);
         } else if self.pubsub_up
             && r.quiet
             && self.agents.get(&r.agent).map(|a| a.subscription) == Some(Subscription::Active)
@@ -590,18 +660,32 @@ impl Router {
         ids
     }
 
-    fn forget(&mut self, request: RequestId) {
+    fn forget(&mut self, now: Time, request: RequestId) {
         let Some(r) = self.routes.remove(&request) else {
             return;
         };
-        if let Some(a) = self.agents.get_mut(&r.agent) {
-            a.requests.remove(&request);
-            if a.requests.is_empty() {
-                if a.subscription != Subscription::None {
-                    self.outputs.push_back(RouterOutput::Unsubscribe(r.agent));
-                }
-                self.agents.remove(&r.agent);
-            }
+        let Some(a) = self.agents.get_mut(&r.agent) else {
+            return;
+        };
+        a.requests.remove(&request);
+        if !a.requests.is_empty() {
+            return;
+        }
+        if self.config.linger.is_zero() || a.subscription == Subscription::None {
+            self.unsubscribe(r.agent);
+        } else {
+            a.idle_since = Some(now);
+            self.linger_timers
+                .push(Reverse((now + self.config.linger, r.agent)));
+        }
+    }
+
+    /// Forgets an agent without calls, and drops its subscription.
+    fn unsubscribe(&mut self, agent: AgentId) {
+        if let Some(a) = self.agents.remove(&agent)
+            && a.subscription != Subscription::None
+        {
+            self.outputs.push_back(RouterOutput::Unsubscribe(agent));
         }
     }
 }

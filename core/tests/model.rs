@@ -164,6 +164,7 @@ impl World {
                         },
                         failure_memory: Duration::from_secs(1),
                         grace: GRACE,
+                        linger: TTL / 2,
                     },
                     kas_id(n),
                     seed.wrapping_add(n as u64),

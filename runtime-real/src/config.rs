@@ -131,6 +131,15 @@ pub struct Redis {
     /// backoff poll: for measurements and tests, never for production.
     #[serde(default = "default_true")]
     pub pubsub_wakeups: bool,
+    /// How long kas keeps an agent's tunnel-event subscription after the agent's last
+    /// call, and with it the kas known to hold its tunnels: calls within it skip the Redis
+    /// lookup. `0s` unsubscribes at once.
+    #[serde(default = "default_subscription_linger", with = "humantime_serde")]
+    pub subscription_linger: Duration,
+}
+
+fn default_subscription_linger() -> Duration {
+    Duration::from_secs(60)
 }
 
 fn default_true() -> bool {

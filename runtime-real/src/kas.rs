@@ -262,6 +262,10 @@ impl Kas {
                 },
                 failure_memory: Duration::from_secs(30),
                 grace: Duration::from_secs(2),
+                linger: config
+                    .redis
+                    .as_ref()
+                    .map_or(Duration::ZERO, |r| r.subscription_linger),
             },
             kas_id.clone(),
             seed.rotate_left(17),

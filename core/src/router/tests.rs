@@ -7,6 +7,11 @@ fn kas(n: u32) -> KasId {
 }
 
 fn router() -> Router {
+    router_lingering(Duration::ZERO)
+}
+
+/// A router that keeps an agent's subscription `linger` after its last call.
+fn router_lingering(linger: Duration) -> Router {
     Router::new(
         RouterConfig {
             poll_backoff: Backoff {
@@ -16,10 +21,40 @@ fn router() -> Router {
             },
             failure_memory: Duration::from_secs(10),
             grace: Duration::from_millis(50),
+            linger,
         },
         kas(0),
         7,
     )
+}
+
+/// A lingering router with pub-sub up, whose one call (id 1, at 0) found `found`, then
+/// finished at 10.
+fn router_that_found(found: Vec<KasId>) -> Router {
+    let mut r = router_lingering(Duration::from_millis(1000));
+    r.handle_input(Time(0), RouterInput::PubSubUp);
+    start(&mut r, 0, 1, 500);
+    r.handle_input(Time(0), RouterInput::Subscribed { agent: A });
+    assert_eq!(
+        drain(&mut r),
+        vec![RouterOutput::Subscribe(A), RouterOutput::Lookup(A)]
+    );
+    answer_lookup(&mut r, 1, found);
+    drain(&mut r);
+    finish(&mut r, 10, 1);
+    assert_eq!(drain(&mut r), vec![], "no unsubscribe while lingering");
+    r
+}
+
+fn event(r: &mut Router, now: u64, n: u32, connected: bool) {
+    r.handle_input(
+        Time(now),
+        RouterInput::TunnelEvent {
+            agent: A,
+            kas: kas(n),
+            connected,
+        },
+    );
 }
 
 fn drain(r: &mut Router) -> Vec<RouterOutput> {
@@ -311,4 +346,121 @@ fn one_lookup_serves_all_calls_for_an_agent() {
         out,
         vec![RouterOutput::Subscribe(A), RouterOutput::Lookup(A)]
     );
+}
+
+#[test]
+fn calls_soon_after_take_what_the_lingering_subscription_tells() {
+    let mut r = router_that_found(vec![kas(0), kas(2)]);
+    assert_eq!(r.subscription_count(), 1);
+    start(&mut r, 20, 2, 500);
+    assert_eq!(
+        drain(&mut r),
+        vec![attempt(2, Target::Kas(kas(2)))],
+        "no lookup"
+    );
+    finish(&mut r, 30, 2);
+    // Events keep it current while nobody calls.
+    event(&mut r, 40, 3, true);
+    event(&mut r, 41, 2, false);
+    start(&mut r, 50, 3, 500);
+    assert_eq!(drain(&mut r), vec![attempt(3, Target::Kas(kas(3)))]);
+    finish(&mut r, 60, 3);
+    // `linger` after the last call the subscription goes, and with it what it told.
+    r.handle_timeout(Time(1059));
+    assert_eq!(drain(&mut r), vec![]);
+    r.handle_timeout(Time(1060));
+    assert_eq!(drain(&mut r), vec![RouterOutput::Unsubscribe(A)]);
+    assert_eq!(r.subscription_count(), 0);
+    start(&mut r, 1100, 4, 1500);
+    assert_eq!(drain(&mut r), vec![RouterOutput::Subscribe(A)]);
+}
+
+#[test]
+fn a_call_during_the_linger_keeps_the_subscription() {
+    let mut r = router_that_found(vec![kas(2)]);
+    start(&mut r, 900, 2, 5000);
+    drain(&mut r);
+    r.handle_timeout(Time(1010)); // the first linger's end passes with a call running
+    assert_eq!(drain(&mut r), vec![]);
+    finish(&mut r, 1500, 2);
+    r.handle_timeout(Time(2499));
+    assert_eq!(drain(&mut r), vec![]);
+    r.handle_timeout(Time(2500));
+    assert_eq!(drain(&mut r), vec![RouterOutput::Unsubscribe(A)]);
+}
+
+#[test]
+fn a_known_agent_that_is_nowhere_waits_for_an_event_without_lookups() {
+    let mut r = router_that_found(vec![]);
+    start(&mut r, 20, 2, 2000);
+    assert_eq!(drain(&mut r), vec![]);
+    r.handle_timeout(Time(799));
+    assert_eq!(drain(&mut r), vec![], "no poll before the deadline");
+    event(&mut r, 799, 2, true);
+    assert_eq!(drain(&mut r), vec![attempt(2, Target::Kas(kas(2)))]);
+}
+
+#[test]
+fn a_refusal_drops_what_the_subscription_told() {
+    let mut r = router_that_found(vec![kas(2)]);
+    start(&mut r, 20, 2, 5000);
+    assert_eq!(drain(&mut r), vec![attempt(2, Target::Kas(kas(2)))]);
+    r.handle_input(
+        Time(21),
+        RouterInput::AttemptRefused {
+            request: RequestId(2),
+        },
+    );
+    assert_eq!(drain(&mut r), vec![], "polls after a refusal");
+    let poll = r.poll_timeout().unwrap();
+    r.handle_timeout(poll);
+    assert_eq!(drain(&mut r), vec![RouterOutput::Lookup(A)]);
+    answer_lookup(&mut r, poll.0 + 1, vec![kas(3)]);
+    assert_eq!(drain(&mut r), vec![attempt(2, Target::Kas(kas(3)))]);
+    finish(&mut r, poll.0 + 2, 2);
+    start(&mut r, poll.0 + 3, 3, 5000);
+    assert_eq!(
+        drain(&mut r),
+        vec![attempt(3, Target::Kas(kas(3)))],
+        "the new lookup is kept"
+    );
+}
+
+#[test]
+fn a_pubsub_loss_drops_what_every_subscription_told() {
+    let mut r = router_that_found(vec![kas(2)]);
+    r.handle_input(Time(20), RouterInput::PubSubDown);
+    r.handle_input(Time(30), RouterInput::PubSubUp);
+    start(&mut r, 40, 2, 5000);
+    assert_eq!(drain(&mut r), vec![RouterOutput::Lookup(A)]);
+}
+
+#[test]
+fn a_lookup_raced_by_an_event_answers_its_calls_but_is_not_kept() {
+    let mut r = router_lingering(Duration::from_millis(1000));
+    r.handle_input(Time(0), RouterInput::PubSubUp);
+    start(&mut r, 0, 1, 500);
+    r.handle_input(Time(0), RouterInput::Subscribed { agent: A });
+    drain(&mut r);
+    // kas3 registers after the lookup read Redis, before its answer came back.
+    event(&mut r, 1, 3, true);
+    answer_lookup(&mut r, 2, vec![kas(2)]);
+    let outputs = drain(&mut r);
+    assert_eq!(outputs.len(), 1, "{outputs:?}");
+    finish(&mut r, 10, 1);
+    start(&mut r, 20, 2, 500);
+    assert_eq!(drain(&mut r), vec![RouterOutput::Lookup(A)]);
+}
+
+#[test]
+fn without_pubsub_nothing_is_kept() {
+    let mut r = router_lingering(Duration::from_millis(1000));
+    start(&mut r, 0, 1, 500);
+    r.handle_input(Time(0), RouterInput::Subscribed { agent: A });
+    drain(&mut r);
+    answer_lookup(&mut r, 1, vec![kas(2)]);
+    drain(&mut r);
+    finish(&mut r, 10, 1);
+    start(&mut r, 20, 2, 500);
+    assert_eq!(drain(&mut r), vec![RouterOutput::Lookup(A)]);
 }
