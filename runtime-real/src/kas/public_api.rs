@@ -61,6 +61,16 @@ impl PublicService {
         Ok(agents)
     }
 
+    /// The deadline and message of a call to route, once its agent id is checked.
+    fn routed<T>(&self, req: Request<T>, agent_id: fn(&T) -> i64) -> Result<(Time, T), Status> {
+        let deadline = deadline(req.metadata(), self.default_timeout, self.max_timeout);
+        let r = req.into_inner();
+        if agent_id(&r) <= 0 {
+            return Err(Status::invalid_argument("agent_id must be positive"));
+        }
+        Ok((deadline, r))
+    }
+
     /// Routes a call to the agent; its answer arrives through the returned [`Reply`].
     fn call_agent(
         &self,
@@ -191,11 +201,7 @@ impl KasApi for PublicService {
         &self,
         req: Request<GetPodLogsRequest>,
     ) -> Result<Response<LogChunks>, Status> {
-        let deadline = deadline(req.metadata(), self.default_timeout, self.max_timeout);
-        let r = req.into_inner();
-        if r.agent_id <= 0 {
-            return Err(Status::invalid_argument("agent_id must be positive"));
-        }
+        let (deadline, r) = self.routed(req, |r| r.agent_id)?;
         if r.namespace.is_empty() || r.pod.is_empty() {
             return Err(Status::invalid_argument(
                 "a log request needs both namespace and pod",
@@ -253,11 +259,7 @@ impl KasApi for PublicService {
         &self,
         req: Request<GetPodsRequest>,
     ) -> Result<Response<GetPodsResponse>, Status> {
-        let deadline = deadline(req.metadata(), self.default_timeout, self.max_timeout);
-        let r = req.into_inner();
-        if r.agent_id <= 0 {
-            return Err(Status::invalid_argument("agent_id must be positive"));
-        }
+        let (deadline, r) = self.routed(req, |r| r.agent_id)?;
         #[cfg(madsim)]
         let r = {
             use crate::planted_bug::{Bug, planted};
