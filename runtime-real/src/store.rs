@@ -140,10 +140,12 @@ impl Store {
 
 /// While a pub-sub connection is down: waits `delay`, keeping `channels` (the wanted
 /// subscriptions) up to date with the commands that arrive. `false`: the handle is gone.
+/// Ordered, so that a reconnection subscribes in the same order in every run (the
+/// simulation's determinism check found a `HashSet` here).
 async fn wait_while_down(
     delay: std::time::Duration,
     cmds: &mut mpsc::UnboundedReceiver<PubSubCommand>,
-    channels: &mut std::collections::HashSet<String>,
+    channels: &mut std::collections::BTreeSet<String>,
 ) -> bool {
     let sleep = tokio::time::sleep(delay);
     tokio::pin!(sleep);

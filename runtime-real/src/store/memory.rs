@@ -2,7 +2,7 @@
 
 use super::{PubSubCommand, PubSubEvent};
 use kas_core::tracker::KeyWrite;
-use std::collections::{BTreeMap, HashSet};
+use std::collections::{BTreeMap, BTreeSet};
 use std::sync::{Arc, Mutex};
 use tokio::sync::{broadcast, mpsc};
 use tokio::time::Instant;
@@ -157,7 +157,7 @@ impl MemoryStore {
     ) {
         let mut bus = self.bus.subscribe();
         tokio::spawn(async move {
-            let mut channels = HashSet::new();
+            let mut channels = BTreeSet::new();
             if events.send(PubSubEvent::Up).await.is_err() {
                 return;
             }

@@ -7,7 +7,7 @@ use ::redis::{Client, Script, Value};
 use futures::StreamExt;
 use kas_core::Time;
 use kas_core::tracker::KeyWrite;
-use std::collections::HashSet;
+use std::collections::BTreeSet;
 use std::sync::Arc;
 use std::time::Duration;
 use tokio::sync::mpsc;
@@ -230,7 +230,7 @@ async fn run_pubsub(
     mut cmds: mpsc::UnboundedReceiver<PubSubCommand>,
     events: mpsc::Sender<PubSubEvent>,
 ) {
-    let mut channels: HashSet<String> = HashSet::new();
+    let mut channels: BTreeSet<String> = BTreeSet::new();
     let mut delay = Duration::from_millis(50);
     loop {
         let conn = tokio::time::timeout(timeout, client.get_async_pubsub()).await;

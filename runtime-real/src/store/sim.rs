@@ -4,7 +4,7 @@
 
 use super::{PubSubCommand, PubSubEvent, StoreError};
 use kas_core::tracker::KeyWrite;
-use std::collections::HashSet;
+use std::collections::BTreeSet;
 use std::net::SocketAddr;
 use std::time::Duration;
 use tokio::net::{Endpoint, Receiver, Sender};
@@ -136,7 +136,7 @@ async fn run_pubsub(
     mut cmds: mpsc::UnboundedReceiver<PubSubCommand>,
     events: mpsc::Sender<PubSubEvent>,
 ) {
-    let mut channels: HashSet<String> = HashSet::new();
+    let mut channels: BTreeSet<String> = BTreeSet::new();
     let mut delay = Duration::from_millis(50);
     loop {
         let Ok((tx, mut rx)) = connect(server).await else {
