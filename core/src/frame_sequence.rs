@@ -1,9 +1,15 @@
 //! The frame sequence of one tunnel or forward stream, as a checked state machine.
 //!
 //! A call flows as `RequestStart, Message*, CloseSend` towards the agent and
-//! `Header?, Message*, (Trailer | Error)` back. A tunnel stream additionally begins with the
+//! `Header?, Message*, Trailer` back. A tunnel stream additionally begins with the
 //! agent's `Descriptor`, carries `Heartbeat`s, and carries calls one after another; a
-//! forward stream (kas -> kas) carries exactly one call. Each side of a stream feeds every
+//! forward stream (kas -> kas) carries exactly one call, and may instead be answered by a
+//! single `Error`: the serving kas's "not delivered".
+//!
+//! Only a kas may say a call was not delivered (at-most-once): an `Error` frame from an
+//! agent on a tunnel, and an `Error` after any answer frame on a forward, are protocol
+//! violations that end the call without a retry. (An agent's `Error` was once relayed by
+//! the serving kas as a refusal, and the routing kas delivered the call again.) Each side of a stream feeds every
 //! frame it sends or receives here: a frame out of order is a typed [`FrameError`], never a
 //! panic, and the driver ends the stream with that error.
 
@@ -85,6 +91,12 @@ pub enum FrameError {
     },
     /// A second header, or a header after a response message.
     HeaderOutOfOrder,
+    /// An `Error` frame (kas's "not delivered") from an agent, or after the call's answer
+    /// began: only a kas may refuse a call, and only before anything else came back.
+    MisplacedError {
+        /// The call's id.
+        request_id: u64,
+    },
 }
 
 impl std::fmt::Display for FrameError {
@@ -114,6 +126,10 @@ impl std::fmt::Display for FrameError {
             }
             FrameError::AfterCloseSend { kind } => write!(f, "{kind} frame after close-send"),
             FrameError::HeaderOutOfOrder => write!(f, "header after a message or a header"),
+            FrameError::MisplacedError { request_id } => write!(
+                f,
+                "error frame for request {request_id}: only kas may refuse a call, and only before answering it (an agent ends a call with a trailer)"
+            ),
         }
     }
 }
@@ -198,7 +214,15 @@ impl FrameSequence {
                 Ok(Progress::Continue)
             }
             (Direction::FromAgent, Kind::Trailer(t)) => self.finish(t.request_id, name),
-            (Direction::FromAgent, Kind::Error(e)) => self.finish(e.request_id, name),
+            (Direction::FromAgent, Kind::Error(e)) => {
+                let answered = self.call_mut(e.request_id, name)?.response_started;
+                if answered || self.kind == StreamKind::Tunnel {
+                    return Err(FrameError::MisplacedError {
+                        request_id: e.request_id,
+                    });
+                }
+                self.finish(e.request_id, name)
+            }
             _ => Err(wrong()),
         }
     }
@@ -380,6 +404,38 @@ mod tests {
         );
     }
 
+    fn error(id: u64) -> Frame {
+        fr(Kind::Error(f::Error {
+            request_id: id,
+            ..Default::default()
+        }))
+    }
+
+    #[test]
+    fn only_a_kas_refuses_and_only_before_answering() {
+        // An agent's error frame on a tunnel never ends a call as "not delivered".
+        let mut s = ready_tunnel();
+        s.check(Down, &start(1)).unwrap();
+        assert_eq!(
+            s.check(Up, &error(1)),
+            Err(FrameError::MisplacedError { request_id: 1 })
+        );
+        // The serving kas may refuse a forwarded call as its first answer frame...
+        let mut fwd = FrameSequence::new(StreamKind::Forward);
+        fwd.check(Down, &start(2)).unwrap();
+        assert_eq!(fwd.check(Up, &error(2)), Ok(Progress::Finished(2)));
+        // ...but not once the agent's answer has begun.
+        for first in [header(3), msg(3)] {
+            let mut fwd = FrameSequence::new(StreamKind::Forward);
+            fwd.check(Down, &start(3)).unwrap();
+            fwd.check(Up, &first).unwrap();
+            assert_eq!(
+                fwd.check(Up, &error(3)),
+                Err(FrameError::MisplacedError { request_id: 3 })
+            );
+        }
+    }
+
     #[test]
     fn descriptor_rules() {
         let mut s = FrameSequence::new(StreamKind::Tunnel);
@@ -403,10 +459,7 @@ mod tests {
             3 => close(id),
             4 => header(id),
             5 => trailer(id),
-            6 => fr(Kind::Error(f::Error {
-                request_id: id,
-                ..Default::default()
-            })),
+            6 => error(id),
             7 => fr(Kind::Heartbeat(f::Heartbeat { sequence: id })),
             _ => Frame { kind: None },
         })

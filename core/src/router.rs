@@ -8,7 +8,9 @@
 //!    shared by all its waiting calls.
 //! 3. Try those kas in random order (never itself; recently failed ones last). A kas that
 //!    refuses before delivery ([`RouterInput::AttemptRefused`]) makes the router try the
-//!    next one. Once a call may have reached an agent the router never retries it: the
+//!    next one. The refusal is remembered for `failure_memory`, for what it was about only:
+//!    the agent, and the replica when the call was pinned to one. (Remembered per kas, one
+//!    pinned refusal once sent every call of every agent elsewhere for 30 s.) Once a call may have reached an agent the router never retries it: the
 //!    driver reports [`RouterInput::Finished`] whatever the outcome (at-most-once).
 //! 4. With no kas left, wait for a tunnel event (pub-sub, or a local tunnel). While the
 //!    pub-sub connection is up ([`RouterInput::PubSubUp`]), the last lookup succeeded and
@@ -34,7 +36,7 @@ use crate::ids::{AgentId, ConnectionId, KasId, RequestId};
 use crate::rng::Rng;
 use crate::time::Time;
 use std::cmp::Reverse;
-use std::collections::{BTreeSet, BinaryHeap, HashMap, HashSet, VecDeque};
+use std::collections::{BTreeMap, BTreeSet, BinaryHeap, HashMap, HashSet, VecDeque};
 use std::time::Duration;
 
 /// What the driver tells the router.
@@ -179,7 +181,8 @@ impl std::error::Error for RouteError {}
 pub struct RouterConfig {
     /// Delays between safety-net polls of a waiting call.
     pub poll_backoff: Backoff,
-    /// How long a kas that refused a call is tried last.
+    /// How long a kas that refused a call is tried last for calls of that agent (and
+    /// replica, when the call named one).
     pub failure_memory: Duration,
     /// How long past its deadline a call in an attempt may run before the router fails it.
     pub grace: Duration,
@@ -228,6 +231,9 @@ struct AgentRoutes {
     idle_since: Option<Time>,
 }
 
+/// What a refusal says a kas lacks: a tunnel of the agent, or of one of its replicas.
+type Refusal = (AgentId, Option<ConnectionId>, KasId);
+
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
 enum Subscription {
     #[default]
@@ -245,7 +251,9 @@ pub struct Router {
     routes: HashMap<RequestId, Route>,
     agents: HashMap<AgentId, AgentRoutes>,
     local: HashSet<AgentId>,
-    failed_at: HashMap<KasId, Time>,
+    /// When a kas last refused a call, by what the refusal was about: the agent, and the
+    /// replica for a pinned call.
+    failed_at: BTreeMap<Refusal, Time>,
     timers: BinaryHeap<Reverse<(Time, RequestId)>>,
     /// When lingering agents may be unsubscribed.
     linger_timers: BinaryHeap<Reverse<(Time, AgentId)>>,
@@ -263,7 +271,7 @@ impl Router {
             routes: HashMap::new(),
             agents: HashMap::new(),
             local: HashSet::new(),
-            failed_at: HashMap::new(),
+            failed_at: BTreeMap::new(),
             timers: BinaryHeap::new(),
             linger_timers: BinaryHeap::new(),
             outputs: VecDeque::new(),
@@ -319,7 +327,8 @@ impl Router {
                     }
                 }
                 if connected {
-                    self.failed_at.remove(&kas);
+                    self.failed_at
+                        .retain(|(a, _, k), _| (*a, k) != (agent, &kas));
                     self.wake(now, agent, Target::Kas(kas));
                 } else {
                     self.drop_candidate(agent, &Target::Kas(kas));
@@ -359,8 +368,11 @@ impl Router {
                 }
                 r.quiet = false;
                 if let Some(Target::Kas(k)) = r.current.take() {
-                    self.failed_at.insert(k, now);
-                    if let Some(a) = self.agents.get_mut(&r.agent) {
+                    self.failed_at.insert((r.agent, r.connection, k), now);
+                    // A replica missing there says nothing about the agent's other tunnels.
+                    if r.connection.is_none()
+                        && let Some(a) = self.agents.get_mut(&r.agent)
+                    {
                         a.known = None;
                     }
                 }
@@ -549,8 +561,9 @@ impl Router {
 
     /// Gives the call the result of a lookup (`None`: it failed) and moves it on.
     fn take_lookup(&mut self, now: Time, id: RequestId, agent: AgentId, kas: Option<&[KasId]>) {
+        let connection = self.routes[&id].connection;
         let targets = match kas {
-            Some(kas) => self.order(agent, kas),
+            Some(kas) => self.order(now, agent, connection, kas),
             None => Vec::new(),
         };
         let r = self.routes.get_mut(&id).expect("a live route");
@@ -567,14 +580,26 @@ impl Router {
         self.try_next(now, id);
     }
 
-    /// The candidates for a lookup result: shuffled, recently failed kas last, this kas
-    /// only as `Local` and only while it holds a tunnel of the agent.
-    fn order(&mut self, agent: AgentId, kas: &[KasId]) -> Vec<Target> {
+    /// The candidates for a lookup result: shuffled, kas that recently refused this agent
+    /// (this replica, for a pinned call) last, this kas only as `Local` and only while it
+    /// holds a tunnel of the agent.
+    fn order(
+        &mut self,
+        now: Time,
+        agent: AgentId,
+        connection: Option<ConnectionId>,
+        kas: &[KasId],
+    ) -> Vec<Target> {
         let mut others: Vec<&KasId> = kas.iter().filter(|k| **k != self.self_id).collect();
         others.sort();
         others.dedup();
         self.rng.shuffle(&mut others);
-        others.sort_by_key(|k| self.failed_at.contains_key(*k));
+        let memory = self.config.failure_memory;
+        others.sort_by_key(|k| {
+            self.failed_at
+                .get(&(agent, connection, (*k).clone()))
+                .is_some_and(|at| *at + memory > now)
+        });
         let local = self.local.contains(&agent).then_some(Target::Local);
         local
             .into_iter()

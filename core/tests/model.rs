@@ -54,6 +54,8 @@ enum Op {
     },
     LoseRedisData,
     LoseNextPublish,
+    /// The next agent to answer a call sends an `Error` frame instead of a trailer.
+    AgentAnswersError,
 }
 
 fn op() -> impl Strategy<Value = Op> {
@@ -66,6 +68,7 @@ fn op() -> impl Strategy<Value = Op> {
         1 => (0..KAS).prop_map(|kas| Op::FailNextBatch { kas }),
         1 => Just(Op::LoseRedisData),
         1 => Just(Op::LoseNextPublish),
+        1 => Just(Op::AgentAnswersError),
     ]
 }
 
@@ -126,6 +129,7 @@ struct World {
     /// Calls delivered and not yet answered: (holder kas, call).
     answering: Vec<(usize, RequestId)>,
     lose_next_publish: bool,
+    error_next_answer: bool,
     next_id: u64,
 }
 
@@ -183,6 +187,7 @@ impl World {
             calls: BTreeMap::new(),
             answering: Vec::new(),
             lose_next_publish: false,
+            error_next_answer: false,
             next_id: 1,
         };
         for n in &mut w.nodes {
@@ -265,6 +270,7 @@ impl World {
             Op::FailNextBatch { kas } => self.nodes[kas].fail_next_batch = true,
             Op::LoseRedisData => self.store.hashes.clear(),
             Op::LoseNextPublish => self.lose_next_publish = true,
+            Op::AgentAnswersError => self.error_next_answer = true,
         }
         self.settle();
     }
@@ -323,6 +329,11 @@ impl World {
 
     /// Agents answer every call delivered to them since the last advance.
     fn answer_calls(&mut self) {
+        if std::mem::take(&mut self.error_next_answer)
+            && let Some(&(holder, request)) = self.answering.first()
+        {
+            self.answer_with_error(holder, request);
+        }
         for (holder, request) in std::mem::take(&mut self.answering) {
             let release = RegistryInput::Release { request };
             self.nodes[holder]
@@ -330,6 +341,56 @@ impl World {
                 .handle_input(self.now, release)
                 .unwrap();
             self.finish(request, Ok(()));
+        }
+    }
+
+    /// The agent answers with an `Error` frame, which the holder's tunnel checks against the
+    /// frame grammar as kas does. A violation closes the tunnel and ends the call (it was
+    /// delivered); were the frame taken as kas's "not delivered", the call would go back to
+    /// its router as refused and could be delivered twice (inv 3).
+    fn answer_with_error(&mut self, holder: usize, request: RequestId) {
+        use kas_core::frame_sequence::{Direction, FrameSequence, Progress, StreamKind};
+        use kas_proto::frame::{self as f, Frame, frame::Kind};
+        let frame = |kind| Frame { kind: Some(kind) };
+        let id = request.0;
+        let mut tunnel = FrameSequence::new(StreamKind::Tunnel);
+        let down = [
+            frame(Kind::RequestStart(f::RequestStart {
+                request_id: id,
+                ..Default::default()
+            })),
+            frame(Kind::CloseSend(f::CloseSend { request_id: id })),
+        ];
+        tunnel
+            .check(
+                Direction::FromAgent,
+                &frame(Kind::Descriptor(f::Descriptor::default())),
+            )
+            .unwrap();
+        for d in &down {
+            tunnel.check(Direction::ToAgent, d).unwrap();
+        }
+        let error = frame(Kind::Error(f::Error {
+            request_id: id,
+            ..Default::default()
+        }));
+        match tunnel.check(Direction::FromAgent, &error) {
+            Ok(Progress::Finished(_)) => {
+                self.answering.retain(|(_, r)| *r != request);
+                let release = RegistryInput::Release { request };
+                self.nodes[holder]
+                    .registry
+                    .handle_input(self.now, release)
+                    .unwrap();
+                let origin = self.calls[&request].origin;
+                let refused = RouterInput::AttemptRefused { request };
+                self.nodes[origin].router.handle_input(self.now, refused);
+            }
+            Ok(_) => panic!("an error frame neither ended the call nor broke the grammar"),
+            Err(_) => {
+                let tunnel = self.calls[&request].delivered_to.expect("delivered");
+                self.close_tunnel(tunnel);
+            }
         }
     }
 

@@ -157,6 +157,75 @@ fn refused_attempts_move_on_and_failed_kas_go_last_next_time() {
     }
 }
 
+/// Starts call `id` (pinned to `connection` when set) at `now` and answers its lookup with
+/// kas 1 and 2: the first target it tries.
+fn first_target(r: &mut Router, now: u64, id: u64, connection: Option<ConnectionId>) -> Target {
+    r.handle_input(
+        Time(now),
+        RouterInput::Start {
+            request: RequestId(id),
+            agent: A,
+            connection,
+            deadline: Time(now + 100_000),
+        },
+    );
+    r.handle_input(Time(now), RouterInput::Subscribed { agent: A });
+    drain(r);
+    answer_lookup(r, now, vec![kas(1), kas(2)]);
+    match drain(r).remove(0) {
+        RouterOutput::Attempt { target, .. } => target,
+        other => panic!("expected an attempt, got {other:?}"),
+    }
+}
+
+/// Targets first tried by 40 calls at `now` (each finished at once).
+fn first_targets(
+    r: &mut Router,
+    now: u64,
+    from: u64,
+    connection: Option<ConnectionId>,
+) -> Vec<Target> {
+    (from..from + 40)
+        .map(|id| {
+            let t = first_target(r, now, id, connection);
+            finish(r, now, id);
+            drain(r);
+            t
+        })
+        .collect()
+}
+
+#[test]
+fn a_refusal_is_remembered_for_what_it_was_about_and_expires_by_itself() {
+    let mut r = router();
+    // A call pinned to replica 7 is refused by the first kas it tries.
+    let pinned = Some(ConnectionId(7));
+    let refused_by = first_target(&mut r, 0, 1, pinned);
+    r.handle_input(
+        Time(1),
+        RouterInput::AttemptRefused {
+            request: RequestId(1),
+        },
+    );
+    drain(&mut r);
+    finish(&mut r, 1, 1);
+    drain(&mut r);
+    // Unpinned calls of the agent still spread over both kas...
+    let unpinned = first_targets(&mut r, 2, 100, None);
+    assert!(unpinned.contains(&refused_by), "{unpinned:?}");
+    assert!(unpinned.iter().any(|t| *t != refused_by), "{unpinned:?}");
+    // ...while calls pinned to that replica try the refusing kas last,
+    let again = first_targets(&mut r, 2, 200, pinned);
+    assert!(!again.contains(&refused_by), "{again:?}");
+    // ...calls pinned to another replica do not,
+    let other = first_targets(&mut r, 2, 300, Some(ConnectionId(9)));
+    assert!(other.contains(&refused_by), "{other:?}");
+    // ...and once the memory (10 s) has passed, with no timer run in between, neither do
+    // calls pinned to it.
+    let later = first_targets(&mut r, 10_001, 400, pinned);
+    assert!(later.contains(&refused_by), "{later:?}");
+}
+
 #[test]
 fn waiting_call_wakes_on_tunnel_event_and_goes_straight_there() {
     let mut r = router();
