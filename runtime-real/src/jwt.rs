@@ -24,6 +24,11 @@ pub const GITLAB_KAS: &str = "gitlab-kas";
 const MIN_SECRET_LEN: usize = 32;
 /// Lifetime of tokens kas mints.
 const TOKEN_LIFETIME: Duration = Duration::from_secs(60);
+/// Longest lifetime (`exp` - `iat`, and `exp` - now) a listener accepts unless configured:
+/// GitLab's and kas's tokens live a minute; a leaked ten-year token must not work.
+pub const DEFAULT_MAX_TOKEN_LIFETIME: Duration = Duration::from_secs(3600);
+/// Clock skew tolerated on `exp`, `nbf` and `iat`, in seconds.
+const LEEWAY: u64 = 5;
 
 /// A shared HS256 secret, as GitLab stores it: base64 of at least 32 random bytes.
 #[derive(Clone)]
@@ -134,21 +139,30 @@ fn algorithm(token: &str) -> Option<String> {
 pub struct Verifier {
     key: DecodingKey,
     validation: Validation,
+    max_lifetime: Duration,
 }
 
 impl Verifier {
     /// Accepts HS256 tokens signed with `secret` from `issuer` to `audience`; `exp` is
-    /// required and checked.
+    /// required and checked, `nbf` and `iat` when present must not be in the future, and
+    /// the token may live [`DEFAULT_MAX_TOKEN_LIFETIME`] at most.
     pub fn new(secret: &Secret, issuer: &str, audience: &str) -> Self {
         let mut validation = Validation::new(Algorithm::HS256);
         validation.set_issuer(&[issuer]);
         validation.set_audience(&[audience]);
         validation.set_required_spec_claims(&["exp", "iss", "aud"]);
-        validation.leeway = 5;
+        validation.leeway = LEEWAY;
         Verifier {
             key: DecodingKey::from_secret(&secret.0),
             validation,
+            max_lifetime: DEFAULT_MAX_TOKEN_LIFETIME,
         }
+    }
+
+    /// Refuses tokens valid for longer than `max` (from `iat`, and from now).
+    pub fn with_max_lifetime(mut self, max: Duration) -> Self {
+        self.max_lifetime = max;
+        self
     }
 
     /// Checks the value of an `authorization` header (`Bearer <jwt>`); the error says why
@@ -170,9 +184,43 @@ impl Verifier {
             }
             Some(_) => {}
         }
-        jsonwebtoken::decode::<Claims>(token, &self.key, &self.validation)
-            .map(|_| ())
-            .map_err(|e| describe(&e))
+        let claims = jsonwebtoken::decode::<Claims>(token, &self.key, &self.validation)
+            .map_err(|e| describe(&e))?
+            .claims;
+        let now = SystemTime::now()
+            .duration_since(UNIX_EPOCH)
+            .unwrap_or_default()
+            .as_secs();
+        self.check_times(&claims, now)
+    }
+
+    /// `nbf` and `iat` not in the future, and a lifetime within the maximum.
+    fn check_times(&self, c: &Claims, now: u64) -> Result<(), String> {
+        let max = self.max_lifetime.as_secs();
+        if c.nbf > now.saturating_add(LEEWAY) {
+            return Err(format!(
+                "token is not valid yet (nbf is {}s in the future)",
+                c.nbf - now
+            ));
+        }
+        if c.iat > now.saturating_add(LEEWAY) {
+            return Err(format!(
+                "token is issued in the future (iat is {}s ahead of this kas's clock)",
+                c.iat - now
+            ));
+        }
+        let from_now = c.exp.saturating_sub(now);
+        let lifetime = if c.iat > 0 {
+            c.exp.saturating_sub(c.iat).max(from_now)
+        } else {
+            from_now
+        };
+        if lifetime > max.saturating_add(LEEWAY) {
+            return Err(format!(
+                "token lifetime {lifetime}s exceeds the {max}s this listener accepts"
+            ));
+        }
+        Ok(())
     }
 }
 

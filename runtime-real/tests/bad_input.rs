@@ -34,6 +34,18 @@ fn token(secret: &Secret, iss: &str, aud: &str, exp: u64) -> String {
     jsonwebtoken::encode(&Header::new(Algorithm::HS256), &claims, &key).unwrap()
 }
 
+/// A token with `iat`, `nbf` and `exp` as given (0: left out), signed by `secret`.
+fn timed_token(secret: &Secret, iss: &str, aud: &str, iat: u64, nbf: u64, exp: u64) -> String {
+    let mut claims = serde_json::json!({"iss": iss, "aud": aud, "exp": exp});
+    for (k, v) in [("iat", iat), ("nbf", nbf)] {
+        if v > 0 {
+            claims[k] = v.into();
+        }
+    }
+    let key = EncodingKey::from_secret(&STANDARD.decode(secret.to_base64()).unwrap());
+    jsonwebtoken::encode(&Header::new(Algorithm::HS256), &claims, &key).unwrap()
+}
+
 /// `alg: none`, unsigned.
 fn unsigned_token() -> String {
     let header = URL_SAFE_NO_PAD.encode(br#"{"alg":"none","typ":"JWT"}"#);
@@ -145,6 +157,58 @@ async fn every_bad_token_is_unauthenticated_and_kas_keeps_serving() {
         matches!(refusal.kind, Some(Kind::Error(_))),
         "no tunnel here: {refusal:?}"
     );
+}
+
+/// Hardening item 7: future `nbf` or `iat`, and tokens valid for years, are refused on both
+/// the public and the private listener.
+#[tokio::test(flavor = "multi_thread")]
+async fn tokens_not_yet_valid_or_valid_too_long_are_unauthenticated() {
+    let s = Secrets::new();
+    let kas = KasProc::start(&s, "kas", None, 2000, "").await;
+    let n = now();
+    let cases = |secret: &Secret, iss: &str| {
+        [
+            (
+                "nbf in an hour",
+                timed_token(secret, iss, "gitlab-kas", n, n + 3600, n + 3660),
+                "not valid yet",
+            ),
+            (
+                "iat in an hour",
+                timed_token(secret, iss, "gitlab-kas", n + 3600, 0, n + 3660),
+                "issued in the future",
+            ),
+            (
+                "ten years",
+                timed_token(secret, iss, "gitlab-kas", n, n, n + 10 * 365 * 86_400),
+                "exceeds",
+            ),
+            (
+                "exp 2^64-1",
+                timed_token(secret, iss, "gitlab-kas", 0, 0, u64::MAX),
+                "exceeds",
+            ),
+        ]
+    };
+    for (case, t, reason) in cases(&s.gitlab, "gitlab") {
+        let err = public_call(&kas, Some(format!("Bearer {t}")))
+            .await
+            .expect_err(case);
+        assert_eq!(err.code(), Code::Unauthenticated, "public, {case}: {err}");
+        assert!(err.message().contains(reason), "public, {case}: {err}");
+    }
+    for (case, t, reason) in cases(&s.kas, "gitlab-kas") {
+        let err = private_call(&kas, Some(format!("Bearer {t}")))
+            .await
+            .expect_err(case);
+        assert_eq!(err.code(), Code::Unauthenticated, "private, {case}: {err}");
+        assert!(err.message().contains(reason), "private, {case}: {err}");
+    }
+    // A minute-long token, as GitLab mints them, still works.
+    let fine = timed_token(&s.gitlab, "gitlab", "gitlab-kas", n, n, n + 60);
+    public_call(&kas, Some(format!("Bearer {fine}")))
+        .await
+        .expect("valid token");
 }
 
 #[tokio::test(flavor = "multi_thread")]

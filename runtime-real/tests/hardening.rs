@@ -106,3 +106,71 @@ async fn an_agents_error_frame_ends_the_call_without_a_second_delivery() {
     tokio::time::sleep(Duration::from_secs(1)).await;
     assert_eq!(agent.received(), 1, "the call reached the agent once");
 }
+
+/// Item 3: agent metadata over Kubernetes' own limits is refused, naming the field, and
+/// never reaches the registry or the project's listing.
+#[tokio::test(flavor = "multi_thread")]
+async fn oversized_agent_metadata_is_refused_naming_the_field() {
+    use kas_proto::registry::AgentMeta;
+    let s = Secrets::new();
+    let kas = KasProc::start(&s, "kas", None, 10_000, "").await;
+    let client = AgentClient::new(channel(kas.agent).await, agent_token(1));
+    let long = |n: usize| "x".repeat(n);
+    let cases = [
+        (
+            "agent_meta.pod_name",
+            AgentMeta {
+                pod_name: long(2 << 20),
+                ..Default::default()
+            },
+        ),
+        (
+            "agent_meta.pod_name",
+            AgentMeta {
+                pod_name: long(254),
+                ..Default::default()
+            },
+        ),
+        (
+            "agent_meta.pod_namespace",
+            AgentMeta {
+                pod_namespace: long(64),
+                ..Default::default()
+            },
+        ),
+        (
+            "agent_meta.version",
+            AgentMeta {
+                version: long(65),
+                ..Default::default()
+            },
+        ),
+        (
+            "agent_meta.commit",
+            AgentMeta {
+                commit: long(65),
+                ..Default::default()
+            },
+        ),
+    ];
+    for (field, meta) in cases {
+        let err = client.connect(meta).await.expect_err(field);
+        assert_eq!(err.code(), Code::InvalidArgument, "{field}: {err}");
+        assert!(err.message().starts_with(field), "{field}: {err}");
+    }
+    // At the limits, accepted and listed.
+    let fits = AgentMeta {
+        version: long(64),
+        commit: long(64),
+        pod_namespace: long(63),
+        pod_name: long(253),
+    };
+    let (_connection, _, _config) = client.connect(fits).await.expect("within limits");
+    let gl = GitLab::new(&s, kas.api).await;
+    let listed = eventually(Duration::from_secs(10), "agent 1 listed", || async {
+        gl.connections(1).await.ok().filter(|c| !c.is_empty())
+    })
+    .await;
+    assert_eq!(listed.len(), 1, "only the valid connection: {listed:?}");
+    assert_eq!(listed[0].1.len(), 253);
+}

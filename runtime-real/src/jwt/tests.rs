@@ -57,3 +57,49 @@ fn secrets_must_be_base64_of_32_bytes() {
         .to_string();
     assert!(err.starts_with("cannot read"), "{err}");
 }
+
+#[test]
+fn future_nbf_or_iat_and_overlong_lifetimes_are_refused() {
+    let v = Verifier::new(&secret('a'), GITLAB, GITLAB_KAS);
+    let now = 1_000_000;
+    let claims = |iat, nbf, exp| Claims {
+        iss: GITLAB.into(),
+        aud: GITLAB_KAS.into(),
+        iat,
+        nbf,
+        exp,
+    };
+    assert_eq!(v.check_times(&claims(now, now, now + 60), now), Ok(()));
+    assert_eq!(
+        v.check_times(&claims(0, 0, now + 60), now),
+        Ok(()),
+        "iat, nbf optional"
+    );
+    assert_eq!(
+        v.check_times(&claims(now + 3, now + 3, now + 60), now),
+        Ok(()),
+        "within the leeway"
+    );
+    let nbf = v.check_times(&claims(now, now + 600, now + 660), now);
+    assert_eq!(
+        nbf,
+        Err("token is not valid yet (nbf is 600s in the future)".into())
+    );
+    let iat = v
+        .check_times(&claims(now + 600, 0, now + 660), now)
+        .unwrap_err();
+    assert!(iat.contains("issued in the future"), "{iat}");
+    let ten_years = v.check_times(&claims(now, now, now + 10 * 365 * 86_400), now);
+    assert!(ten_years.unwrap_err().contains("exceeds the 3600s"));
+    let forever = v.check_times(&claims(0, 0, u64::MAX), now);
+    assert!(forever.unwrap_err().contains("exceeds"));
+    let old_and_long = v.check_times(&claims(now - 7200, 0, now + 60), now);
+    assert!(old_and_long.unwrap_err().contains("lifetime 7260s"));
+    let strict =
+        Verifier::new(&secret('a'), GITLAB, GITLAB_KAS).with_max_lifetime(Duration::from_secs(30));
+    assert!(
+        strict
+            .check_times(&claims(now, now, now + 60), now)
+            .is_err()
+    );
+}

@@ -9,7 +9,7 @@ use kas_core::{ConnectionId, TunnelId};
 use kas_proto::agent_api::agent_api_server::AgentApi;
 use kas_proto::agent_api::{ConfigurationRequest, ConfigurationResponse};
 use kas_proto::frame::{Frame, frame::Kind};
-use kas_proto::registry::{ConnectedAgentInfo, KasAddress};
+use kas_proto::registry::{AgentMeta, ConnectedAgentInfo, KasAddress};
 use sha2::{Digest, Sha256};
 use std::net::SocketAddr;
 use std::sync::Arc;
@@ -66,6 +66,7 @@ impl AgentApi for AgentService {
         let metadata = req.metadata().clone();
         let identity = self.authenticate(metadata).await?;
         let meta = req.into_inner().agent_meta.unwrap_or_default();
+        check_meta(&meta)?;
         let connection = ConnectionId(rand::random::<i64>().unsigned_abs() as i64 | 1);
         let info = ConnectedAgentInfo {
             agent_id: identity.agent_id.0,
@@ -168,6 +169,36 @@ impl AgentApi for AgentService {
         tokio::spawn(task.run());
         Ok(Response::new(frames))
     }
+}
+
+/// The longest value of each agent-reported field: what Kubernetes allows for names (a
+/// DNS subdomain for a pod, a DNS label for a namespace) and a few dozen characters for
+/// version and commit. Every listing of the agent's project carries these, so one agent
+/// must not be able to grow it past what GitLab reads (once: 2 MiB pod names).
+const META_LIMITS: [(&str, usize); 4] = [
+    ("agent_meta.version", 64),
+    ("agent_meta.commit", 64),
+    ("agent_meta.pod_namespace", 63),
+    ("agent_meta.pod_name", 253),
+];
+
+/// Refuses agent metadata with a field over its limit, naming the field.
+fn check_meta(meta: &AgentMeta) -> Result<(), Status> {
+    let values = [
+        &meta.version,
+        &meta.commit,
+        &meta.pod_namespace,
+        &meta.pod_name,
+    ];
+    for ((field, max), value) in META_LIMITS.iter().zip(values) {
+        if value.len() > *max {
+            return Err(Status::invalid_argument(format!(
+                "{field} is {} bytes long; at most {max} are accepted",
+                value.len()
+            )));
+        }
+    }
+    Ok(())
 }
 
 fn hex(bytes: &[u8]) -> String {
