@@ -46,6 +46,21 @@ pub struct GitLab {
 pub struct Agent {
     /// Where agentk connects.
     pub listen: Listen,
+    /// Open `GetConfiguration` streams (replicas) one agent may hold on this kas.
+    pub max_connections_per_agent: usize,
+    /// Open tunnels one agent connection may hold on this kas.
+    pub max_tunnels_per_connection: usize,
+    /// Largest message an agent may send (a module's answer), in bytes; also the largest
+    /// answer one kas accepts from another.
+    pub max_message_size: usize,
+    /// Uncached agent-token lookups (GitLab's `agent_info`) per second, overall and per
+    /// client address: unknown tokens beyond that are refused without asking GitLab.
+    pub token_lookups_per_second: u32,
+    /// Per client address, see `token_lookups_per_second`.
+    pub token_lookups_per_second_per_address: u32,
+    /// While GitLab fails, a token GitLab accepted within this long is still accepted.
+    #[serde(with = "humantime_serde")]
+    pub info_cache_stale_ttl: Duration,
     /// Static agent tokens (YAML); when unset, tokens are resolved through `gitlab`.
     pub tokens_file: Option<PathBuf>,
     /// How long a resolved agent token is cached.
@@ -80,6 +95,9 @@ pub struct Api {
     /// Longest deadline honoured.
     #[serde(with = "humantime_serde")]
     pub max_timeout: Duration,
+    /// Longest lifetime of GitLab's JWTs accepted (`exp` - `iat`, and `exp` - now).
+    #[serde(with = "humantime_serde")]
+    pub max_token_lifetime: Duration,
 }
 
 /// `private_api:`
@@ -91,6 +109,9 @@ pub struct PrivateApi {
     /// Address other kas use to reach this one (default: `listen.address`, with the port
     /// actually bound when that is 0); it is also this kas's id in the registry.
     pub advertise_address: Option<SocketAddr>,
+    /// Longest lifetime of other kas's JWTs accepted.
+    #[serde(with = "humantime_serde")]
+    pub max_token_lifetime: Duration,
 }
 
 /// `observability:`
@@ -110,6 +131,50 @@ pub struct Listen {
     /// JWT secret file, where the listener checks tokens.
     #[serde(default)]
     pub authentication_secret_file: Option<PathBuf>,
+    /// HTTP/2 `SETTINGS_MAX_CONCURRENT_STREAMS`: calls (or tunnels) open at once on one
+    /// connection; clients queue beyond it.
+    #[serde(default = "default_max_concurrent_streams")]
+    pub max_concurrent_streams: u32,
+    /// A new connection that has not sent its first request (HTTP/2 preface or an HTTP
+    /// request line) within this long is closed.
+    #[serde(default = "default_handshake_timeout", with = "humantime_serde")]
+    pub handshake_timeout: Duration,
+    /// kas pings an idle connection this often and closes it when a ping is not answered
+    /// within `keepalive_timeout` (HTTP/2). On the observability listener (HTTP/1.1), a
+    /// connection silent for `keepalive_interval` while kas waits for a request is closed.
+    #[serde(default = "default_keepalive_interval", with = "humantime_serde")]
+    pub keepalive_interval: Duration,
+    /// See `keepalive_interval`.
+    #[serde(default = "default_keepalive_timeout", with = "humantime_serde")]
+    pub keepalive_timeout: Duration,
+    /// `agent.listen` only: `GetConfiguration` and `OpenTunnel` requests one agent token
+    /// may make per minute (GitLab's key); beyond it they are refused with
+    /// `ResourceExhausted`. Default 1000.
+    #[serde(default)]
+    pub connections_per_token_per_minute: Option<u32>,
+}
+
+impl Agent {
+    /// `agent.listen.connections_per_token_per_minute`, or its default.
+    pub fn connections_per_token_per_minute(&self) -> u32 {
+        self.listen.connections_per_token_per_minute.unwrap_or(1000)
+    }
+}
+
+fn default_max_concurrent_streams() -> u32 {
+    1000
+}
+
+fn default_handshake_timeout() -> Duration {
+    Duration::from_secs(10)
+}
+
+fn default_keepalive_interval() -> Duration {
+    Duration::from_secs(30)
+}
+
+fn default_keepalive_timeout() -> Duration {
+    Duration::from_secs(20)
 }
 
 /// `redis:`
@@ -166,6 +231,11 @@ fn listen(port: u16) -> Listen {
     Listen {
         address: SocketAddr::from(([127, 0, 0, 1], port)),
         authentication_secret_file: None,
+        max_concurrent_streams: default_max_concurrent_streams(),
+        handshake_timeout: default_handshake_timeout(),
+        keepalive_interval: default_keepalive_interval(),
+        keepalive_timeout: default_keepalive_timeout(),
+        connections_per_token_per_minute: None,
     }
 }
 
@@ -187,6 +257,13 @@ impl Default for Agent {
     fn default() -> Self {
         Agent {
             listen: listen(8150),
+            max_connections_per_agent: 100,
+            max_tunnels_per_connection: 200,
+            // Pods of a 20,000-pod cluster at Kubernetes' longest names fit (about 12 MiB).
+            max_message_size: 32 << 20,
+            token_lookups_per_second: 100,
+            token_lookups_per_second_per_address: 10,
+            info_cache_stale_ttl: Duration::from_secs(3600),
             tokens_file: None,
             info_cache_ttl: Duration::from_secs(300),
             info_cache_error_ttl: Duration::from_secs(60),
@@ -204,6 +281,7 @@ impl Default for Api {
             listen: listen(8153),
             default_timeout: Duration::from_secs(30),
             max_timeout: Duration::from_secs(600),
+            max_token_lifetime: crate::jwt::DEFAULT_MAX_TOKEN_LIFETIME,
         }
     }
 }
@@ -213,6 +291,7 @@ impl Default for PrivateApi {
         PrivateApi {
             listen: listen(8155),
             advertise_address: None,
+            max_token_lifetime: crate::jwt::DEFAULT_MAX_TOKEN_LIFETIME,
         }
     }
 }
@@ -294,9 +373,67 @@ impl Config {
             ("agent.redis_conn_info_gc", a.redis_conn_info_gc),
             ("agent.heartbeat_timeout", a.heartbeat_timeout),
             ("api.default_timeout", self.api.default_timeout),
+            ("api.max_token_lifetime", self.api.max_token_lifetime),
+            (
+                "private_api.max_token_lifetime",
+                self.private_api.max_token_lifetime,
+            ),
         ] {
             if d.is_zero() {
                 p.push(format!("{key} must be greater than zero"));
+            }
+        }
+        for (key, n) in [
+            (
+                "agent.max_connections_per_agent",
+                a.max_connections_per_agent,
+            ),
+            (
+                "agent.max_tunnels_per_connection",
+                a.max_tunnels_per_connection,
+            ),
+            ("agent.max_message_size", a.max_message_size),
+            (
+                "agent.token_lookups_per_second",
+                a.token_lookups_per_second as usize,
+            ),
+            (
+                "agent.token_lookups_per_second_per_address",
+                a.token_lookups_per_second_per_address as usize,
+            ),
+            (
+                "agent.listen.connections_per_token_per_minute",
+                a.connections_per_token_per_minute() as usize,
+            ),
+        ] {
+            if n == 0 {
+                p.push(format!("{key} must be greater than zero"));
+            }
+        }
+        for (key, c) in [
+            ("agent.listen", &a.listen),
+            ("api.listen", &self.api.listen),
+            ("private_api.listen", &self.private_api.listen),
+            ("observability.listen", &self.observability.listen),
+        ] {
+            if key != "agent.listen" && c.connections_per_token_per_minute.is_some() {
+                p.push(format!(
+                    "{key}.connections_per_token_per_minute applies to agent.listen only"
+                ));
+            }
+            if c.max_concurrent_streams == 0 {
+                p.push(format!(
+                    "{key}.max_concurrent_streams must be greater than zero"
+                ));
+            }
+            for (name, d) in [
+                ("handshake_timeout", c.handshake_timeout),
+                ("keepalive_interval", c.keepalive_interval),
+                ("keepalive_timeout", c.keepalive_timeout),
+            ] {
+                if d.is_zero() {
+                    p.push(format!("{key}.{name} must be greater than zero"));
+                }
             }
         }
         if a.redis_conn_info_refresh >= a.redis_conn_info_ttl {

@@ -55,7 +55,51 @@ pub fn heartbeat(sequence: u64) -> Frame {
     frame(Kind::Heartbeat(f::Heartbeat { sequence }))
 }
 
-/// The status a trailer or error frame carries.
+/// Longest status message passed on, in bytes. The message travels as the
+/// `grpc-message` header: a 200 KB one from an agent once made the caller fail on its
+/// metadata size limit instead of reading the agent's status.
+pub const MAX_STATUS_MESSAGE: usize = 1024;
+
+/// The status a trailer or error frame carries, its message cut to
+/// [`MAX_STATUS_MESSAGE`] bytes (on a character boundary) and marked as cut.
 pub fn status(code: i32, message: &str) -> tonic::Status {
-    tonic::Status::new(tonic::Code::from_i32(code), message)
+    let code = tonic::Code::from_i32(code);
+    if message.len() <= MAX_STATUS_MESSAGE {
+        return tonic::Status::new(code, message);
+    }
+    let mut end = MAX_STATUS_MESSAGE;
+    while !message.is_char_boundary(end) {
+        end -= 1;
+    }
+    let cut = format!(
+        "{}... (truncated by kas from {} bytes)",
+        &message[..end],
+        message.len()
+    );
+    tonic::Status::new(code, cut)
+}
+
+#[cfg(test)]
+mod tests {
+    #[test]
+    fn long_status_messages_are_cut_on_a_character_boundary() {
+        let short = super::status(5, "no pod x");
+        assert_eq!(
+            (short.code(), short.message()),
+            (tonic::Code::NotFound, "no pod x")
+        );
+        let long = "é".repeat(100_000); // 200,000 bytes, two per character
+        let cut = super::status(5, &long);
+        assert_eq!(cut.code(), tonic::Code::NotFound);
+        assert!(
+            cut.message().len() < super::MAX_STATUS_MESSAGE + 64,
+            "{}",
+            cut.message().len()
+        );
+        assert!(
+            cut.message()
+                .ends_with("(truncated by kas from 200000 bytes)")
+        );
+        assert!(cut.message().starts_with("éé"));
+    }
 }

@@ -9,6 +9,9 @@ mod call;
 mod deadline;
 mod engine;
 mod forward;
+mod limits;
+#[cfg(not(madsim))]
+mod listener;
 mod metrics;
 pub mod observability;
 mod private_api;
@@ -20,7 +23,7 @@ pub use public_api::{PODS_LIST, PODS_LOGS};
 
 use crate::agent_auth::{AgentAuth, CachedResolver, GitLabClient, StaticTokens};
 use crate::clock;
-use crate::config::Config;
+use crate::config::{Config, Listen};
 use crate::jwt::{self, Secret, Signer, Verifier};
 use crate::store::{MemoryStore, Store};
 use kas_core::KasId;
@@ -90,15 +93,26 @@ pub struct Kas {
     health: observability::Health,
 }
 
-/// Serves `router` on `listener` until `signal` resolves.
+/// A gRPC server with `listen`'s per-connection limits.
+fn server(listen: &Listen) -> Server {
+    Server::builder()
+        .tcp_nodelay(true)
+        .max_concurrent_streams(listen.max_concurrent_streams)
+        .http2_keepalive_interval(Some(listen.keepalive_interval))
+        .http2_keepalive_timeout(Some(listen.keepalive_timeout))
+}
+
+/// Serves `router` on `listener` until `signal` resolves; connections that send no HTTP/2
+/// preface within `listen.handshake_timeout` are closed.
 #[cfg(not(madsim))]
 async fn serve(
     router: tonic::transport::server::Router,
     listener: TcpListener,
+    (handshake, what, metrics): (Duration, &'static str, metrics::Metrics),
     signal: impl Future<Output = ()>,
 ) -> Result<(), tonic::transport::Error> {
-    // Without TCP_NODELAY each small response waits out the peer's delayed ACK (~40 ms).
-    let incoming = tonic::transport::server::TcpIncoming::from(listener).with_nodelay(Some(true));
+    let guard = listener::Guard::Http2Preface(handshake);
+    let incoming = listener::Acceptor::new(listener, guard, what, metrics).into_stream();
     router.serve_with_incoming_shutdown(incoming, signal).await
 }
 
@@ -109,6 +123,7 @@ async fn serve(
 async fn serve(
     router: tonic::transport::server::Router,
     listener: TcpListener,
+    _: (Duration, &'static str, metrics::Metrics),
     signal: impl Future<Output = ()>,
 ) -> Result<(), tonic::transport::Error> {
     let addr = listener
@@ -274,6 +289,10 @@ impl Kas {
             heartbeat_timeout: a.heartbeat_timeout,
         });
         let metrics = metrics::Metrics::default();
+        #[cfg(not(madsim))]
+        metrics
+            .open_files_limit
+            .set(i64::try_from(listener::raise_open_files_limit()).unwrap_or(i64::MAX));
         let (store_ready_tx, store_ready) = watch::channel(true);
         // `closing`: not ready, no new calls. `leaving`, once running calls are done:
         // agents are sent to another kas.
@@ -287,7 +306,7 @@ impl Kas {
             router,
             keys: keys.clone(),
             store: store.clone(),
-            forwarder: forward::Forwarder::new(signer, metrics.clone()),
+            forwarder: forward::Forwarder::new(signer, metrics.clone(), a.max_message_size),
             metrics: metrics.clone(),
             store_ready: store_ready_tx,
             wakeups: config.redis.as_ref().is_none_or(|r| r.pubsub_wakeups),
@@ -302,7 +321,8 @@ impl Kas {
                 max_timeout: config.api.max_timeout,
             },
             JwtCheck {
-                verifier: Verifier::new(&gitlab_secret, jwt::GITLAB, jwt::GITLAB_KAS),
+                verifier: Verifier::new(&gitlab_secret, jwt::GITLAB, jwt::GITLAB_KAS)
+                    .with_max_lifetime(config.api.max_token_lifetime),
                 listener: "api",
             },
         );
@@ -313,7 +333,8 @@ impl Kas {
                 max_timeout: config.api.max_timeout,
             },
             JwtCheck {
-                verifier: Verifier::new(&private_secret, jwt::GITLAB_KAS, jwt::GITLAB_KAS),
+                verifier: Verifier::new(&private_secret, jwt::GITLAB_KAS, jwt::GITLAB_KAS)
+                    .with_max_lifetime(config.private_api.max_token_lifetime),
                 listener: "private_api",
             },
         );
@@ -324,7 +345,16 @@ impl Kas {
             leaving: leaving_rx,
             activity_every: a.heartbeat_timeout / 4,
             next_tunnel: Arc::default(),
-        });
+            limits: limits::AgentLimits::new(
+                limits::AgentLimitsConfig {
+                    requests_per_minute: a.connections_per_token_per_minute(),
+                    connections_per_agent: a.max_connections_per_agent,
+                    tunnels_per_connection: a.max_tunnels_per_connection,
+                },
+                metrics.clone(),
+            ),
+        })
+        .max_decoding_message_size(a.max_message_size);
 
         let (stop_agents, agents_rx) = oneshot::channel::<()>();
         let (stop_obs, obs_rx) = oneshot::channel::<()>();
@@ -334,15 +364,23 @@ impl Kas {
             let _ = rx.wait_for(|c| *c).await;
         };
         let api_server = serve(
-            Server::builder().tcp_nodelay(true).add_service(public),
+            server(&config.api.listen).add_service(public),
             api_l,
+            (config.api.listen.handshake_timeout, "api", metrics.clone()),
             stop_signal(closing_rx.clone()),
         );
         let private_server = serve(
-            Server::builder().tcp_nodelay(true).add_service(private),
+            server(&config.private_api.listen).add_service(private),
             private_l,
+            (
+                config.private_api.listen.handshake_timeout,
+                "private_api",
+                metrics.clone(),
+            ),
             stop_signal(closing_rx.clone()),
         );
+        let agent_listen = a.listen.clone();
+        let agent_metrics = metrics.clone();
         let calls_server = tokio::spawn(async move {
             let (a, p) = tokio::join!(api_server, private_server);
             for r in [a, p] {
@@ -352,11 +390,9 @@ impl Kas {
             }
         });
         let agents_server = tokio::spawn(async move {
-            let router = Server::builder()
-                .tcp_nodelay(true)
-                .http2_keepalive_interval(Some(Duration::from_secs(30)))
-                .add_service(agents);
-            let r = serve(router, agent_l, async {
+            let router = server(&agent_listen).add_service(agents);
+            let limits = (agent_listen.handshake_timeout, "agent", agent_metrics);
+            let r = serve(router, agent_l, limits, async {
                 let _ = agents_rx.await;
             })
             .await;
@@ -369,10 +405,14 @@ impl Kas {
             store_ready,
             closing: closing_rx,
         };
-        let observability_server =
-            tokio::spawn(observability::serve(obs_l, health.clone(), async {
+        let observability_server = tokio::spawn(observability::serve(
+            obs_l,
+            config.observability.listen.handshake_timeout,
+            health.clone(),
+            async {
                 let _ = obs_rx.await;
-            }));
+            },
+        ));
         tracing::info!(
             kas = %kas_id,
             agent = %addresses.agent,

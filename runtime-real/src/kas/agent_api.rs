@@ -2,6 +2,7 @@
 //! replica, and `OpenTunnel`, the reverse tunnels calls travel down.
 
 use super::engine::{Command, EngineHandle};
+use super::limits::AgentLimits;
 use super::tunnel::{self, OutboundStream, Tunnel};
 use crate::agent_auth::{AgentAuth, AgentIdentity, AuthError};
 use kas_core::frame_sequence::{Direction, FrameSequence, StreamKind};
@@ -37,6 +38,8 @@ pub struct AgentService {
     pub activity_every: Duration,
     /// Tunnel ids.
     pub next_tunnel: Arc<AtomicU64>,
+    /// What one agent may hold.
+    pub limits: AgentLimits,
 }
 
 impl AgentService {
@@ -67,6 +70,8 @@ impl AgentApi for AgentService {
         let identity = self.authenticate(metadata).await?;
         let meta = req.into_inner().agent_meta.unwrap_or_default();
         check_meta(&meta)?;
+        self.limits.request(identity.agent_id)?;
+        let slot = self.limits.connection(identity.agent_id)?;
         let connection = ConnectionId(rand::random::<i64>().unsigned_abs() as i64 | 1);
         let info = ConnectedAgentInfo {
             agent_id: identity.agent_id.0,
@@ -107,6 +112,7 @@ impl AgentApi for AgentService {
                 project: identity.project_id,
                 connection,
             });
+            drop(slot);
         });
         Ok(Response::new(ReceiverStream::new(rx)))
     }
@@ -122,6 +128,7 @@ impl AgentApi for AgentService {
         }
         let metadata = req.metadata().clone();
         let identity = self.authenticate(metadata).await?;
+        self.limits.request(identity.agent_id)?;
         let mut inbound = req.into_inner();
         let mut sequence = FrameSequence::new(StreamKind::Tunnel);
         let first = match tokio::time::timeout(DESCRIPTOR_TIMEOUT, inbound.message()).await {
@@ -142,13 +149,15 @@ impl AgentApi for AgentService {
                 "tunnel protocol error: tunnel must begin with a descriptor",
             ));
         };
+        let connection = ConnectionId(descriptor.connection_id);
+        let slot = self.limits.tunnel(identity.agent_id, connection)?;
         let tunnel = TunnelId(self.next_tunnel.fetch_add(1, Ordering::Relaxed));
         let (orders_tx, orders) = mpsc::channel(1);
         let (reply_tx, reply) = oneshot::channel();
         self.engine.send(Command::TunnelOpened {
             tunnel,
             agent: identity.agent_id,
-            connection: ConnectionId(descriptor.connection_id),
+            connection,
             orders: orders_tx,
             reply: reply_tx,
         });
@@ -165,6 +174,7 @@ impl AgentApi for AgentService {
             engine: self.engine.clone(),
             activity_every: self.activity_every,
             leaving: self.leaving.clone(),
+            _slot: slot,
         };
         tokio::spawn(task.run());
         Ok(Response::new(frames))

@@ -27,6 +27,8 @@ pub struct Forwarder {
     channels: Arc<Mutex<HashMap<KasId, Channel>>>,
     signer: Signer,
     metrics: Metrics,
+    /// `agent.max_message_size`: the largest answer frame accepted from another kas.
+    max_message_size: usize,
 }
 
 /// How a forward ended.
@@ -38,12 +40,14 @@ enum Forwarded {
 }
 
 impl Forwarder {
-    /// Forwards sign their requests with `signer` (the kas-only secret).
-    pub fn new(signer: Signer, metrics: Metrics) -> Self {
+    /// Forwards sign their requests with `signer` (the kas-only secret) and accept answer
+    /// frames up to `max_message_size` bytes.
+    pub fn new(signer: Signer, metrics: Metrics, max_message_size: usize) -> Self {
         Forwarder {
             channels: Arc::default(),
             signer,
             metrics,
+            max_message_size,
         }
     }
 
@@ -120,7 +124,9 @@ impl Forwarder {
             }
             Err(_) => return Forwarded::Refused("token is not valid metadata".into()),
         }
-        let mut inbound = match KasPrivateClient::new(channel).forward(req).await {
+        let mut client =
+            KasPrivateClient::new(channel).max_decoding_message_size(self.max_message_size);
+        let mut inbound = match client.forward(req).await {
             Ok(resp) => resp.into_inner(),
             Err(status) => return Forwarded::Refused(status.to_string()),
         };
@@ -149,7 +155,12 @@ impl Forwarder {
                 Err(status) => {
                     // Possibly delivered: at most once, so no retry. A broken connection
                     // surfaces as Unknown; the caller should read Unavailable (retryable).
-                    let status = if status.code() == tonic::Code::Unknown {
+                    let status = if super::tunnel::too_large(&status) {
+                        Status::resource_exhausted(format!(
+                            "the answer relayed by kas {kas} is over agent.max_message_size: {}",
+                            status.message()
+                        ))
+                    } else if status.code() == tonic::Code::Unknown {
                         Status::unavailable(format!(
                             "lost the connection to kas {kas} during the call: {}",
                             status.message()

@@ -51,6 +51,16 @@ struct OpLabels {
     op: &'static str,
 }
 
+#[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
+struct LimitLabels {
+    limit: &'static str,
+}
+
+#[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
+struct ListenerLabels {
+    listener: &'static str,
+}
+
 /// The metrics, cheap to clone.
 #[derive(Clone)]
 pub struct Metrics {
@@ -70,9 +80,13 @@ pub struct Metrics {
     /// Seconds from a call's arrival until a tunnel (local) or the holding kas (remote)
     /// took it.
     pub routing_latency: Histogram,
+    /// The open-file limit in force (raised to the hard limit at start).
+    pub open_files_limit: Gauge,
     routed: Family<RoutedLabels, Counter>,
     served: Family<OutcomeLabels, Counter>,
     store_errors: Family<OpLabels, Counter>,
+    limit_refusals: Family<LimitLabels, Counter>,
+    accept_errors: Family<ListenerLabels, Counter>,
 }
 
 impl Default for Metrics {
@@ -88,6 +102,24 @@ impl Default for Metrics {
         let routed = Family::<RoutedLabels, Counter>::default();
         let served = Family::<OutcomeLabels, Counter>::default();
         let store_errors = Family::<OpLabels, Counter>::default();
+        let open_files_limit = Gauge::default();
+        let limit_refusals = Family::<LimitLabels, Counter>::default();
+        let accept_errors = Family::<ListenerLabels, Counter>::default();
+        registry.register(
+            "open_files_limit",
+            "The open-file limit (RLIMIT_NOFILE) kas runs with",
+            open_files_limit.clone(),
+        );
+        registry.register(
+            "limit_refusals",
+            "Requests refused by a configured limit, by the limit's configuration key",
+            limit_refusals.clone(),
+        );
+        registry.register(
+            "accept_errors",
+            "Failed accepts (e.g. the open-file limit reached), by listener",
+            accept_errors.clone(),
+        );
         registry.register(
             "connected_agents",
             "Agent connections (GetConfiguration streams) on this kas",
@@ -139,9 +171,12 @@ impl Default for Metrics {
             tunnel_waiters,
             subscriptions,
             routing_latency,
+            open_files_limit,
             routed,
             served,
             store_errors,
+            limit_refusals,
+            accept_errors,
         }
     }
 }
@@ -169,6 +204,20 @@ impl Metrics {
     /// Counts a failed store operation.
     pub fn store_error(&self, op: &'static str) {
         self.store_errors.get_or_create(&OpLabels { op }).inc();
+    }
+
+    /// Counts a refusal by the limit configured at `limit` (its key).
+    pub fn limit_refused(&self, limit: &'static str) {
+        self.limit_refusals
+            .get_or_create(&LimitLabels { limit })
+            .inc();
+    }
+
+    /// Counts a failed accept on `listener`.
+    pub fn accept_error(&self, listener: &'static str) {
+        self.accept_errors
+            .get_or_create(&ListenerLabels { listener })
+            .inc();
     }
 
     /// The text exposition format.

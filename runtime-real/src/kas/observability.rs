@@ -40,10 +40,12 @@ pub fn gauge(metrics: &str, name: &str) -> Option<f64> {
     })
 }
 
-/// Serves `/metrics`, `/liveness` and `/readiness` on `listener` until `signal` resolves.
+/// Serves `/metrics`, `/liveness` and `/readiness` on `listener` until `signal` resolves;
+/// a connection silent for `read_timeout` while a request is awaited is closed.
 #[cfg(not(madsim))]
 pub async fn serve(
     listener: tokio::net::TcpListener,
+    read_timeout: std::time::Duration,
     health: Health,
     signal: impl Future<Output = ()> + Send + 'static,
 ) {
@@ -68,7 +70,9 @@ pub async fn serve(
                 }
             }),
         )
-        .with_state(health);
+        .with_state(health.clone());
+    let guard = super::listener::Guard::ReadIdle(read_timeout);
+    let listener = super::listener::Acceptor::new(listener, guard, "observability", health.metrics);
     let r = axum::serve(listener, routes)
         .with_graceful_shutdown(signal)
         .await;
@@ -82,6 +86,7 @@ pub async fn serve(
 #[cfg(madsim)]
 pub async fn serve(
     listener: tokio::net::TcpListener,
+    _read_timeout: std::time::Duration,
     _health: Health,
     signal: impl Future<Output = ()> + Send + 'static,
 ) {

@@ -3,6 +3,7 @@
 
 use super::call::Call;
 use super::engine::{Command, EngineHandle};
+use super::limits::Slot;
 use crate::clock;
 use crate::frames;
 use kas_core::frame_sequence::{Direction, FrameSequence, Progress};
@@ -63,6 +64,8 @@ pub struct Tunnel {
     pub activity_every: Duration,
     /// Turns true when kas sends its agents away.
     pub leaving: watch::Receiver<bool>,
+    /// Its place under `agent.max_tunnels_per_connection`, held while it runs.
+    pub _slot: Slot,
 }
 
 enum End {
@@ -184,6 +187,17 @@ impl Tunnel {
             };
             let frame = match frame {
                 Ok(Some(f)) => f,
+                Err(s) if too_large(&s) => {
+                    let msg = format!(
+                        "agent {} answered with a message over agent.max_message_size: {}",
+                        call.agent,
+                        s.message()
+                    );
+                    let _ = responses.send(Err(Status::resource_exhausted(msg))).await;
+                    return Err(End::Fault(Status::resource_exhausted(
+                        "message over agent.max_message_size",
+                    )));
+                }
                 Ok(None) | Err(_) => {
                     let _ = responses.send(Err(agent_gone())).await;
                     return Err(End::Gone);
@@ -211,6 +225,11 @@ impl Tunnel {
             }
         }
     }
+}
+
+/// True for tonic's refusal of a message over the decoding limit.
+pub fn too_large(status: &Status) -> bool {
+    status.code() == tonic::Code::OutOfRange && status.message().contains("too large")
 }
 
 fn agent_gone() -> Status {
