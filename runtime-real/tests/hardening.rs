@@ -9,6 +9,7 @@ use kas_runtime::frames;
 use std::sync::Arc;
 use std::sync::atomic::{AtomicUsize, Ordering};
 use std::time::Duration;
+use support::Extra;
 use support::*;
 use tokio_stream::wrappers::ReceiverStream;
 use tonic::Code;
@@ -173,4 +174,298 @@ async fn oversized_agent_metadata_is_refused_naming_the_field() {
     .await;
     assert_eq!(listed.len(), 1, "only the valid connection: {listed:?}");
     assert_eq!(listed[0].1.len(), 253);
+}
+
+/// A pod list of about `bytes` bytes, as an agent's answer message.
+fn pod_list(bytes: usize) -> Vec<u8> {
+    use kas_proto::pods::{ListResponse, Pod};
+    use prost::Message;
+    let pods = (0..bytes / 100)
+        .map(|i| Pod {
+            namespace: "default".into(),
+            name: format!("pod-{i:0>80}"),
+            ..Default::default()
+        })
+        .collect();
+    ListResponse { pods }.encode_to_vec()
+}
+
+/// Item 9: an agent's status message is passed on cut to 1 KiB; an answer over
+/// `agent.max_message_size` fails naming that key, on the local and the remote route; a
+/// 6.5 MB answer fits the default.
+#[tokio::test(flavor = "multi_thread")]
+async fn agent_statuses_are_truncated_and_answer_sizes_are_limited_by_name() {
+    let redis = Redis::start().expect("redis-server starts (scripts/test installs it)");
+    let s = Secrets::new();
+    let small = Extra {
+        agent: "  max_message_size: 1048576\n",
+        ..Extra::default()
+    };
+    let holder = KasProc::start_extra(&s, "kas0", Some(&redis), 10_000, small, None).await;
+    let other = KasProc::start(&s, "kas1", Some(&redis), 10_000, "").await;
+    let _verbose = RawAgent::start(&holder, 1, 1, |id| {
+        let long = "x".repeat(200_000);
+        vec![frames::trailer(id, &tonic::Status::not_found(long))]
+    })
+    .await;
+    // Each answer over the limit costs the agent its tunnel (kas closes it).
+    let _huge = RawAgent::start(&holder, 2, 3, |id| {
+        vec![
+            frames::message(id, pod_list(2 << 20)),
+            frames::trailer(id, &tonic::Status::ok("")),
+        ]
+    })
+    .await;
+    let _big = RawAgent::start(&other, 3, 1, |id| {
+        vec![
+            frames::message(id, pod_list(6_500_000)),
+            frames::trailer(id, &tonic::Status::ok("")),
+        ]
+    })
+    .await;
+    let t = Duration::from_secs(5);
+    for kas in [&holder, &other] {
+        let gl = GitLab::new(&s, kas.api).await;
+        eventually(Duration::from_secs(10), "agents listed", || async {
+            let all = [1, 2, 3].map(|a| gl.connections(a));
+            let all = futures::future::join_all(all).await;
+            all.iter()
+                .all(|c| c.as_ref().is_ok_and(|c| c.len() == 1))
+                .then_some(())
+        })
+        .await;
+        let err = gl.pods(1, None, t).await.expect_err("the agent's status");
+        assert_eq!(err.code(), Code::NotFound, "{err}");
+        assert!(err.message().len() < 1200, "{} bytes", err.message().len());
+        assert!(
+            err.message()
+                .ends_with("(truncated by kas from 200000 bytes)")
+        );
+        let err = gl.pods(2, None, t).await.expect_err("over the limit");
+        assert_eq!(err.code(), Code::ResourceExhausted, "{err}");
+        assert!(err.message().contains("agent.max_message_size"), "{err}");
+        // Agent 3 is on kas1 (default limit); kas0 accepts 1 MiB from other kas too.
+        let answer = gl.pods(3, None, t).await;
+        if kas.api == other.api {
+            assert_eq!(answer.expect("6.5 MB fits the default").len(), 65_000);
+        } else {
+            let err = answer.expect_err("over kas0's limit for relayed answers");
+            assert_eq!(err.code(), Code::ResourceExhausted, "{err}");
+            assert!(err.message().contains("agent.max_message_size"), "{err}");
+        }
+    }
+}
+
+/// Item 5: connections per agent, tunnels per connection and requests per minute are
+/// capped, each refusal naming its key and counted.
+#[tokio::test(flavor = "multi_thread")]
+async fn agent_connections_tunnels_and_request_rate_are_capped() {
+    let s = Secrets::new();
+    let caps = Extra {
+        agent: "  max_connections_per_agent: 2\n  max_tunnels_per_connection: 2\n",
+        ..Extra::default()
+    };
+    let kas = KasProc::start_extra(&s, "kas", None, 10_000, caps, None).await;
+    let client = AgentClient::new(channel(kas.agent).await, agent_token(1));
+    let (c1, _, _s1) = client.connect(Default::default()).await.unwrap();
+    let (_c2, _, _s2) = client.connect(Default::default()).await.unwrap();
+    let err = client.connect(Default::default()).await.expect_err("third");
+    assert_eq!(err.code(), Code::ResourceExhausted, "{err}");
+    assert!(
+        err.message().contains("agent.max_connections_per_agent"),
+        "{err}"
+    );
+    let other = AgentClient::new(channel(kas.agent).await, agent_token(2));
+    other
+        .connect(Default::default())
+        .await
+        .expect("agent 2 has its own limit");
+
+    let mut open = Vec::new();
+    for _ in 0..2 {
+        open.push(tunnel(&kas, 1, c1.0).await.expect("within the limit"));
+    }
+    let err = tunnel(&kas, 1, c1.0).await.expect_err("third tunnel");
+    assert_eq!(err.code(), Code::ResourceExhausted, "{err}");
+    assert!(
+        err.message().contains("agent.max_tunnels_per_connection"),
+        "{err}"
+    );
+    drop(open.pop());
+    eventually(Duration::from_secs(5), "a freed tunnel place", || async {
+        tunnel(&kas, 1, c1.0).await.ok()
+    })
+    .await;
+
+    let rate = Extra {
+        agent_listen: "    connections_per_token_per_minute: 4\n",
+        ..Extra::default()
+    };
+    let limited = KasProc::start_extra(&s, "limited", None, 10_000, rate, None).await;
+    let client = AgentClient::new(channel(limited.agent).await, agent_token(3));
+    let mut streams = Vec::new();
+    for _ in 0..4 {
+        streams.push(
+            client
+                .connect(Default::default())
+                .await
+                .expect("within the rate"),
+        );
+    }
+    let err = client.connect(Default::default()).await.expect_err("fifth");
+    assert_eq!(err.code(), Code::ResourceExhausted, "{err}");
+    assert!(
+        err.message().contains("connections_per_token_per_minute"),
+        "{err}"
+    );
+
+    for (kas, key, n) in [
+        (&kas, "agent.max_connections_per_agent", 1),
+        (&kas, "agent.max_tunnels_per_connection", 1),
+        (&limited, "agent.listen.connections_per_token_per_minute", 1),
+    ] {
+        let line = format!("kas_limit_refusals_total{{limit=\"{key}\"}} {n}");
+        eventually(Duration::from_secs(5), &line, || async {
+            kas.metrics().await.contains(&line).then_some(())
+        })
+        .await;
+    }
+}
+
+/// Opens a tunnel of `agent`'s connection `connection`: its inbound stream once accepted.
+async fn tunnel(
+    kas: &KasProc,
+    agent: i64,
+    connection: i64,
+) -> Result<(tokio::sync::mpsc::Sender<Frame>, tonic::Streaming<Frame>), tonic::Status> {
+    let mut api =
+        kas_proto::agent_api::agent_api_client::AgentApiClient::new(channel(kas.agent).await);
+    let (tx, rx) = tokio::sync::mpsc::channel(8);
+    let descriptor = frames::frame(Kind::Descriptor(Descriptor {
+        methods: vec![],
+        connection_id: connection,
+    }));
+    tx.send(descriptor).await.unwrap();
+    let mut req = tonic::Request::new(ReceiverStream::new(rx));
+    req.metadata_mut().insert(
+        "authorization",
+        format!("Bearer {}", agent_token(agent)).parse().unwrap(),
+    );
+    let inbound = api.open_tunnel(req).await?.into_inner();
+    Ok((tx, inbound))
+}
+
+/// Item 5: no more than `max_concurrent_streams` calls of one connection run at once; the
+/// rest wait their turn (HTTP/2 flow control) and all complete.
+#[tokio::test(flavor = "multi_thread")]
+async fn concurrent_streams_per_connection_are_capped() {
+    let s = Secrets::new();
+    let cap = Extra {
+        api_listen: "    max_concurrent_streams: 5\n",
+        ..Extra::default()
+    };
+    let kas = KasProc::start_extra(&s, "kas", None, 10_000, cap, None).await;
+    let delay = Duration::from_millis(300);
+    let _agent = TestAgent::connect_slow(kas.agent, 1, "slow-pod", 20, delay).await;
+    let gl = Arc::new(GitLab::new(&s, kas.api).await);
+    eventually(Duration::from_secs(10), "agent 1 listed", || async {
+        gl.connections(1).await.ok().filter(|c| c.len() == 1)
+    })
+    .await;
+    let calls: Vec<_> = (0..20)
+        .map(|_| {
+            let gl = gl.clone();
+            tokio::spawn(async move { gl.pods(1, None, Duration::from_secs(20)).await })
+        })
+        .collect();
+    let mut most = 0.0f64;
+    while !calls.iter().all(|c| c.is_finished()) {
+        let m = kas.metrics().await;
+        if let Some(n) = kas_runtime::kas::observability::gauge(&m, "kas_calls") {
+            most = most.max(n);
+        }
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+    for c in calls {
+        assert_eq!(
+            c.await.unwrap().expect("every call completes"),
+            ["slow-pod"]
+        );
+    }
+    assert!(most >= 1.0, "calls were seen running");
+    assert!(most <= 5.0, "{most} calls ran at once on one connection");
+}
+
+/// Item 6: connections that never start talking are closed after `handshake_timeout`, on
+/// every listener (a half-sent HTTP request on the observability one too); accept errors
+/// at the open-file limit are logged and counted, and kas recovers; the open-file limit
+/// is raised to the hard limit and exported.
+#[tokio::test(flavor = "multi_thread")]
+async fn silent_connections_are_closed_and_a_full_file_table_is_reported() {
+    use tokio::io::{AsyncReadExt, AsyncWriteExt};
+    let s = Secrets::new();
+    let timeouts = Extra {
+        agent_listen: "    handshake_timeout: 1s\n",
+        api_listen: "    handshake_timeout: 1s\n",
+        observability_listen: "    handshake_timeout: 1s\n",
+        open_files: Some(64),
+        ..Extra::default()
+    };
+    let kas = KasProc::start_extra(&s, "kas", None, 10_000, timeouts, None).await;
+    let metrics = kas.metrics().await;
+    let limit = kas_runtime::kas::observability::gauge(&metrics, "kas_open_files_limit");
+    assert_eq!(limit, Some(64.0), "the hard limit, exported");
+
+    // Silent or half-talking connections on each listener are closed by kas.
+    let mut silent = Vec::new();
+    for addr in [kas.agent, kas.api, kas.observability] {
+        silent.push(tokio::net::TcpStream::connect(addr).await.unwrap());
+    }
+    let mut half = tokio::net::TcpStream::connect(kas.observability)
+        .await
+        .unwrap();
+    half.write_all(b"GET /metrics HTTP/1.1\r\nHost: x\r\n")
+        .await
+        .unwrap();
+    silent.push(half);
+    for mut c in silent {
+        let mut buf = [0u8; 64];
+        let read = tokio::time::timeout(Duration::from_secs(5), async {
+            // Whatever kas writes (its HTTP/2 settings) is read until it closes.
+            loop {
+                match c.read(&mut buf).await {
+                    Ok(0) | Err(_) => return,
+                    Ok(_) => {}
+                }
+            }
+        })
+        .await;
+        assert!(read.is_ok(), "kas closed a silent connection within 5 s");
+    }
+
+    // Past the file limit: accepts fail, are logged once and counted, and kas recovers
+    // when the silent connections it holds time out.
+    let mut flood = Vec::new();
+    for _ in 0..80 {
+        if let Ok(c) = tokio::net::TcpStream::connect(kas.api).await {
+            flood.push(c);
+        }
+    }
+    eventually(Duration::from_secs(10), "accept errors counted", || async {
+        let m = kas.metrics().await;
+        m.contains("kas_accept_errors_total{listener=\"api\"}")
+            .then_some(())
+    })
+    .await;
+    assert!(
+        kas.log_text().contains("the open-file limit is reached"),
+        "{}",
+        kas.log_text()
+    );
+    drop(flood);
+    let gl = GitLab::new(&s, kas.api).await;
+    eventually(Duration::from_secs(10), "kas serving again", || async {
+        gl.connections(1).await.ok()
+    })
+    .await;
 }

@@ -98,6 +98,23 @@ pub fn agent_section(ttl_ms: u64) -> String {
     )
 }
 
+/// Extra configuration lines, each section's keys indented as in the file.
+#[derive(Clone, Copy, Default)]
+pub struct Extra<'a> {
+    /// Under `agent:` (two spaces).
+    pub agent: &'a str,
+    /// Under `agent.listen:` (four spaces).
+    pub agent_listen: &'a str,
+    /// Under `api.listen:` (four spaces).
+    pub api_listen: &'a str,
+    /// Under `observability.listen:` (four spaces).
+    pub observability_listen: &'a str,
+    /// Under `redis:` (two spaces), when there is one.
+    pub redis: &'a str,
+    /// Run kas with this open-file limit (soft and hard).
+    pub open_files: Option<u64>,
+}
+
 /// A kas process.
 pub struct KasProc {
     process: KasProcess,
@@ -138,14 +155,35 @@ impl KasProc {
         extra_redis: &str,
         listen: Option<[SocketAddr; 4]>,
     ) -> KasProc {
+        let extra = Extra {
+            redis: extra_redis,
+            ..Extra::default()
+        };
+        Self::start_extra(secrets, name, redis, ttl_ms, extra, listen).await
+    }
+
+    /// Like `start_on`, with `extra` keys in the configuration's sections.
+    pub async fn start_extra(
+        secrets: &Secrets,
+        name: &str,
+        redis: Option<&Redis>,
+        ttl_ms: u64,
+        extra: Extra<'_>,
+        listen: Option<[SocketAddr; 4]>,
+    ) -> KasProc {
         let [agent, api, private, observability] =
             listen.unwrap_or_else(|| ["127.0.0.1:0".parse().unwrap(); 4]);
+        let extra_redis = extra.redis;
         let mut config = format!(
-            "agent:\n  listen:\n    address: {agent}\n  tokens_file: {}\n{}api:\n  listen:\n    address: {api}\n    authentication_secret_file: {}\nprivate_api:\n  listen:\n    address: {private}\n    authentication_secret_file: {}\nobservability:\n  listen:\n    address: {observability}\nshutdown_grace: 2s\n",
+            "agent:\n  listen:\n    address: {agent}\n{}  tokens_file: {}\n{}{}api:\n  listen:\n    address: {api}\n{}    authentication_secret_file: {}\nprivate_api:\n  listen:\n    address: {private}\n    authentication_secret_file: {}\nobservability:\n  listen:\n    address: {observability}\n{}shutdown_grace: 2s\n",
+            extra.agent_listen,
             secrets.path("tokens.yaml").display(),
             agent_section(ttl_ms),
+            extra.agent,
+            extra.api_listen,
             secrets.path("gitlab.secret").display(),
             secrets.path("kas.secret").display(),
+            extra.observability_listen,
         );
         if let Some(r) = redis {
             config += &format!(
@@ -156,14 +194,21 @@ impl KasProc {
         let path = secrets.path(&format!("{name}.yaml"));
         std::fs::write(&path, config).unwrap();
         let log = secrets.path(&format!("{name}.log"));
-        let process = KasProcess::spawn(
-            std::path::Path::new(env!("CARGO_BIN_EXE_kas")),
-            &path,
-            "info,kas_runtime=debug",
-            &log,
-        )
-        .await
-        .unwrap_or_else(|e| panic!("{e}"));
+        let mut exe = PathBuf::from(env!("CARGO_BIN_EXE_kas"));
+        if let Some(n) = extra.open_files {
+            let script = secrets.path(&format!("{name}.sh"));
+            let text = format!(
+                "#!/bin/sh\nulimit -n {n}\nexec '{}' \"$@\"\n",
+                exe.display()
+            );
+            std::fs::write(&script, text).unwrap();
+            use std::os::unix::fs::PermissionsExt;
+            std::fs::set_permissions(&script, std::fs::Permissions::from_mode(0o755)).unwrap();
+            exe = script;
+        }
+        let process = KasProcess::spawn(&exe, &path, "info,kas_runtime=debug", &log)
+            .await
+            .unwrap_or_else(|e| panic!("{e}"));
         let a = process.addresses;
         KasProc {
             process,
