@@ -7,11 +7,12 @@ mod cache;
 mod gitlab;
 mod static_tokens;
 
-pub use cache::CachedResolver;
+pub use cache::{CachePolicy, CachedResolver};
 pub use gitlab::GitLabClient;
 pub use static_tokens::StaticTokens;
 
 use kas_core::{AgentId, ProjectId};
+use std::net::IpAddr;
 
 /// Who an agent token belongs to.
 #[derive(Clone, Debug, PartialEq, Eq)]
@@ -33,6 +34,9 @@ pub enum AuthError {
     /// The resolver could not answer (GitLab unreachable or erroring).
     #[error("cannot check the agent token: {0}")]
     Unavailable(String),
+    /// Too many lookups of unknown tokens: refused without asking GitLab.
+    #[error("agent token not checked: {0}")]
+    Throttled(String),
 }
 
 /// The configured resolver.
@@ -45,20 +49,28 @@ pub enum AgentAuth {
 }
 
 impl AgentAuth {
-    /// Resolves `token`.
-    pub async fn resolve(&self, token: &str) -> Result<AgentIdentity, AuthError> {
+    /// Resolves `token`, presented by a client at `peer`.
+    pub async fn resolve(
+        &self,
+        token: &str,
+        peer: Option<IpAddr>,
+    ) -> Result<AgentIdentity, AuthError> {
         match self {
             AgentAuth::Static(s) => s.resolve(token),
-            AgentAuth::GitLab(g) => g.resolve(token).await,
+            AgentAuth::GitLab(g) => g.resolve(token, peer).await,
         }
     }
 
     /// Resolves the token of an `authorization: Bearer <token>` header.
-    pub async fn resolve_bearer(&self, header: Option<&str>) -> Result<AgentIdentity, AuthError> {
+    pub async fn resolve_bearer(
+        &self,
+        header: Option<&str>,
+        peer: Option<IpAddr>,
+    ) -> Result<AgentIdentity, AuthError> {
         let token = header
             .and_then(|h| h.strip_prefix("Bearer "))
             .filter(|t| !t.is_empty())
             .ok_or(AuthError::InvalidToken)?;
-        self.resolve(token).await
+        self.resolve(token, peer).await
     }
 }

@@ -21,7 +21,7 @@ mod tunnel;
 pub use deadline::parse_grpc_timeout;
 pub use public_api::{PODS_LIST, PODS_LOGS};
 
-use crate::agent_auth::{AgentAuth, CachedResolver, GitLabClient, StaticTokens};
+use crate::agent_auth::{AgentAuth, CachePolicy, CachedResolver, GitLabClient, StaticTokens};
 use crate::clock;
 use crate::config::{Config, Listen};
 use crate::jwt::{self, Secret, Signer, Verifier};
@@ -498,9 +498,15 @@ fn agent_auth(config: &Config) -> Result<AgentAuth, StartError> {
         Duration::from_secs(10),
     )
     .map_err(StartError::Setup)?;
+    let a = &config.agent;
     Ok(AgentAuth::GitLab(Arc::new(CachedResolver::new(
         client,
-        config.agent.info_cache_ttl,
-        config.agent.info_cache_error_ttl,
+        CachePolicy {
+            ttl: a.info_cache_ttl,
+            error_ttl: a.info_cache_error_ttl,
+            stale_ttl: a.info_cache_stale_ttl,
+            lookups_per_second: a.token_lookups_per_second,
+            lookups_per_second_per_address: a.token_lookups_per_second_per_address,
+        },
     ))))
 }

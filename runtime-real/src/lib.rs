@@ -16,6 +16,7 @@ pub mod local;
 pub mod logging;
 #[cfg(madsim)]
 pub mod planted_bug;
+pub mod rate;
 #[cfg(not(madsim))]
 pub mod signals;
 pub mod store;

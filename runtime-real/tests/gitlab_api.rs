@@ -7,13 +7,13 @@ use axum::Router;
 use axum::extract::State;
 use axum::http::{HeaderMap, StatusCode};
 use axum::routing::get;
-use kas_runtime::agent_auth::{AuthError, CachedResolver, GitLabClient};
+use kas_runtime::agent_auth::{AuthError, CachePolicy, CachedResolver, GitLabClient};
 use kas_runtime::config::Config;
 use kas_runtime::jwt::{self, Secret, Signer, Verifier};
 use kas_runtime::kas::Kas;
 use std::net::SocketAddr;
 use std::sync::Arc;
-use std::sync::atomic::{AtomicUsize, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
 use std::time::Duration;
 
 const GOOD: &str = "good-agent-token-0123456789";
@@ -24,10 +24,19 @@ struct FakeGitLab {
     verifier: Verifier,
     hits: Arc<AtomicUsize>,
     bad_jwt: Arc<AtomicUsize>,
+    /// Answer 502 to everything (after `delay`).
+    failing: Arc<AtomicBool>,
+    /// Every answer takes this long.
+    delay_ms: Arc<AtomicUsize>,
 }
 
 async fn agent_info(State(g): State<FakeGitLab>, headers: HeaderMap) -> (StatusCode, String) {
     g.hits.fetch_add(1, Ordering::SeqCst);
+    let delay = g.delay_ms.load(Ordering::SeqCst) as u64;
+    tokio::time::sleep(Duration::from_millis(delay)).await;
+    if g.failing.load(Ordering::SeqCst) {
+        return (StatusCode::BAD_GATEWAY, "bad gateway".into());
+    }
     let jwt = headers
         .get("Gitlab-Kas-Api-Request")
         .and_then(|v| v.to_str().ok())
@@ -51,6 +60,8 @@ async fn fake_gitlab(secret: &Secret) -> (SocketAddr, FakeGitLab) {
         verifier: Verifier::new(secret, jwt::GITLAB_KAS, jwt::GITLAB),
         hits: Arc::default(),
         bad_jwt: Arc::default(),
+        failing: Arc::default(),
+        delay_ms: Arc::default(),
     };
     let app = Router::new()
         .route("/api/v4/internal/kubernetes/agent_info", get(agent_info))
@@ -73,27 +84,32 @@ async fn resolver_signs_its_requests_and_caches_answers_and_errors() {
     .unwrap();
     let r = CachedResolver::new(
         client,
-        Duration::from_millis(400),
-        Duration::from_millis(200),
+        CachePolicy {
+            ttl: Duration::from_millis(400),
+            error_ttl: Duration::from_millis(200),
+            stale_ttl: Duration::from_secs(60),
+            lookups_per_second: 1000,
+            lookups_per_second_per_address: 1000,
+        },
     );
     let hits = || gl.hits.load(Ordering::SeqCst);
 
-    let id = r.resolve(GOOD).await.unwrap();
+    let id = r.resolve(GOOD, None).await.unwrap();
     assert_eq!((id.agent_id.0, id.project_id.0), (7, 10));
-    assert_eq!(r.resolve(GOOD).await.unwrap(), id);
+    assert_eq!(r.resolve(GOOD, None).await.unwrap(), id);
     assert_eq!(hits(), 1, "the second answer came from the cache");
 
     assert_eq!(
-        r.resolve("unknown-token-xxxxxxxx").await,
+        r.resolve("unknown-token-xxxxxxxx", None).await,
         Err(AuthError::InvalidToken)
     );
     assert_eq!(
-        r.resolve("unknown-token-xxxxxxxx").await,
+        r.resolve("unknown-token-xxxxxxxx", None).await,
         Err(AuthError::InvalidToken)
     );
     assert_eq!(hits(), 2, "the error was cached");
 
-    let flaky = r.resolve(FLAKY).await.unwrap_err();
+    let flaky = r.resolve(FLAKY, None).await.unwrap_err();
     assert!(
         matches!(&flaky, AuthError::Unavailable(m) if m.contains("500")),
         "{flaky:?}"
@@ -101,12 +117,12 @@ async fn resolver_signs_its_requests_and_caches_answers_and_errors() {
     assert_eq!(hits(), 3);
 
     tokio::time::sleep(Duration::from_millis(250)).await;
-    let _ = r.resolve("unknown-token-xxxxxxxx").await;
+    let _ = r.resolve("unknown-token-xxxxxxxx", None).await;
     assert_eq!(hits(), 4, "the error expired after its own, shorter ttl");
-    r.resolve(GOOD).await.unwrap();
+    r.resolve(GOOD, None).await.unwrap();
     assert_eq!(hits(), 4, "the answer is still cached");
     tokio::time::sleep(Duration::from_millis(200)).await;
-    r.resolve(GOOD).await.unwrap();
+    r.resolve(GOOD, None).await.unwrap();
     assert_eq!(hits(), 5, "the answer expired");
     assert_eq!(
         gl.bad_jwt.load(Ordering::SeqCst),
@@ -137,6 +153,131 @@ async fn resolver_signs_its_requests_and_caches_answers_and_errors() {
         gone.agent_info(GOOD).await,
         Err(AuthError::Unavailable(_))
     ));
+}
+
+fn resolver(addr: SocketAddr, secret: &Secret, policy: CachePolicy) -> Arc<CachedResolver> {
+    let client = GitLabClient::new(
+        &format!("http://{addr}"),
+        Signer::new(secret, jwt::GITLAB_KAS, jwt::GITLAB),
+        Duration::from_secs(5),
+    )
+    .unwrap();
+    Arc::new(CachedResolver::new(client, policy))
+}
+
+const POLICY: CachePolicy = CachePolicy {
+    ttl: Duration::from_millis(300),
+    error_ttl: Duration::from_millis(100),
+    stale_ttl: Duration::from_secs(60),
+    lookups_per_second: 1000,
+    lookups_per_second_per_address: 1000,
+};
+
+/// Hardening item 4: concurrent first uses of one token make one GitLab request; a token
+/// GitLab accepted stays accepted while GitLab fails (within `stale_ttl`), unknown ones do
+/// not.
+#[tokio::test(flavor = "multi_thread")]
+async fn one_request_per_token_and_the_last_good_answer_survives_gitlab_failing() {
+    let secret = Secret::from_base64(&"R2l0TGFi".repeat(8)).unwrap();
+    let (addr, gl) = fake_gitlab(&secret).await;
+    let r = resolver(addr, &secret, POLICY);
+    gl.delay_ms.store(300, Ordering::SeqCst);
+    let lookups: Vec<_> = (0..300)
+        .map(|_| {
+            let r = r.clone();
+            tokio::spawn(async move { r.resolve(GOOD, None).await })
+        })
+        .collect();
+    for l in lookups {
+        assert_eq!(l.await.unwrap().unwrap().agent_id.0, 7);
+    }
+    assert_eq!(
+        gl.hits.load(Ordering::SeqCst),
+        1,
+        "one shared GitLab request"
+    );
+
+    // GitLab starts failing slowly; the cached answer expires.
+    gl.failing.store(true, Ordering::SeqCst);
+    tokio::time::sleep(Duration::from_millis(400)).await;
+    let stale = r.resolve(GOOD, None).await;
+    assert_eq!(stale.map(|i| i.agent_id.0), Ok(7), "the last good answer");
+    assert_eq!(gl.hits.load(Ordering::SeqCst), 2, "GitLab was asked again");
+    let unknown = r.resolve("never-seen-token-0123456789", None).await;
+    assert!(
+        matches!(unknown, Err(AuthError::Unavailable(_))),
+        "{unknown:?}"
+    );
+    // Once GitLab is back, its answers count again.
+    gl.failing.store(false, Ordering::SeqCst);
+    tokio::time::sleep(Duration::from_millis(150)).await;
+    assert_eq!(r.resolve(GOOD, None).await.map(|i| i.agent_id.0), Ok(7));
+}
+
+/// Hardening item 8: spraying random tokens reaches GitLab at the configured rate per
+/// client address and overall, not one to one; known-good tokens are not held back.
+#[tokio::test(flavor = "multi_thread")]
+async fn spraying_unknown_tokens_is_rate_limited_per_address_and_overall() {
+    let secret = Secret::from_base64(&"R2l0TGFi".repeat(8)).unwrap();
+    let (addr, gl) = fake_gitlab(&secret).await;
+    let policy = CachePolicy {
+        lookups_per_second: 30,
+        lookups_per_second_per_address: 10,
+        ..POLICY
+    };
+    let r = resolver(addr, &secret, policy);
+    r.resolve(GOOD, None).await.unwrap();
+    let attacker = Some("127.0.0.9".parse().unwrap());
+    let mut throttled = 0;
+    for i in 0..3000 {
+        match r
+            .resolve(&format!("random-token-{i:08}-xxxx"), attacker)
+            .await
+        {
+            Err(AuthError::Throttled(m)) => {
+                assert!(
+                    m.contains("agent.token_lookups_per_second_per_address"),
+                    "{m}"
+                );
+                throttled += 1;
+            }
+            other => assert_eq!(other, Err(AuthError::InvalidToken)),
+        }
+    }
+    let hits = gl.hits.load(Ordering::SeqCst) - 1;
+    assert!(hits < 50, "{hits} GitLab requests for 3,000 sprayed tokens");
+    assert!(throttled > 2900, "{throttled} throttled");
+    // Another address still gets through, until the overall budget is spent too.
+    let other = Some("127.0.0.10".parse().unwrap());
+    let mut overall = 0;
+    for i in 0..100 {
+        let peer = Some(format!("127.0.1.{i}").parse().unwrap());
+        if let Err(AuthError::Throttled(m)) = r.resolve(&format!("spray-{i:08}-xxxxx"), peer).await
+        {
+            assert!(m.contains("(limit agent.token_lookups_per_second)"), "{m}");
+            overall += 1;
+        }
+    }
+    assert!(overall > 0, "the overall limit held");
+    tokio::time::sleep(Duration::from_millis(1100)).await;
+    assert_eq!(
+        r.resolve("yet-another-token-xxxxxxx", other).await,
+        Err(AuthError::InvalidToken),
+        "budgets refill"
+    );
+    // A token GitLab accepted is looked up again without a budget: here one lookup a
+    // second, spent on its first use.
+    let strict = CachePolicy {
+        lookups_per_second: 1,
+        lookups_per_second_per_address: 1,
+        ..POLICY
+    };
+    let r = resolver(addr, &secret, strict);
+    r.resolve(GOOD, attacker).await.unwrap();
+    tokio::time::sleep(Duration::from_millis(350)).await; // past the ttl, not a refill
+    let spray = r.resolve("one-more-random-token-xx", attacker).await;
+    assert!(matches!(spray, Err(AuthError::Throttled(_))), "{spray:?}");
+    assert_eq!(r.resolve(GOOD, attacker).await.map(|i| i.agent_id.0), Ok(7));
 }
 
 #[tokio::test]

@@ -45,13 +45,22 @@ pub struct AgentService {
 impl AgentService {
     /// Resolves the agent token in `metadata`. Takes the metadata, not the request, so
     /// that no reference to a (non-`Sync`) request stream is held across the lookup.
-    async fn authenticate(&self, metadata: MetadataMap) -> Result<AgentIdentity, Status> {
+    async fn authenticate(
+        &self,
+        metadata: MetadataMap,
+        peer: Option<SocketAddr>,
+    ) -> Result<AgentIdentity, Status> {
         let header = metadata.get("authorization").and_then(|v| v.to_str().ok());
-        self.auth.resolve_bearer(header).await.map_err(|e| {
+        let peer = peer.map(|p| p.ip());
+        self.auth.resolve_bearer(header, peer).await.map_err(|e| {
             tracing::info!(error = %e, "agent refused");
             match e {
                 AuthError::InvalidToken => Status::unauthenticated(e.to_string()),
                 AuthError::Unavailable(_) => Status::unavailable(e.to_string()),
+                AuthError::Throttled(_) => {
+                    self.limits.refused("agent.token_lookups_per_second");
+                    Status::resource_exhausted(e.to_string())
+                }
             }
         })
     }
@@ -67,7 +76,7 @@ impl AgentApi for AgentService {
         req: Request<ConfigurationRequest>,
     ) -> Result<Response<Self::GetConfigurationStream>, Status> {
         let metadata = req.metadata().clone();
-        let identity = self.authenticate(metadata).await?;
+        let identity = self.authenticate(metadata, req.remote_addr()).await?;
         let meta = req.into_inner().agent_meta.unwrap_or_default();
         check_meta(&meta)?;
         self.limits.request(identity.agent_id)?;
@@ -127,7 +136,7 @@ impl AgentApi for AgentService {
             ));
         }
         let metadata = req.metadata().clone();
-        let identity = self.authenticate(metadata).await?;
+        let identity = self.authenticate(metadata, req.remote_addr()).await?;
         self.limits.request(identity.agent_id)?;
         let mut inbound = req.into_inner();
         let mut sequence = FrameSequence::new(StreamKind::Tunnel);

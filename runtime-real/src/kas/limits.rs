@@ -4,6 +4,7 @@
 //! in `kas_limit_refusals_total`.
 
 use super::metrics::Metrics;
+use crate::rate::{Bucket, Rate};
 use kas_core::{AgentId, ConnectionId};
 use std::collections::HashMap;
 use std::sync::{Arc, Mutex};
@@ -26,8 +27,8 @@ pub struct AgentLimitsConfig {
 
 #[derive(Default)]
 struct State {
-    /// Per agent: requests left, as of when.
-    buckets: HashMap<AgentId, (f64, Instant)>,
+    /// Per agent: its requests.
+    buckets: HashMap<AgentId, Bucket>,
     connections: HashMap<AgentId, usize>,
     tunnels: HashMap<(AgentId, ConnectionId), usize>,
 }
@@ -96,6 +97,11 @@ impl AgentLimits {
         self.state.lock().unwrap_or_else(|p| p.into_inner())
     }
 
+    /// Counts a refusal by the limit configured at `key`, made elsewhere.
+    pub fn refused(&self, key: &'static str) {
+        self.metrics.limit_refused(key);
+    }
+
     fn refuse(&self, key: &'static str, what: String) -> Status {
         self.metrics.limit_refused(key);
         tracing::info!(limit = key, "{what}");
@@ -104,31 +110,27 @@ impl AgentLimits {
 
     /// Counts one request (`GetConfiguration` or `OpenTunnel`) of `agent` against its rate.
     pub fn request(&self, agent: AgentId) -> Result<(), Status> {
-        let per_minute = f64::from(self.config.requests_per_minute);
+        let rate = Rate {
+            events: self.config.requests_per_minute,
+            per: std::time::Duration::from_secs(60),
+        };
         let now = Instant::now();
         let mut state = self.lock();
         if state.buckets.len() >= MAX_BUCKETS {
-            // A bucket that would be full again is no different from a fresh one.
-            state
-                .buckets
-                .retain(|_, (_, at)| now.duration_since(*at).as_secs_f64() < 60.0);
+            state.buckets.retain(|_, b| !rate.is_full(b, now));
         }
-        let (left, at) = state.buckets.entry(agent).or_insert((per_minute, now));
-        let refill = now.duration_since(*at).as_secs_f64() * per_minute / 60.0;
-        *left = (*left + refill).min(per_minute);
-        *at = now;
-        if *left < 1.0 {
-            drop(state);
-            return Err(self.refuse(
-                "agent.listen.connections_per_token_per_minute",
-                format!(
-                    "agent {agent} made more than {} requests in a minute",
-                    self.config.requests_per_minute
-                ),
-            ));
+        let bucket = state.buckets.entry(agent).or_insert(rate.bucket(now));
+        if rate.take(bucket, now) {
+            return Ok(());
         }
-        *left -= 1.0;
-        Ok(())
+        drop(state);
+        Err(self.refuse(
+            "agent.listen.connections_per_token_per_minute",
+            format!(
+                "agent {agent} made more than {} requests in a minute",
+                self.config.requests_per_minute
+            ),
+        ))
     }
 
     /// A place for one more open connection of `agent`.
