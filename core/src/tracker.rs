@@ -10,6 +10,10 @@
 //! the driver is asked to delete expired fields of the keys this kas writes. A failed batch
 //! is retried with jittered backoff; at shutdown everything is deleted.
 //!
+//! This kas's instance record is its liveness: it lives only `liveness` and is rewritten
+//! every `liveness / 3`, so readers can skip the records of a kas that died without
+//! deleting them (SIGKILL, a lost node) within `liveness`, long before those expire.
+//!
 //! One batch is in flight at a time; changes made meanwhile go into the next one.
 //! Driving contract: feed [`Tracker::handle_input`], drain [`Tracker::poll_output`], call
 //! [`Tracker::handle_timeout`] at [`Tracker::poll_timeout`].
@@ -110,6 +114,9 @@ pub struct TrackerConfig {
     pub refresh: Duration,
     /// How often expired fields are collected.
     pub gc: Duration,
+    /// Lifetime of this kas's instance record, its liveness (`ttl` when longer);
+    /// rewritten every third of it when shorter than `ttl`, else by the refresh.
+    pub liveness: Duration,
     /// Delay between retries of a failed batch.
     pub backoff: Backoff,
     /// Keys per batch at most.
@@ -148,6 +155,7 @@ pub struct Tracker {
     retry_at: Option<Time>,
     next_refresh: Time,
     next_gc: Time,
+    next_heartbeat: Time,
     shutting_down: bool,
     shutdown_reported: bool,
     outputs: VecDeque<TrackerOutput>,
@@ -163,9 +171,14 @@ impl Tracker {
         instance: &KasInstanceInfo,
         seed: u64,
     ) -> Self {
+        let config = TrackerConfig {
+            liveness: config.liveness.min(config.ttl),
+            ..config
+        };
         let mut t = Tracker {
             next_refresh: now + config.refresh,
             next_gc: now + config.gc,
+            next_heartbeat: Self::heartbeat_after(&config, now),
             config,
             keys,
             kas_id,
@@ -233,8 +246,17 @@ impl Tracker {
         self.flush(now);
     }
 
-    /// Runs refreshes, GC and retries due at `now`.
+    /// Runs refreshes, heartbeats, GC and retries due at `now`.
     pub fn handle_timeout(&mut self, now: Time) {
+        if now >= self.next_heartbeat {
+            self.next_heartbeat = Self::heartbeat_after(&self.config, now);
+            let key = self.keys.kas_instances();
+            if !self.shutting_down
+                && let Some(st) = self.state.get_mut(&key)
+            {
+                mark_dirty(&mut self.dirty_queue, key, st);
+            }
+        }
         if now >= self.next_refresh {
             self.next_refresh = now + self.config.refresh;
             if !self.shutting_down {
@@ -257,6 +279,16 @@ impl Tracker {
         self.flush(now);
     }
 
+    /// When the instance record is next rewritten on its own: a third of its life after
+    /// `now`, unless it lives as long as every record and the refresh rewrites it.
+    fn heartbeat_after(config: &TrackerConfig, now: Time) -> Time {
+        if config.liveness < config.ttl {
+            now + config.liveness / 3
+        } else {
+            Time(u64::MAX)
+        }
+    }
+
     /// The next command for the driver.
     pub fn poll_output(&mut self) -> Option<TrackerOutput> {
         self.outputs.pop_front()
@@ -267,7 +299,7 @@ impl Tracker {
         if self.shutting_down {
             return self.retry_at;
         }
-        let periodic = Some(self.next_refresh.min(self.next_gc));
+        let periodic = Some(self.next_refresh.min(self.next_gc).min(self.next_heartbeat));
         earliest(periodic, self.retry_at)
     }
 
@@ -382,7 +414,12 @@ impl Tracker {
                 };
                 st.dirty = false;
                 st.in_flight = true;
-                let expires_at = now + self.config.ttl;
+                let ttl = if key == self.keys.kas_instances() {
+                    self.config.liveness
+                } else {
+                    self.config.ttl
+                };
+                let expires_at = now + ttl;
                 writes.push(KeyWrite {
                     delete: std::mem::take(&mut st.pending_delete).into_iter().collect(),
                     set: st
@@ -390,7 +427,7 @@ impl Tracker {
                         .iter()
                         .map(|(f, v)| (f.clone(), expiring::encode(v, expires_at)))
                         .collect(),
-                    expire: (!st.fields.is_empty()).then_some(self.config.ttl),
+                    expire: (!st.fields.is_empty()).then_some(ttl),
                     // An explicit event already says what is true now.
                     announce: match &st.announce {
                         Some(a) if st.pending_publish.is_empty() && !st.fields.is_empty() => {

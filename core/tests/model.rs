@@ -147,6 +147,7 @@ impl World {
                         ttl: TTL,
                         refresh: REFRESH,
                         gc: GC,
+                        liveness: TTL,
                         backoff: Backoff {
                             initial: Duration::from_millis(10),
                             max: Duration::from_millis(100),

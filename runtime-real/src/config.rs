@@ -81,6 +81,11 @@ pub struct Agent {
     /// A tunnel silent (no heartbeat) for this long is closed.
     #[serde(with = "humantime_serde")]
     pub heartbeat_timeout: Duration,
+    /// This kas's liveness record lives this long (at most `redis_conn_info_ttl`) and is
+    /// rewritten every third of it: the connections of a kas that died without deleting
+    /// them leave listings and lookups within it.
+    #[serde(with = "humantime_serde")]
+    pub kas_liveness_ttl: Duration,
 }
 
 /// `api:`
@@ -271,6 +276,7 @@ impl Default for Agent {
             redis_conn_info_refresh: Duration::from_secs(240),
             redis_conn_info_gc: Duration::from_secs(600),
             heartbeat_timeout: Duration::from_secs(60),
+            kas_liveness_ttl: Duration::from_secs(30),
         }
     }
 }
@@ -372,6 +378,7 @@ impl Config {
             ("agent.redis_conn_info_refresh", a.redis_conn_info_refresh),
             ("agent.redis_conn_info_gc", a.redis_conn_info_gc),
             ("agent.heartbeat_timeout", a.heartbeat_timeout),
+            ("agent.kas_liveness_ttl", a.kas_liveness_ttl),
             ("api.default_timeout", self.api.default_timeout),
             ("api.max_token_lifetime", self.api.max_token_lifetime),
             (

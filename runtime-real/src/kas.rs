@@ -256,6 +256,7 @@ impl Kas {
                 ttl: a.redis_conn_info_ttl,
                 refresh: a.redis_conn_info_refresh,
                 gc: a.redis_conn_info_gc,
+                liveness: a.kas_liveness_ttl,
                 backoff: Backoff {
                     initial: Duration::from_millis(100),
                     max: Duration::from_secs(5),

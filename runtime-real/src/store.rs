@@ -73,6 +73,19 @@ impl Store {
         Ok(kas_core::expiring::live_fields(refs, now))
     }
 
+    /// The live fields of `key`, and the ids of the kas whose liveness record in
+    /// `instances` is live: what a reader needs to skip the records of a kas that died
+    /// without deleting them. Both reads go out together (one round trip on Redis).
+    pub async fn read_live_with_kas(
+        &self,
+        key: &str,
+        instances: &str,
+        now: Time,
+    ) -> Result<(Vec<(String, Vec<u8>)>, std::collections::BTreeSet<String>), StoreError> {
+        let (fields, kas) = tokio::join!(self.read_live(key, now), self.read_live(instances, now));
+        Ok((fields?, kas?.into_iter().map(|(id, _)| id).collect()))
+    }
+
     /// Deletes the fields of `keys` that are expired (or undecodable) at `now`. Returns how
     /// many went. On Redis one script call per 256 keys decides and deletes atomically;
     /// elsewhere each key is read, then each garbage field deleted only if it still holds

@@ -23,9 +23,13 @@ async fn agentk_reconnects_after_its_kas_restarts_and_is_routable_again() {
     let gitlab = GitLab::new(&secrets, kas.api).await;
     let pods = gitlab.pods(1, None, Duration::from_secs(10)).await;
     assert_eq!(pods.expect("routed"), ["web-1"]);
+    let gl = &gitlab;
+    let listed = eventually(Duration::from_secs(10), "agent 1 listed", || async move {
+        gl.connections(1).await.ok().filter(|c| !c.is_empty())
+    })
+    .await;
     assert_eq!(
-        gitlab.connections(1).await.unwrap()[0].1,
-        "agent1-pod",
+        listed[0].1, "agent1-pod",
         "pod name from the downward-API environment"
     );
 
@@ -36,12 +40,14 @@ async fn agentk_reconnects_after_its_kas_restarts_and_is_routable_again() {
     let pods = gitlab.pods(1, None, Duration::from_secs(15)).await;
     assert_eq!(pods.expect("routed after the restart"), ["web-1"]);
     assert!(agentk.running(), "agentk survived:\n{}", agentk.log_text());
+    // Its log is written as it goes: wait for the lines rather than read once.
+    eventually(Duration::from_secs(10), "the reconnection logged", || {
+        let logged = agentk.count("connected kas=") >= 2
+            && agentk.count("reconnecting after a backoff") >= 1;
+        async move { logged.then_some(()) }
+    })
+    .await;
     assert_eq!(agentk.count("connected kas="), 2, "{}", agentk.log_text());
-    assert!(
-        agentk.count("reconnecting after a backoff") >= 1,
-        "{}",
-        agentk.log_text()
-    );
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]

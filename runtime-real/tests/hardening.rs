@@ -469,3 +469,52 @@ async fn silent_connections_are_closed_and_a_full_file_table_is_reported() {
     })
     .await;
 }
+
+/// Item 10: the connections of a kas that was SIGKILLed leave the listings of the other
+/// kas once its liveness record expires (`agent.kas_liveness_ttl`, 3 s here), long before
+/// their own records would (300 s here).
+#[tokio::test(flavor = "multi_thread")]
+async fn a_killed_kas_s_agents_leave_listings_within_its_liveness_ttl() {
+    let redis = Redis::start().expect("redis-server starts (scripts/test installs it)");
+    let s = Secrets::new();
+    let live = Extra {
+        agent: "  kas_liveness_ttl: 3s\n",
+        ..Extra::default()
+    };
+    let mut doomed = KasProc::start_extra(&s, "kas0", Some(&redis), 300_000, live, None).await;
+    let survivor = KasProc::start_extra(&s, "kas1", Some(&redis), 300_000, live, None).await;
+    let _a1 = TestAgent::connect(doomed.agent, 1, "agent1-pod", 1).await;
+    let _a3 = TestAgent::connect(survivor.agent, 3, "agent3-pod", 1).await;
+    let gl = GitLab::new(&s, survivor.api).await;
+    eventually(Duration::from_secs(10), "agent 1 listed", || async {
+        gl.connections(1).await.ok().filter(|c| c.len() == 1)
+    })
+    .await;
+    // Past a few heartbeats, the live kas stays listed.
+    tokio::time::sleep(Duration::from_secs(4)).await;
+    assert_eq!(gl.connections(1).await.unwrap().len(), 1, "kas0 is alive");
+    doomed.kill9();
+    let killed = std::time::Instant::now();
+    eventually(
+        Duration::from_secs(10),
+        "agent 1 gone from listings",
+        || async { gl.connections(1).await.ok().filter(|c| c.is_empty()) },
+    )
+    .await;
+    let gone_after = killed.elapsed();
+    assert!(gone_after < Duration::from_secs(8), "{gone_after:?}");
+    // Its records are still in Redis: readers skip them.
+    assert!(
+        redis
+            .keys()
+            .contains(&"kas:conn_by_agent:{agent:1}".to_string())
+    );
+    assert_eq!(
+        gl.connections(3).await.unwrap().len(),
+        1,
+        "kas1's own agent stays"
+    );
+    let err = gl.pods(1, None, Duration::from_secs(1)).await.unwrap_err();
+    assert_eq!(err.code(), Code::Unavailable, "{err}");
+    assert!(err.message().contains("agent 1 is not connected"), "{err}");
+}

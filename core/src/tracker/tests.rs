@@ -7,6 +7,8 @@ fn config() -> TrackerConfig {
         ttl: TTL,
         refresh: Duration::from_millis(240),
         gc: Duration::from_millis(600),
+        // As long as the ttl: no heartbeats of its own (see the liveness test).
+        liveness: TTL,
         backoff: Backoff {
             initial: Duration::from_millis(10),
             max: Duration::from_millis(80),
@@ -189,6 +191,41 @@ fn failed_batch_is_retried_after_backoff_with_its_deletes_and_events() {
     t.handle_timeout(retry);
     let again = next_batch(&mut t);
     assert_eq!(again.writes, b.writes, "same deletes and publish again");
+}
+
+#[test]
+fn liveness_is_a_short_lived_instance_record_rewritten_every_third_of_it() {
+    let mut t = Tracker::new(
+        Time(0),
+        TrackerConfig {
+            liveness: Duration::from_millis(90),
+            ..config()
+        },
+        Keys::new("kas"),
+        KasId("k1:1".into()),
+        &KasInstanceInfo::default(),
+        1,
+    );
+    let first = next_batch(&mut t);
+    assert_eq!(first.writes[0].expire, Some(Duration::from_millis(90)));
+    t.handle_input(Time(1), TrackerInput::AgentConnected(info(7, 70)));
+    ack(&mut t, 1, &first, true);
+    let b = next_batch(&mut t);
+    ack(&mut t, 2, &b, true);
+    for w in &b.writes {
+        assert_eq!(w.expire, Some(TTL), "{}: agent records keep the ttl", w.key);
+    }
+    assert_eq!(t.poll_timeout(), Some(Time(30)));
+    for at in [30, 60, 90] {
+        t.handle_timeout(Time(at));
+        let beat = next_batch(&mut t);
+        assert_eq!(keys_of(&beat), vec!["kas:kas_instances"], "at {at}");
+        assert_eq!(
+            expiring::decode(&beat.writes[0].set[0].1).unwrap().0,
+            Time(at + 90)
+        );
+        ack(&mut t, at, &beat, true);
+    }
 }
 
 #[test]

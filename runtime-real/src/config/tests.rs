@@ -110,3 +110,41 @@ fn bad_values_name_their_key() {
         "{p:?}"
     );
 }
+
+#[test]
+fn limits_have_defaults_and_bad_ones_are_named() {
+    let f = Files::new();
+    let c = Config::parse(&f.yaml(""), "t.yaml").unwrap();
+    assert_eq!(c.agent.connections_per_token_per_minute(), 1000);
+    assert_eq!(c.agent.max_connections_per_agent, 100);
+    assert_eq!(c.agent.max_tunnels_per_connection, 200);
+    assert_eq!(c.agent.max_message_size, 32 << 20);
+    assert_eq!(c.agent.kas_liveness_ttl, Duration::from_secs(30));
+    assert_eq!(c.api.listen.max_concurrent_streams, 1000);
+    assert_eq!(c.api.listen.handshake_timeout, Duration::from_secs(10));
+    assert_eq!(c.api.max_token_lifetime, Duration::from_secs(3600));
+    let bad = problems(&f.yaml(
+        "observability:\n  listen:\n    address: 127.0.0.1:8151\n    connections_per_token_per_minute: 5\n    handshake_timeout: 0s\n",
+    ));
+    assert!(
+        bad.contains(
+            &"observability.listen.connections_per_token_per_minute applies to agent.listen only"
+                .to_string()
+        ),
+        "{bad:?}"
+    );
+    assert!(
+        bad.contains(
+            &"observability.listen.handshake_timeout must be greater than zero".to_string()
+        ),
+        "{bad:?}"
+    );
+    let zero = problems(
+        &f.yaml("redis:\n  server:\n    address: x:1\n")
+            .replace("agent:\n", "agent:\n  max_tunnels_per_connection: 0\n"),
+    );
+    assert!(
+        zero.contains(&"agent.max_tunnels_per_connection must be greater than zero".to_string()),
+        "{zero:?}"
+    );
+}

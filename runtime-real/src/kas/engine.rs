@@ -596,13 +596,20 @@ impl Engine {
             RouterOutput::Lookup(agent) => {
                 let store = self.store.clone();
                 let key = self.keys.tunnels_by_agent(agent);
+                let instances = self.keys.kas_instances();
                 let handle = self.handle.clone();
                 tokio::spawn(async move {
+                    // Tunnels of a kas that died without deleting them are skipped.
                     let found = store
-                        .read_live(&key, clock::now())
+                        .read_live_with_kas(&key, &instances, clock::now())
                         .await
                         .ok()
-                        .map(|live| live.into_iter().map(|(kas, _)| KasId(kas)).collect());
+                        .map(|(live, alive)| {
+                            live.into_iter()
+                                .filter(|(kas, _)| alive.contains(kas))
+                                .map(|(kas, _)| KasId(kas))
+                                .collect()
+                        });
                     handle.send(Command::LookupDone(agent, found));
                 });
             }

@@ -44,10 +44,11 @@ pub struct PublicService {
 }
 
 impl PublicService {
+    /// The connections recorded under `key` by kas that are alive.
     async fn connections(&self, key: String) -> Result<Vec<ConnectedAgentInfo>, Status> {
-        let live = self
+        let (live, kas) = self
             .store
-            .read_live(&key, clock::now())
+            .read_live_with_kas(&key, &self.keys.kas_instances(), clock::now())
             .await
             .map_err(|e| {
                 tracing::warn!(error = %e, "registry read failed");
@@ -56,6 +57,7 @@ impl PublicService {
         let mut agents: Vec<ConnectedAgentInfo> = live
             .into_iter()
             .filter_map(|(_, v)| ConnectedAgentInfo::decode(v.as_slice()).ok())
+            .filter(|a| kas_id_of(a).is_some_and(|id| kas.contains(&id)))
             .collect();
         agents.sort_by_key(|a| (a.agent_id, a.connection_id));
         Ok(agents)
@@ -129,6 +131,14 @@ impl PublicService {
             )),
         }
     }
+}
+
+/// The id of the kas that recorded a connection (its advertised private address).
+fn kas_id_of(info: &ConnectedAgentInfo) -> Option<String> {
+    let a = info.kas_address.as_ref()?;
+    let ip: std::net::IpAddr = a.ip.parse().ok()?;
+    let port = u16::try_from(a.port).ok()?;
+    Some(std::net::SocketAddr::new(ip, port).to_string())
 }
 
 /// The answer of a routed call as it arrives; dropping it before the end cancels the call.

@@ -241,6 +241,17 @@ impl KasProc {
     pub async fn metrics(&self) -> String {
         self.process.metrics().await.unwrap_or_default()
     }
+
+    /// Waits (up to 10 s) until the metrics contain `needle`; returns them. Metrics are
+    /// recorded after the answer reaches the caller, so a single read right after a call
+    /// may not show it yet.
+    pub async fn await_metric(&self, needle: &str) -> String {
+        eventually(Duration::from_secs(10), needle, || async {
+            let m = self.metrics().await;
+            m.contains(needle).then_some(m)
+        })
+        .await
+    }
 }
 
 /// A loopback channel to `addr`.
