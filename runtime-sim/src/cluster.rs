@@ -247,6 +247,22 @@ impl Cluster {
         self.agent_nodes.push((agent, replica, node));
     }
 
+    /// Creates the node of a [`crate::rogue`] agent `agent` (one replica) on kas `kas`.
+    pub fn add_rogue_agent(&mut self, agent: i64, kas: usize) {
+        self.next_agent_ip += 1;
+        let ip = self.next_agent_ip;
+        let truth = self.truth.clone();
+        let node = Handle::current()
+            .create_node()
+            .name(format!("rogue{agent}"))
+            .ip(IpAddr::V4(Ipv4Addr::new(10, 0, 2, ip)))
+            .init(move || {
+                crate::rogue::run(kas_addr(kas, 8150), token(agent), agent, truth.clone())
+            })
+            .build();
+        self.agent_nodes.push((agent, 0, node));
+    }
+
     /// A new GitLab caller node.
     pub fn caller(&self) -> NodeHandle {
         let n = self.next_caller.fetch_add(1, Ordering::Relaxed) + 1;

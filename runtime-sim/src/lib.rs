@@ -10,6 +10,8 @@ pub mod cluster;
 #[cfg(madsim)]
 pub mod redis;
 #[cfg(madsim)]
+pub mod rogue;
+#[cfg(madsim)]
 pub mod scenario;
 #[cfg(madsim)]
 pub mod truth;

@@ -86,6 +86,8 @@ const ABSENT: i64 = 99;
 const LATE: i64 = 50;
 /// The agent that connects during the final phase, while calls wait for it.
 const LIVENESS: i64 = 51;
+/// A misbehaving agent (see `rogue`): not expected to answer, only to be called once per call.
+const ROGUE: i64 = 52;
 /// Registry record lifetime in the simulation.
 const TTL: Duration = Duration::from_secs(4);
 /// How long the faulty phase lasts.
@@ -280,9 +282,12 @@ pub async fn run(scenario: Scenario) -> Report {
         agent: LATE,
         replicas: vec![late_kas],
     });
+    // And one that answers every call with an `Error` frame: its calls fail, once each.
+    cluster.add_rogue_agent(ROGUE, thread_rng().gen_range(0..spec.kas));
     let secret = cluster.gitlab_secret();
     let mut targets: Vec<i64> = agents.iter().map(|a| a.agent).collect();
     targets.push(ABSENT);
+    targets.push(ROGUE);
     let start = Instant::now();
     let until = start + FAULTY;
     let caller = cluster.caller();

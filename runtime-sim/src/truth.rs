@@ -31,7 +31,7 @@ impl Truth {
         let (log, pod) = (self.clone(), pod.to_string());
         let mut modules = Modules::default();
         modules.unary(PODS_LIST, move |req: ListRequest| {
-            log.lock().push(Delivery {
+            log.record(Delivery {
                 marker: req.namespace,
                 agent,
                 replica,
@@ -46,6 +46,11 @@ impl Truth {
             async move { Ok(ListResponse { pods: vec![pod] }) }
         });
         modules
+    }
+
+    /// Records a call an agent received.
+    pub fn record(&self, delivery: Delivery) {
+        self.lock().push(delivery);
     }
 
     /// Every delivery so far, in order.

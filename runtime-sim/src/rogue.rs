@@ -1,0 +1,113 @@
+//! A misbehaving agent: it answers every call with an `Error` frame, which only a kas may
+//! send (kas's "not delivered"). An outside probe once made kas deliver such a call four
+//! times; here every call it receives is recorded in the ground truth, so a kas that took
+//! its `Error` for a refusal and offered the call again shows as a second delivery (inv 3).
+//!
+//! It speaks the tunnel protocol frame by frame, reopening each tunnel kas closes for the
+//! violation, and heartbeats like agentk.
+
+use crate::truth::{Delivery, Truth};
+use kas_proto::agent_api::agent_api_client::AgentApiClient;
+use kas_proto::frame::{Descriptor, Frame, frame::Kind};
+use kas_proto::pods::ListRequest;
+use kas_runtime::agent::{AgentClient, PODS_LIST};
+use kas_runtime::frames;
+use prost::Message;
+use std::net::SocketAddr;
+use std::time::Duration;
+use tokio::sync::mpsc;
+use tokio::time::Instant;
+use tokio_stream::wrappers::ReceiverStream;
+use tonic::transport::{Channel, Endpoint};
+
+/// Tunnels the rogue agent keeps open.
+const TUNNELS: usize = 2;
+
+/// Runs the rogue replica 0 of `agent` against the kas at `kas` until the node is killed.
+pub async fn run(kas: SocketAddr, token: String, agent: i64, truth: Truth) {
+    loop {
+        if let Ok(channel) = Endpoint::from_shared(format!("http://{kas}"))
+            .expect("a valid address")
+            .connect()
+            .await
+        {
+            serve(channel, &token, agent, &truth).await;
+        }
+        tokio::time::sleep(Duration::from_secs(1)).await;
+    }
+}
+
+/// One connection: `GetConfiguration`, then tunnels until the configuration stream ends.
+async fn serve(channel: Channel, token: &str, agent: i64, truth: &Truth) {
+    let client = AgentClient::new(channel.clone(), token);
+    let Ok((connection, _, mut config)) = client.connect(Default::default()).await else {
+        return;
+    };
+    let tunnels: Vec<_> = (0..TUNNELS)
+        .map(|_| {
+            let (channel, token, truth) = (channel.clone(), token.to_string(), truth.clone());
+            tokio::spawn(async move {
+                loop {
+                    tunnel(channel.clone(), &token, connection.0, agent, &truth).await;
+                    tokio::time::sleep(Duration::from_millis(200)).await;
+                }
+            })
+        })
+        .collect();
+    while let Ok(Some(_)) = config.message().await {}
+    for t in tunnels {
+        t.abort();
+    }
+}
+
+/// One tunnel, until kas closes it.
+async fn tunnel(channel: Channel, token: &str, connection: i64, agent: i64, truth: &Truth) {
+    let (tx, rx) = mpsc::channel::<Frame>(8);
+    let descriptor = frames::frame(Kind::Descriptor(Descriptor {
+        methods: vec![PODS_LIST.into()],
+        connection_id: connection,
+    }));
+    if tx.send(descriptor).await.is_err() {
+        return;
+    }
+    let mut req = tonic::Request::new(ReceiverStream::new(rx));
+    let Ok(bearer) = format!("Bearer {token}").parse() else {
+        return;
+    };
+    req.metadata_mut().insert("authorization", bearer);
+    let Ok(resp) = AgentApiClient::new(channel).open_tunnel(req).await else {
+        return;
+    };
+    let mut inbound = resp.into_inner();
+    let mut beat = tokio::time::interval(Duration::from_millis(500));
+    let mut marker = None;
+    loop {
+        let frame = tokio::select! {
+            f = inbound.message() => f,
+            _ = beat.tick() => {
+                let _ = tx.send(frames::heartbeat(0)).await;
+                continue;
+            }
+        };
+        let Ok(Some(frame)) = frame else { return };
+        match frame.kind {
+            Some(Kind::Message(m)) => {
+                marker = ListRequest::decode(m.data.as_slice())
+                    .ok()
+                    .map(|r| r.namespace);
+            }
+            Some(Kind::CloseSend(c)) => {
+                truth.record(Delivery {
+                    marker: marker.take().unwrap_or_default(),
+                    agent,
+                    replica: 0,
+                    at: Instant::now(),
+                });
+                let refusal =
+                    tonic::Status::unavailable(format!("connection {connection} is not connected"));
+                let _ = tx.send(frames::error(c.request_id, &refusal)).await;
+            }
+            _ => {}
+        }
+    }
+}
