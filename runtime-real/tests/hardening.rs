@@ -4,7 +4,7 @@
 mod support;
 
 use kas_proto::frame::{Descriptor, Frame, frame::Kind};
-use kas_runtime::agent::AgentClient;
+use kas_runtime::agent::{AgentClient, PODS_LIST};
 use kas_runtime::frames;
 use std::sync::Arc;
 use std::sync::atomic::{AtomicUsize, Ordering};
@@ -36,21 +36,9 @@ impl RawAgent {
             while let Ok(Some(_)) = config.message().await {}
         })];
         for _ in 0..tunnels {
-            let mut api = kas_proto::agent_api::agent_api_client::AgentApiClient::new(
-                channel(kas.agent).await,
-            );
-            let (tx, rx) = tokio::sync::mpsc::channel(8);
-            let descriptor = frames::frame(Kind::Descriptor(Descriptor {
-                methods: vec![kas_runtime::agent::PODS_LIST.into()],
-                connection_id: connection.0,
-            }));
-            tx.send(descriptor).await.unwrap();
-            let mut req = tonic::Request::new(ReceiverStream::new(rx));
-            req.metadata_mut().insert(
-                "authorization",
-                format!("Bearer {}", agent_token(agent)).parse().unwrap(),
-            );
-            let mut inbound = api.open_tunnel(req).await.unwrap().into_inner();
+            let (tx, mut inbound) = tunnel(kas, agent, connection.0, &[PODS_LIST])
+                .await
+                .expect("tunnel accepted");
             let received = received.clone();
             tasks.push(tokio::spawn(async move {
                 while let Ok(Some(f)) = inbound.message().await {
@@ -283,9 +271,9 @@ async fn agent_connections_tunnels_and_request_rate_are_capped() {
 
     let mut open = Vec::new();
     for _ in 0..2 {
-        open.push(tunnel(&kas, 1, c1.0).await.expect("within the limit"));
+        open.push(tunnel(&kas, 1, c1.0, &[]).await.expect("within the limit"));
     }
-    let err = tunnel(&kas, 1, c1.0).await.expect_err("third tunnel");
+    let err = tunnel(&kas, 1, c1.0, &[]).await.expect_err("third tunnel");
     assert_eq!(err.code(), Code::ResourceExhausted, "{err}");
     assert!(
         err.message().contains("agent.max_tunnels_per_connection"),
@@ -293,7 +281,7 @@ async fn agent_connections_tunnels_and_request_rate_are_capped() {
     );
     drop(open.pop());
     eventually(Duration::from_secs(5), "a freed tunnel place", || async {
-        tunnel(&kas, 1, c1.0).await.ok()
+        tunnel(&kas, 1, c1.0, &[]).await.ok()
     })
     .await;
 
@@ -332,17 +320,19 @@ async fn agent_connections_tunnels_and_request_rate_are_capped() {
     }
 }
 
-/// Opens a tunnel of `agent`'s connection `connection`: its inbound stream once accepted.
+/// Opens a tunnel of `agent`'s connection `connection` serving `methods`: the frames to
+/// send, and the inbound stream once kas accepted it.
 async fn tunnel(
     kas: &KasProc,
     agent: i64,
     connection: i64,
+    methods: &[&str],
 ) -> Result<(tokio::sync::mpsc::Sender<Frame>, tonic::Streaming<Frame>), tonic::Status> {
     let mut api =
         kas_proto::agent_api::agent_api_client::AgentApiClient::new(channel(kas.agent).await);
     let (tx, rx) = tokio::sync::mpsc::channel(8);
     let descriptor = frames::frame(Kind::Descriptor(Descriptor {
-        methods: vec![],
+        methods: methods.iter().map(|m| m.to_string()).collect(),
         connection_id: connection,
     }));
     tx.send(descriptor).await.unwrap();
@@ -517,4 +507,40 @@ async fn a_killed_kas_s_agents_leave_listings_within_its_liveness_ttl() {
     let err = gl.pods(1, None, Duration::from_secs(1)).await.unwrap_err();
     assert_eq!(err.code(), Code::Unavailable, "{err}");
     assert!(err.message().contains("agent 1 is not connected"), "{err}");
+}
+
+/// Item 6: a client that sends the HTTP/2 preface and then stops answering is closed once
+/// a keepalive ping goes unanswered (`keepalive_interval` + `keepalive_timeout`).
+#[tokio::test(flavor = "multi_thread")]
+async fn a_connection_that_stops_answering_pings_is_closed() {
+    use tokio::io::{AsyncReadExt, AsyncWriteExt};
+    let s = Secrets::new();
+    let keepalive = Extra {
+        agent_listen: "    keepalive_interval: 1s\n    keepalive_timeout: 1s\n",
+        ..Extra::default()
+    };
+    let kas = KasProc::start_extra(&s, "kas", None, 10_000, keepalive, None).await;
+    let mut c = tokio::net::TcpStream::connect(kas.agent).await.unwrap();
+    // The preface and an empty SETTINGS frame; then nothing, not even ACKs.
+    c.write_all(b"PRI * HTTP/2.0\r\n\r\nSM\r\n\r\n\0\0\0\x04\0\0\0\0\0")
+        .await
+        .unwrap();
+    let started = std::time::Instant::now();
+    let mut buf = [0u8; 256];
+    let closed = tokio::time::timeout(Duration::from_secs(15), async {
+        loop {
+            match c.read(&mut buf).await {
+                Ok(0) | Err(_) => return,
+                Ok(_) => {} // kas's SETTINGS, its ACK of ours, its PINGs
+            }
+        }
+    })
+    .await;
+    assert!(closed.is_ok(), "kas closed the unresponsive connection");
+    // Past the preface timeout (10 s by default) is not what closed it.
+    assert!(
+        started.elapsed() < Duration::from_secs(9),
+        "{:?}",
+        started.elapsed()
+    );
 }
