@@ -14,6 +14,7 @@
 
 pub mod backoff;
 pub mod expiring;
+pub mod fixed_hash;
 pub mod frame_sequence;
 pub mod ids;
 pub mod keys;

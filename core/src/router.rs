@@ -32,11 +32,12 @@
 //! [`Router::handle_timeout`] at [`Router::poll_timeout`].
 
 use crate::backoff::Backoff;
+use crate::fixed_hash::{Map, Set};
 use crate::ids::{AgentId, ConnectionId, KasId, RequestId};
 use crate::rng::Rng;
 use crate::time::Time;
 use std::cmp::Reverse;
-use std::collections::{BTreeMap, BTreeSet, BinaryHeap, HashMap, HashSet, VecDeque};
+use std::collections::{BTreeMap, BTreeSet, BinaryHeap, VecDeque};
 use std::time::Duration;
 
 /// What the driver tells the router.
@@ -248,9 +249,9 @@ pub struct Router {
     config: RouterConfig,
     self_id: KasId,
     rng: Rng,
-    routes: HashMap<RequestId, Route>,
-    agents: HashMap<AgentId, AgentRoutes>,
-    local: HashSet<AgentId>,
+    routes: Map<RequestId, Route>,
+    agents: Map<AgentId, AgentRoutes>,
+    local: Set<AgentId>,
     /// When a kas last refused a call, by what the refusal was about: the agent, and the
     /// replica for a pinned call.
     failed_at: BTreeMap<Refusal, Time>,
@@ -268,9 +269,9 @@ impl Router {
             config,
             self_id,
             rng: Rng::new(seed),
-            routes: HashMap::new(),
-            agents: HashMap::new(),
-            local: HashSet::new(),
+            routes: Map::default(),
+            agents: Map::default(),
+            local: Set::default(),
             failed_at: BTreeMap::new(),
             timers: BinaryHeap::new(),
             linger_timers: BinaryHeap::new(),

@@ -20,13 +20,14 @@
 
 use crate::backoff::Backoff;
 use crate::expiring;
+use crate::fixed_hash::Map;
 use crate::ids::{AgentId, ConnectionId, KasId, ProjectId};
 use crate::keys::Keys;
 use crate::rng::Rng;
 use crate::time::{Time, earliest};
 use kas_proto::registry::{ConnectedAgentInfo, KasInstanceInfo, TunnelEvent};
 use prost::Message;
-use std::collections::{BTreeMap, BTreeSet, HashMap, VecDeque};
+use std::collections::{BTreeMap, BTreeSet, VecDeque};
 use std::time::Duration;
 
 /// What the driver tells the tracker.
@@ -147,7 +148,7 @@ pub struct Tracker {
     keys: Keys,
     kas_id: KasId,
     rng: Rng,
-    state: HashMap<String, KeyState>,
+    state: Map<String, KeyState>,
     dirty_queue: VecDeque<String>,
     in_flight: Option<InFlight>,
     next_batch_id: u64,
@@ -183,7 +184,7 @@ impl Tracker {
             keys,
             kas_id,
             rng: Rng::new(seed),
-            state: HashMap::new(),
+            state: Map::default(),
             dirty_queue: VecDeque::new(),
             in_flight: None,
             next_batch_id: 0,

@@ -13,11 +13,12 @@
 //! Cost: claiming and releasing are O(1) in the number of tunnels (hash maps and
 //! `IndexSet::swap_remove`); waiters of one agent are kept in a `BTreeMap` by arrival.
 
+use crate::fixed_hash::Map;
 use crate::ids::{AgentId, ConnectionId, RequestId, TunnelId};
 use crate::time::{Time, earliest};
 use indexmap::IndexSet;
 use std::cmp::Reverse;
-use std::collections::{BTreeMap, BinaryHeap, HashMap, VecDeque};
+use std::collections::{BTreeMap, BinaryHeap, VecDeque};
 use std::time::Duration;
 
 /// What the driver tells the registry.
@@ -150,17 +151,17 @@ type ConnKey = (AgentId, ConnectionId);
 #[derive(Debug)]
 pub struct TunnelRegistry {
     config: RegistryConfig,
-    tunnels: HashMap<TunnelId, Tunnel>,
+    tunnels: Map<TunnelId, Tunnel>,
     /// Tunnel count per agent and per connection (idle and claimed).
-    per_agent: HashMap<AgentId, usize>,
-    per_conn: HashMap<ConnKey, usize>,
-    idle_by_agent: HashMap<AgentId, IndexSet<TunnelId>>,
-    idle_by_conn: HashMap<ConnKey, IndexSet<TunnelId>>,
-    claims: HashMap<RequestId, TunnelId>,
-    waiters: HashMap<RequestId, Waiter>,
+    per_agent: Map<AgentId, usize>,
+    per_conn: Map<ConnKey, usize>,
+    idle_by_agent: Map<AgentId, IndexSet<TunnelId>>,
+    idle_by_conn: Map<ConnKey, IndexSet<TunnelId>>,
+    claims: Map<RequestId, TunnelId>,
+    waiters: Map<RequestId, Waiter>,
     /// Waiters for any connection of an agent, and for one connection, by arrival.
-    queue_by_agent: HashMap<AgentId, BTreeMap<u64, RequestId>>,
-    queue_by_conn: HashMap<ConnKey, BTreeMap<u64, RequestId>>,
+    queue_by_agent: Map<AgentId, BTreeMap<u64, RequestId>>,
+    queue_by_conn: Map<ConnKey, BTreeMap<u64, RequestId>>,
     next_seq: u64,
     waiter_deadlines: BinaryHeap<Reverse<(Time, RequestId)>>,
     heartbeat_deadlines: BinaryHeap<Reverse<(Time, TunnelId)>>,
@@ -172,15 +173,15 @@ impl TunnelRegistry {
     pub fn new(config: RegistryConfig) -> Self {
         TunnelRegistry {
             config,
-            tunnels: HashMap::new(),
-            per_agent: HashMap::new(),
-            per_conn: HashMap::new(),
-            idle_by_agent: HashMap::new(),
-            idle_by_conn: HashMap::new(),
-            claims: HashMap::new(),
-            waiters: HashMap::new(),
-            queue_by_agent: HashMap::new(),
-            queue_by_conn: HashMap::new(),
+            tunnels: Map::default(),
+            per_agent: Map::default(),
+            per_conn: Map::default(),
+            idle_by_agent: Map::default(),
+            idle_by_conn: Map::default(),
+            claims: Map::default(),
+            waiters: Map::default(),
+            queue_by_agent: Map::default(),
+            queue_by_conn: Map::default(),
             next_seq: 0,
             waiter_deadlines: BinaryHeap::new(),
             heartbeat_deadlines: BinaryHeap::new(),
@@ -331,7 +332,7 @@ impl TunnelRegistry {
     /// Checks the registry's internal indexes agree with each other (for tests and the
     /// simulation's invariant checker). Returns what is inconsistent.
     pub fn check_invariants(&self) -> Result<(), String> {
-        let mut per_agent: HashMap<AgentId, usize> = HashMap::new();
+        let mut per_agent: Map<AgentId, usize> = Map::default();
         let mut idle = 0;
         for (id, t) in &self.tunnels {
             *per_agent.entry(t.agent).or_default() += 1;
@@ -543,7 +544,7 @@ impl TunnelRegistry {
 }
 
 fn remove_from_set<K: std::hash::Hash + Eq>(
-    sets: &mut HashMap<K, IndexSet<TunnelId>>,
+    sets: &mut Map<K, IndexSet<TunnelId>>,
     key: K,
     tunnel: TunnelId,
 ) {
@@ -556,7 +557,7 @@ fn remove_from_set<K: std::hash::Hash + Eq>(
 }
 
 fn remove_from_queue<K: std::hash::Hash + Eq>(
-    queues: &mut HashMap<K, BTreeMap<u64, RequestId>>,
+    queues: &mut Map<K, BTreeMap<u64, RequestId>>,
     key: K,
     seq: u64,
 ) {
@@ -569,7 +570,7 @@ fn remove_from_queue<K: std::hash::Hash + Eq>(
 }
 
 /// Decrements a count, removing it at zero; true when it reached zero.
-fn decrement<K: std::hash::Hash + Eq>(counts: &mut HashMap<K, usize>, key: K) -> bool {
+fn decrement<K: std::hash::Hash + Eq>(counts: &mut Map<K, usize>, key: K) -> bool {
     match counts.get_mut(&key) {
         Some(n) if *n > 1 => {
             *n -= 1;

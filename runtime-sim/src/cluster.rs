@@ -121,10 +121,14 @@ fn write_files() -> PathBuf {
     dir
 }
 
-/// The simulated kas unsubscribe at an agent's last call (`subscription_linger: 0s`): with
-/// a linger, swarm seed 7 fails madsim's determinism check (not an invariant), a cause not
-/// yet found. The linger's routing is covered by core's unit and model tests, and 1,400
-/// release runs with a 5 s linger passed every invariant.
+/// The simulated kas unsubscribe at an agent's last call (`subscription_linger: 0s`). The
+/// determinism failure that first kept the linger out is explained and fixed (unbiased
+/// `tokio::select!`s drew from tokio's per-thread RNG, and std hash maps from per-process
+/// seeds, both of which differ between the determinism check's two runs in one process).
+/// With the production 60 s linger (and a leak check that waits it out), `redis-restart`
+/// still fails inv 5 on some of seeds 1..=100: after healing, a call finds its agent "not
+/// connected", the lingering knowledge of where its tunnels are gone stale across a Redis
+/// restart. Until that is fixed the simulation runs without the linger.
 fn kas_config(i: usize, dir: &std::path::Path, spec: &ClusterSpec) -> Config {
     let ttl = spec.ttl.as_millis();
     let yaml = format!(

@@ -138,6 +138,7 @@ impl RedisState {
         let mut subscriber: Option<u64> = None;
         loop {
             tokio::select! {
+                biased;
                 request = rx.recv() => {
                     let Ok(payload) = request else { break };
                     let Ok(request) = payload.downcast::<SimRequest>() else { break };

@@ -83,6 +83,7 @@ async fn tunnel(channel: Channel, token: &str, connection: i64, agent: i64, trut
     let mut marker = None;
     loop {
         let frame = tokio::select! {
+            biased;
             f = inbound.message() => f,
             _ = beat.tick() => {
                 let _ = tx.send(frames::heartbeat(0)).await;

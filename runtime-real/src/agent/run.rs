@@ -8,10 +8,11 @@ use futures::StreamExt;
 use futures::stream::FuturesUnordered;
 use kas_core::ConnectionId;
 use kas_core::backoff::Backoff;
+use kas_core::fixed_hash::Map;
 use kas_core::rng::Rng;
 use kas_core::tunnel_pool::{PoolConfig, PoolInput, PoolOutput, Slot, TunnelPool};
 use kas_proto::registry::AgentMeta;
-use std::collections::HashMap;
+
 use std::sync::Arc;
 use std::time::Duration;
 use tokio::sync::{mpsc, oneshot, watch};
@@ -109,6 +110,7 @@ pub async fn run(
         failures = failures.saturating_add(1);
         tracing::info!(?delay, attempt = failures, "reconnecting after a backoff");
         tokio::select! {
+            biased;
             () = tokio::time::sleep(delay) => {}
             () = stopping(&mut shutdown) => return,
         }
@@ -148,6 +150,7 @@ async fn serve(
         Ok::<_, Status>((client, connection, config))
     };
     let (client, connection, mut config) = tokio::select! {
+        biased;
         r = connect => match r {
             Ok(c) => c,
             Err(s) => return Served::Failed(s),
@@ -162,7 +165,7 @@ async fn serve(
         modules: modules.clone(),
         heartbeat: options.heartbeat,
         tunnels: FuturesUnordered::new(),
-        closers: HashMap::new(),
+        closers: Map::default(),
         reports: mpsc::unbounded_channel(),
     };
     pool.machine.handle_timeout(clock::now());
@@ -174,6 +177,7 @@ async fn serve(
         }
         let wake = pool.machine.poll_timeout();
         tokio::select! {
+            biased;
             msg = config.message() => match msg {
                 Ok(Some(_)) => {}
                 Ok(None) => return Served::Ended(Status::unavailable("kas closed the connection")),
@@ -211,7 +215,7 @@ struct Pool {
     heartbeat: Duration,
     /// Tunnel tasks (madsim has no `JoinSet`); aborted when the pool is dropped.
     tunnels: FuturesUnordered<JoinHandle<(Slot, Status)>>,
-    closers: HashMap<Slot, oneshot::Sender<()>>,
+    closers: Map<Slot, oneshot::Sender<()>>,
     reports: (
         mpsc::UnboundedSender<PoolInput>,
         mpsc::UnboundedReceiver<PoolInput>,

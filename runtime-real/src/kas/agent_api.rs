@@ -108,6 +108,7 @@ impl AgentApi for AgentService {
         tokio::spawn(async move {
             let closed = async { leaving.wait_for(|c| *c).await.is_ok() };
             let shutting_down = tokio::select! {
+                biased;
                 () = tx.closed() => false,
                 closed = closed => closed,
             };

@@ -12,6 +12,7 @@ use super::tunnel::{Orders, TunnelOrder};
 use crate::clock;
 use crate::frames;
 use crate::store::{PubSub, PubSubEvent, Store};
+use kas_core::fixed_hash::{Map, Set};
 use kas_core::keys::Keys;
 use kas_core::router::{RouteError, Router, RouterInput, RouterOutput, Target};
 use kas_core::tracker::{Tracker, TrackerInput, TrackerOutput};
@@ -19,7 +20,7 @@ use kas_core::tunnel_registry::{RegistryInput, RegistryOutput, TunnelRegistry};
 use kas_core::{AgentId, ConnectionId, KasId, ProjectId, RequestId, Time, TunnelId};
 use kas_proto::registry::{ConnectedAgentInfo, TunnelEvent};
 use prost::Message;
-use std::collections::{HashMap, HashSet};
+
 use std::sync::Arc;
 use std::sync::atomic::{AtomicU64, Ordering};
 use tokio::sync::{mpsc, oneshot, watch};
@@ -178,11 +179,11 @@ struct Engine {
     metrics: Metrics,
     store_ready: watch::Sender<bool>,
     handle: EngineHandle,
-    tunnels: HashMap<TunnelId, Orders>,
-    connections: HashMap<(AgentId, ConnectionId), HashSet<TunnelId>>,
-    tunnel_connection: HashMap<TunnelId, (AgentId, ConnectionId)>,
-    calls: HashMap<RequestId, CallState>,
-    channels: HashMap<String, AgentId>,
+    tunnels: Map<TunnelId, Orders>,
+    connections: Map<(AgentId, ConnectionId), Set<TunnelId>>,
+    tunnel_connection: Map<TunnelId, (AgentId, ConnectionId)>,
+    calls: Map<RequestId, CallState>,
+    channels: Map<String, AgentId>,
     store_healthy: bool,
     wakeups: bool,
     /// The pub-sub connection has been up before (so `Up` is a reconnection).
@@ -210,11 +211,11 @@ pub fn spawn(parts: EngineParts) -> EngineHandle {
         metrics: parts.metrics,
         store_ready: parts.store_ready,
         handle: handle.clone(),
-        tunnels: HashMap::new(),
-        connections: HashMap::new(),
-        tunnel_connection: HashMap::new(),
-        calls: HashMap::new(),
-        channels: HashMap::new(),
+        tunnels: Map::default(),
+        connections: Map::default(),
+        tunnel_connection: Map::default(),
+        calls: Map::default(),
+        channels: Map::default(),
         store_healthy: true,
         wakeups: parts.wakeups,
         pubsub_was_up: false,
@@ -596,20 +597,18 @@ impl Engine {
             RouterOutput::Lookup(agent) => {
                 let store = self.store.clone();
                 let key = self.keys.tunnels_by_agent(agent);
-                let instances = self.keys.kas_instances();
                 let handle = self.handle.clone();
                 tokio::spawn(async move {
-                    // Tunnels of a kas that died without deleting them are skipped.
+                    // Not filtered by kas liveness (listings are): a tunnel record may
+                    // outlive its kas's liveness record for a moment while refreshes fail,
+                    // and a router that kept such a lookup would wait for an announcement
+                    // that never comes (the record was never gone). A dead kas costs one
+                    // refused attempt instead.
                     let found = store
-                        .read_live_with_kas(&key, &instances, clock::now())
+                        .read_live(&key, clock::now())
                         .await
                         .ok()
-                        .map(|(live, alive)| {
-                            live.into_iter()
-                                .filter(|(kas, _)| alive.contains(kas))
-                                .map(|(kas, _)| KasId(kas))
-                                .collect()
-                        });
+                        .map(|live| live.into_iter().map(|(kas, _)| KasId(kas)).collect());
                     handle.send(Command::LookupDone(agent, found));
                 });
             }

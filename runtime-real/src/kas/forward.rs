@@ -10,11 +10,12 @@ use super::metrics::Metrics;
 use crate::clock;
 use crate::frames;
 use crate::jwt::Signer;
+use kas_core::fixed_hash::Map;
 use kas_core::frame_sequence::{Direction, FrameSequence, Progress, StreamKind};
 use kas_core::{KasId, RequestId};
 use kas_proto::frame::frame::Kind;
 use kas_proto::private_api::kas_private_client::KasPrivateClient;
-use std::collections::HashMap;
+
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
 use tokio::task::AbortHandle;
@@ -24,7 +25,7 @@ use tonic::transport::{Channel, Endpoint};
 /// Opens (and reuses) connections to other kas and runs forwards.
 #[derive(Clone)]
 pub struct Forwarder {
-    channels: Arc<Mutex<HashMap<KasId, Channel>>>,
+    channels: Arc<Mutex<Map<KasId, Channel>>>,
     signer: Signer,
     metrics: Metrics,
     /// `agent.max_message_size`: the largest answer frame accepted from another kas.

@@ -5,8 +5,9 @@
 
 use super::metrics::Metrics;
 use crate::rate::{Bucket, Rate};
+use kas_core::fixed_hash::Map;
 use kas_core::{AgentId, ConnectionId};
-use std::collections::HashMap;
+
 use std::sync::{Arc, Mutex};
 use tokio::time::Instant;
 use tonic::Status;
@@ -28,9 +29,9 @@ pub struct AgentLimitsConfig {
 #[derive(Default)]
 struct State {
     /// Per agent: its requests.
-    buckets: HashMap<AgentId, Bucket>,
-    connections: HashMap<AgentId, usize>,
-    tunnels: HashMap<(AgentId, ConnectionId), usize>,
+    buckets: Map<AgentId, Bucket>,
+    connections: Map<AgentId, usize>,
+    tunnels: Map<(AgentId, ConnectionId), usize>,
 }
 
 /// The limits and what each agent holds, shared by the agent API's handlers.
@@ -63,7 +64,7 @@ impl Drop for Slot {
     }
 }
 
-fn release<K: std::hash::Hash + Eq>(counts: &mut HashMap<K, usize>, key: K) {
+fn release<K: std::hash::Hash + Eq>(counts: &mut Map<K, usize>, key: K) {
     if let Some(n) = counts.get_mut(&key) {
         *n -= 1;
         if *n == 0 {
@@ -73,7 +74,7 @@ fn release<K: std::hash::Hash + Eq>(counts: &mut HashMap<K, usize>, key: K) {
 }
 
 /// Takes a place under `max` in `counts[key]`.
-fn take<K: std::hash::Hash + Eq>(counts: &mut HashMap<K, usize>, key: K, max: usize) -> bool {
+fn take<K: std::hash::Hash + Eq>(counts: &mut Map<K, usize>, key: K, max: usize) -> bool {
     let n = counts.entry(key).or_default();
     if *n >= max {
         return false;

@@ -162,6 +162,7 @@ async fn run_pubsub(
         let mut ping_sent: Option<tokio::time::Instant> = None;
         while ok {
             tokio::select! {
+                biased;
                 cmd = cmds.recv() => match cmd {
                     None => return,
                     Some(PubSubCommand::Subscribe(ch)) => {
