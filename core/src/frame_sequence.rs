@@ -9,9 +9,10 @@
 //! Only a kas may say a call was not delivered (at-most-once): an `Error` frame from an
 //! agent on a tunnel, and an `Error` after any answer frame on a forward, are protocol
 //! violations that end the call without a retry. (An agent's `Error` was once relayed by
-//! the serving kas as a refusal, and the routing kas delivered the call again.) Each side of a stream feeds every
-//! frame it sends or receives here: a frame out of order is a typed [`FrameError`], never a
-//! panic, and the driver ends the stream with that error.
+//! the serving kas as a refusal, and the routing kas delivered the call again.)
+//!
+//! Each side of a stream feeds every frame it sends or receives here: a frame out of order
+//! is a typed [`FrameError`], never a panic, and the driver ends the stream with that error.
 
 use kas_proto::frame::{Frame, frame::Kind};
 

@@ -10,8 +10,9 @@
 //!    refuses before delivery ([`RouterInput::AttemptRefused`]) makes the router try the
 //!    next one. The refusal is remembered for `failure_memory`, for what it was about only:
 //!    the agent, and the replica when the call was pinned to one. (Remembered per kas, one
-//!    pinned refusal once sent every call of every agent elsewhere for 30 s.) Once a call may have reached an agent the router never retries it: the
-//!    driver reports [`RouterInput::Finished`] whatever the outcome (at-most-once).
+//!    pinned refusal once sent every call of every agent elsewhere for 30 s.) Once a call
+//!    may have reached an agent the router never retries it: the driver reports
+//!    [`RouterInput::Finished`] whatever the outcome (at-most-once).
 //! 4. With no kas left, wait for a tunnel event (pub-sub, or a local tunnel). While the
 //!    pub-sub connection is up ([`RouterInput::PubSubUp`]), the last lookup succeeded and
 //!    no kas refused the call since, that is all: no event is lost on a live connection,

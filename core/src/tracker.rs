@@ -146,6 +146,8 @@ struct InFlight {
 pub struct Tracker {
     config: TrackerConfig,
     keys: Keys,
+    /// `keys.kas_instances()`, which every written key is compared with.
+    instances_key: String,
     kas_id: KasId,
     rng: Rng,
     state: Map<String, KeyState>,
@@ -181,6 +183,7 @@ impl Tracker {
             next_gc: now + config.gc,
             next_heartbeat: Self::heartbeat_after(&config, now),
             config,
+            instances_key: keys.kas_instances(),
             keys,
             kas_id,
             rng: Rng::new(seed),
@@ -194,7 +197,7 @@ impl Tracker {
             shutdown_reported: false,
             outputs: VecDeque::new(),
         };
-        let key = t.keys.kas_instances();
+        let key = t.instances_key.clone();
         let field = t.kas_id.0.clone();
         t.set(key, field, instance.encode_to_vec());
         t.flush(now);
@@ -251,7 +254,7 @@ impl Tracker {
     pub fn handle_timeout(&mut self, now: Time) {
         if now >= self.next_heartbeat {
             self.next_heartbeat = Self::heartbeat_after(&self.config, now);
-            let key = self.keys.kas_instances();
+            let key = self.instances_key.clone();
             if !self.shutting_down
                 && let Some(st) = self.state.get_mut(&key)
             {
@@ -415,7 +418,7 @@ impl Tracker {
                 };
                 st.dirty = false;
                 st.in_flight = true;
-                let ttl = if key == self.keys.kas_instances() {
+                let ttl = if key == self.instances_key {
                     self.config.liveness
                 } else {
                     self.config.ttl

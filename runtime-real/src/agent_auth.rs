@@ -35,8 +35,13 @@ pub enum AuthError {
     #[error("cannot check the agent token: {0}")]
     Unavailable(String),
     /// Too many lookups of unknown tokens: refused without asking GitLab.
-    #[error("agent token not checked: {0}")]
-    Throttled(String),
+    #[error("agent token not checked: {reason}")]
+    Throttled {
+        /// The configuration key of the limit that was hit.
+        limit: &'static str,
+        /// What was exceeded, naming the limit.
+        reason: String,
+    },
 }
 
 /// The configured resolver.

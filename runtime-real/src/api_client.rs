@@ -11,9 +11,6 @@ use std::time::Duration;
 use tonic::transport::Channel;
 use tonic::{Status, Streaming};
 
-/// Largest answer accepted: kas's default `agent.max_message_size`.
-const MAX_ANSWER: usize = 32 << 20;
-
 /// A public API client of one kas.
 #[derive(Clone)]
 pub struct ApiClient {
@@ -33,8 +30,9 @@ impl ApiClient {
             .await
             .map_err(|e| format!("cannot reach kas at {addr}: {}", crate::errors::chain(&e)))?;
         Ok(ApiClient {
-            // As large as kas lets an agent answer (agent.max_message_size's default).
-            client: KasApiClient::new(channel).max_decoding_message_size(MAX_ANSWER),
+            // As large as kas lets an agent answer by default.
+            client: KasApiClient::new(channel)
+                .max_decoding_message_size(crate::config::DEFAULT_MAX_MESSAGE_SIZE),
             signer: Signer::new(secret, jwt::GITLAB, jwt::GITLAB_KAS),
             timeout,
         })

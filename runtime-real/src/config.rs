@@ -83,7 +83,7 @@ pub struct Agent {
     pub heartbeat_timeout: Duration,
     /// This kas's liveness record lives this long (at most `redis_conn_info_ttl`) and is
     /// rewritten every third of it: the connections of a kas that died without deleting
-    /// them leave listings and lookups within it.
+    /// them leave listings within it.
     #[serde(with = "humantime_serde")]
     pub kas_liveness_ttl: Duration,
 }
@@ -208,6 +208,10 @@ pub struct Redis {
     pub subscription_linger: Duration,
 }
 
+/// `agent.max_message_size`'s default: the pods of a 20,000-pod cluster at Kubernetes'
+/// longest names fit (about 12 MiB).
+pub const DEFAULT_MAX_MESSAGE_SIZE: usize = 32 << 20;
+
 fn default_subscription_linger() -> Duration {
     Duration::from_secs(60)
 }
@@ -264,8 +268,7 @@ impl Default for Agent {
             listen: listen(8150),
             max_connections_per_agent: 100,
             max_tunnels_per_connection: 200,
-            // Pods of a 20,000-pod cluster at Kubernetes' longest names fit (about 12 MiB).
-            max_message_size: 32 << 20,
+            max_message_size: DEFAULT_MAX_MESSAGE_SIZE,
             token_lookups_per_second: 100,
             token_lookups_per_second_per_address: 10,
             info_cache_stale_ttl: Duration::from_secs(3600),

@@ -234,7 +234,7 @@ async fn spraying_unknown_tokens_is_rate_limited_per_address_and_overall() {
             .resolve(&format!("random-token-{i:08}-xxxx"), attacker)
             .await
         {
-            Err(AuthError::Throttled(m)) => {
+            Err(AuthError::Throttled { reason: m, .. }) => {
                 assert!(
                     m.contains("agent.token_lookups_per_second_per_address"),
                     "{m}"
@@ -252,7 +252,8 @@ async fn spraying_unknown_tokens_is_rate_limited_per_address_and_overall() {
     let mut overall = 0;
     for i in 0..100 {
         let peer = Some(format!("127.0.1.{i}").parse().unwrap());
-        if let Err(AuthError::Throttled(m)) = r.resolve(&format!("spray-{i:08}-xxxxx"), peer).await
+        if let Err(AuthError::Throttled { reason: m, .. }) =
+            r.resolve(&format!("spray-{i:08}-xxxxx"), peer).await
         {
             assert!(m.contains("(limit agent.token_lookups_per_second)"), "{m}");
             overall += 1;
@@ -276,7 +277,10 @@ async fn spraying_unknown_tokens_is_rate_limited_per_address_and_overall() {
     r.resolve(GOOD, attacker).await.unwrap();
     tokio::time::sleep(Duration::from_millis(350)).await; // past the ttl, not a refill
     let spray = r.resolve("one-more-random-token-xx", attacker).await;
-    assert!(matches!(spray, Err(AuthError::Throttled(_))), "{spray:?}");
+    assert!(
+        matches!(spray, Err(AuthError::Throttled { .. })),
+        "{spray:?}"
+    );
     assert_eq!(r.resolve(GOOD, attacker).await.map(|i| i.agent_id.0), Ok(7));
 }
 

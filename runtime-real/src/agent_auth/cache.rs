@@ -133,6 +133,10 @@ impl CachedResolver {
     ) -> Result<(), AuthError> {
         let overall = Self::rate(self.policy.lookups_per_second);
         let per_address = Self::rate(self.policy.lookups_per_second_per_address);
+        let throttled = |limit: &'static str, what: String| AuthError::Throttled {
+            limit,
+            reason: format!("{what} (limit {limit})"),
+        };
         if let Some(ip) = peer {
             if state.per_address.len() >= MAX_ADDRESSES {
                 state
@@ -144,17 +148,23 @@ impl CachedResolver {
                 .entry(ip)
                 .or_insert(per_address.bucket(now));
             if !per_address.take(bucket, now) {
-                return Err(AuthError::Throttled(format!(
-                    "more than {} unknown agent tokens per second from {ip} (limit agent.token_lookups_per_second_per_address)",
-                    per_address.events
-                )));
+                return Err(throttled(
+                    "agent.token_lookups_per_second_per_address",
+                    format!(
+                        "more than {} unknown agent tokens per second from {ip}",
+                        per_address.events
+                    ),
+                ));
             }
         }
         if !overall.take(&mut state.overall, now) {
-            return Err(AuthError::Throttled(format!(
-                "more than {} unknown agent tokens per second (limit agent.token_lookups_per_second)",
-                overall.events
-            )));
+            return Err(throttled(
+                "agent.token_lookups_per_second",
+                format!(
+                    "more than {} unknown agent tokens per second",
+                    overall.events
+                ),
+            ));
         }
         Ok(())
     }

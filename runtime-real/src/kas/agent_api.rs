@@ -57,8 +57,8 @@ impl AgentService {
             match e {
                 AuthError::InvalidToken => Status::unauthenticated(e.to_string()),
                 AuthError::Unavailable(_) => Status::unavailable(e.to_string()),
-                AuthError::Throttled(_) => {
-                    self.limits.refused("agent.token_lookups_per_second");
+                AuthError::Throttled { limit, .. } => {
+                    self.limits.refused(limit);
                     Status::resource_exhausted(e.to_string())
                 }
             }
