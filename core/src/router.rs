@@ -341,6 +341,13 @@ impl Router {
                 for a in self.agents.values_mut() {
                     a.known = None;
                     a.lookup_raced |= a.lookup_in_flight;
+                    // Re-subscribed by the reconnection, but active again only once
+                    // confirmed: a lookup before that could miss a record announced
+                    // between its read and the subscription (a lingering subscription
+                    // made this likely: agents vanished after a Redis restart).
+                    if a.subscription == Subscription::Active {
+                        a.subscription = Subscription::Pending;
+                    }
                 }
                 for id in self.sorted_requests() {
                     let r = self.routes.get_mut(&id).expect("listed above");
@@ -433,11 +440,13 @@ impl Router {
     }
 
     /// The next command for the driver.
+    #[must_use]
     pub fn poll_output(&mut self) -> Option<RouterOutput> {
         self.outputs.pop_front()
     }
 
     /// When to call [`Self::handle_timeout`] next (may be early, never late).
+    #[must_use]
     pub fn poll_timeout(&self) -> Option<Time> {
         let call = self.timers.peek().map(|r| r.0.0);
         let linger = self.linger_timers.peek().map(|r| r.0.0);
@@ -516,6 +525,10 @@ impl Router {
                 a.subscription = Subscription::Pending;
                 self.outputs.push_back(RouterOutput::Subscribe(agent));
             }
+            // A subscription awaiting its renewal after a pub-sub loss: while pub-sub is
+            // down, a poll looks up anyway (its result is not kept); once it is up, the
+            // lookup waits for the confirmation.
+            (Subscription::Pending, _) if !self.pubsub_up => self.lookup(agent),
             (Subscription::Pending, _) => {}
             (Subscription::Active, Some(known)) if self.pubsub_up => {
                 let kas: Vec<KasId> = known.iter().cloned().collect();

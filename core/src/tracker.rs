@@ -294,11 +294,13 @@ impl Tracker {
     }
 
     /// The next command for the driver.
+    #[must_use]
     pub fn poll_output(&mut self) -> Option<TrackerOutput> {
         self.outputs.pop_front()
     }
 
     /// When to call [`Self::handle_timeout`] next.
+    #[must_use]
     pub fn poll_timeout(&self) -> Option<Time> {
         if self.shutting_down {
             return self.retry_at;

@@ -134,11 +134,13 @@ impl TunnelPool {
     }
 
     /// The next thing to do, if any.
+    #[must_use]
     pub fn poll_output(&mut self) -> Option<PoolOutput> {
         self.out.pop_front()
     }
 
     /// When `handle_timeout` has something to do.
+    #[must_use]
     pub fn poll_timeout(&self) -> Option<Time> {
         let retry = self.retry_at.filter(|_| self.wants_more());
         let idle_close = if self.draining || self.count_idle() <= self.config.min_idle {

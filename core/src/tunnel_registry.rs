@@ -294,11 +294,13 @@ impl TunnelRegistry {
     }
 
     /// The next command for the driver.
+    #[must_use]
     pub fn poll_output(&mut self) -> Option<RegistryOutput> {
         self.outputs.pop_front()
     }
 
     /// When to call [`Self::handle_timeout`] next (may be early, never late).
+    #[must_use]
     pub fn poll_timeout(&self) -> Option<Time> {
         earliest(
             self.waiter_deadlines.peek().map(|r| r.0.0),

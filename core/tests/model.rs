@@ -1,7 +1,9 @@
-//! Model-based property test: three kas (tunnel registry + tracker + router each) and a
-//! fake Redis with expiring hashes and lossy pub-sub, driven by random sequences of agent
-//! connects and disconnects, calls with deadlines, clock advances, failed Redis batches,
-//! Redis data loss and lost pub-sub messages. A message is lost only with a subscriber's
+//! Model-based property test: three kas — each the production [`KasNode`], the very type
+//! kas's engine drives — and a fake Redis with expiring hashes and lossy pub-sub, driven
+//! by random sequences of agent connects and disconnects (tunnel or connection ending
+//! first), calls with deadlines, callers going away, clock advances, failed Redis batches,
+//! Redis data loss and lost pub-sub messages. The test is the nodes' driver: it carries
+//! their outputs as kas's engine, tunnels and forwards would. A message is lost only with a subscriber's
 //! connection, as with Redis: those routers see the connection go down, and come back at
 //! the next clock advance. The test's own table of tunnels is the reference model; after
 //! each sequence a fault-free phase checks convergence.
@@ -15,9 +17,12 @@
 use kas_core::backoff::Backoff;
 use kas_core::expiring;
 use kas_core::keys::Keys;
-use kas_core::router::{RouteError, Router, RouterConfig, RouterInput, RouterOutput, Target};
-use kas_core::tracker::{Tracker, TrackerConfig, TrackerInput, TrackerOutput};
-use kas_core::tunnel_registry::{RegistryConfig, RegistryInput, RegistryOutput, TunnelRegistry};
+use kas_core::node::{
+    CallError, KasNode, NodeConfig, NodeInput, NodeOutput, Origin, Outcome, PubSubEvent, Wanted,
+};
+use kas_core::router::{Router, RouterConfig};
+use kas_core::tracker::{Tracker, TrackerConfig};
+use kas_core::tunnel_registry::{RegistryConfig, TunnelRegistry};
 use kas_core::{AgentId, ConnectionId, KasId, ProjectId, RequestId, Time, TunnelId};
 use kas_proto::registry::{ConnectedAgentInfo, KasInstanceInfo, TunnelEvent};
 use proptest::prelude::*;
@@ -37,8 +42,10 @@ enum Op {
         agent: i64,
         kas: usize,
     },
+    /// An agent replica goes away: its tunnel and its connection end, in either order.
     Disconnect {
         pick: usize,
+        connection_first: bool,
     },
     Call {
         agent: i64,
@@ -48,6 +55,10 @@ enum Op {
     },
     Advance {
         ms: u64,
+    },
+    /// The caller of a running call goes away.
+    Cancel {
+        pick: usize,
     },
     FailNextBatch {
         kas: usize,
@@ -61,10 +72,12 @@ enum Op {
 fn op() -> impl Strategy<Value = Op> {
     prop_oneof![
         3 => (0..4i64, 0..KAS).prop_map(|(agent, kas)| Op::Connect { agent, kas }),
-        2 => any::<usize>().prop_map(|pick| Op::Disconnect { pick }),
+        2 => (any::<usize>(), any::<bool>())
+            .prop_map(|(pick, connection_first)| Op::Disconnect { pick, connection_first }),
         4 => (0..5i64, 0..KAS, any::<bool>(), 1..1500u64)
             .prop_map(|(agent, via, pin, deadline_ms)| Op::Call { agent, via, pin, deadline_ms }),
         4 => (1..400u64).prop_map(|ms| Op::Advance { ms }),
+        1 => any::<usize>().prop_map(|pick| Op::Cancel { pick }),
         1 => (0..KAS).prop_map(|kas| Op::FailNextBatch { kas }),
         1 => Just(Op::LoseRedisData),
         1 => Just(Op::LoseNextPublish),
@@ -76,11 +89,10 @@ fn kas_id(n: usize) -> KasId {
     KasId(format!("10.0.0.{n}:8155"))
 }
 
-struct Node {
-    registry: TunnelRegistry,
-    tracker: Tracker,
-    router: Router,
-    subscriptions: BTreeSet<AgentId>,
+/// One kas: the production node, and what its I/O would hold.
+struct Kas {
+    node: KasNode<()>,
+    subscriptions: BTreeSet<String>,
     /// The pub-sub connection is down (until the next clock advance).
     pubsub_down: bool,
     fail_next_batch: bool,
@@ -116,63 +128,84 @@ struct Call {
     origin: usize,
     deadline: Time,
     delivered_to: Option<TunnelId>,
-    outcome: Option<(Time, Result<(), RouteError>)>,
+    outcome: Option<(Time, Result<(), CallError>)>,
 }
+
+/// A call as one kas knows it: `(kas, its request id there)`.
+type At = (usize, RequestId);
 
 struct World {
     now: Time,
-    nodes: Vec<Node>,
+    nodes: Vec<Kas>,
     store: Store,
     keys: Keys,
     tunnels: BTreeMap<TunnelId, ModelTunnel>,
     calls: BTreeMap<RequestId, Call>,
-    /// Calls delivered and not yet answered: (holder kas, call).
-    answering: Vec<(usize, RequestId)>,
+    /// Forwarded calls at their serving kas -> the call at its origin.
+    served: BTreeMap<At, RequestId>,
+    /// Forwards running: the call at its origin -> at its serving kas.
+    forwards: BTreeMap<RequestId, At>,
+    /// Calls delivered and not yet answered: the call at its holder, and its tunnel.
+    answering: Vec<(At, TunnelId)>,
     lose_next_publish: bool,
     error_next_answer: bool,
     next_id: u64,
+}
+
+fn input(w: &mut World, n: usize, input: NodeInput<()>) {
+    let now = w.now;
+    if let Err(e) = w.nodes[n].node.handle_input(now, input) {
+        panic!("kas {n} refused an input of the model: {e}");
+    }
 }
 
 impl World {
     fn new(seed: u64) -> Self {
         let keys = Keys::new("kas");
         let nodes = (0..KAS)
-            .map(|n| Node {
-                registry: TunnelRegistry::new(RegistryConfig {
-                    heartbeat_timeout: Duration::from_secs(3600),
-                }),
-                tracker: Tracker::new(
-                    Time(0),
-                    TrackerConfig {
-                        ttl: TTL,
-                        refresh: REFRESH,
-                        gc: GC,
-                        liveness: TTL,
-                        backoff: Backoff {
-                            initial: Duration::from_millis(10),
-                            max: Duration::from_millis(100),
-                            factor: 2,
-                        },
-                        max_keys_per_batch: 4,
+            .map(|n| Kas {
+                node: KasNode::new(
+                    NodeConfig {
+                        kas_id: kas_id(n),
+                        keys: keys.clone(),
+                        wakeups: true,
                     },
-                    keys.clone(),
-                    kas_id(n),
-                    &KasInstanceInfo::default(),
-                    seed ^ n as u64,
-                ),
-                router: Router::new(
-                    RouterConfig {
-                        poll_backoff: Backoff {
-                            initial: Duration::from_millis(50),
-                            max: Duration::from_millis(400),
-                            factor: 2,
+                    TunnelRegistry::new(RegistryConfig {
+                        heartbeat_timeout: Duration::from_secs(3600),
+                    }),
+                    Tracker::new(
+                        Time(0),
+                        TrackerConfig {
+                            ttl: TTL,
+                            refresh: REFRESH,
+                            gc: GC,
+                            liveness: TTL,
+                            backoff: Backoff {
+                                initial: Duration::from_millis(10),
+                                max: Duration::from_millis(100),
+                                factor: 2,
+                            },
+                            max_keys_per_batch: 4,
                         },
-                        failure_memory: Duration::from_secs(1),
-                        grace: GRACE,
-                        linger: TTL / 2,
-                    },
-                    kas_id(n),
-                    seed.wrapping_add(n as u64),
+                        keys.clone(),
+                        kas_id(n),
+                        &KasInstanceInfo::default(),
+                        seed ^ n as u64,
+                    ),
+                    Router::new(
+                        RouterConfig {
+                            poll_backoff: Backoff {
+                                initial: Duration::from_millis(50),
+                                max: Duration::from_millis(400),
+                                factor: 2,
+                            },
+                            failure_memory: Duration::from_secs(1),
+                            grace: GRACE,
+                            linger: TTL / 2,
+                        },
+                        kas_id(n),
+                        seed.wrapping_add(n as u64),
+                    ),
                 ),
                 subscriptions: BTreeSet::new(),
                 pubsub_down: false,
@@ -186,13 +219,15 @@ impl World {
             keys,
             tunnels: BTreeMap::new(),
             calls: BTreeMap::new(),
+            served: BTreeMap::new(),
+            forwards: BTreeMap::new(),
             answering: Vec::new(),
             lose_next_publish: false,
             error_next_answer: false,
             next_id: 1,
         };
-        for n in &mut w.nodes {
-            n.router.handle_input(Time(0), RouterInput::PubSubUp);
+        for n in 0..KAS {
+            input(&mut w, n, NodeInput::PubSub(PubSubEvent::Up));
         }
         w.settle();
         w
@@ -217,29 +252,29 @@ impl World {
                         kas,
                     },
                 );
-                let node = &mut self.nodes[kas];
-                node.tracker.handle_input(
-                    now,
-                    TrackerInput::AgentConnected(ConnectedAgentInfo {
-                        agent_id: agent.0,
-                        project_id: 100 + agent.0,
-                        connection_id: connection.0,
-                        ..Default::default()
-                    }),
-                );
-                let opened = RegistryInput::TunnelOpened {
+                let info = ConnectedAgentInfo {
+                    agent_id: agent.0,
+                    project_id: 100 + agent.0,
+                    connection_id: connection.0,
+                    ..Default::default()
+                };
+                input(self, kas, NodeInput::AgentConnected(info));
+                let opened = NodeInput::TunnelOpened {
                     tunnel,
                     agent,
                     connection,
                 };
-                node.registry.handle_input(now, opened).unwrap();
+                input(self, kas, opened);
             }
-            Op::Disconnect { pick } => {
+            Op::Disconnect {
+                pick,
+                connection_first,
+            } => {
                 if self.tunnels.is_empty() {
                     return;
                 }
                 let tunnel = *self.tunnels.keys().nth(pick % self.tunnels.len()).unwrap();
-                self.close_tunnel(tunnel);
+                self.disconnect(tunnel, connection_first);
             }
             Op::Call {
                 agent,
@@ -268,6 +303,18 @@ impl World {
                 self.reconnect_pubsub();
                 self.advance_to(now + Duration::from_millis(ms));
             }
+            Op::Cancel { pick } => {
+                let running: Vec<RequestId> = self
+                    .calls
+                    .iter()
+                    .filter(|(_, c)| c.outcome.is_none())
+                    .map(|(r, _)| *r)
+                    .collect();
+                if let Some(&request) = running.get(pick % running.len().max(1)) {
+                    let origin = self.calls[&request].origin;
+                    input(self, origin, NodeInput::Cancel(request));
+                }
+            }
             Op::FailNextBatch { kas } => self.nodes[kas].fail_next_batch = true,
             Op::LoseRedisData => self.store.hashes.clear(),
             Op::LoseNextPublish => self.lose_next_publish = true,
@@ -293,68 +340,89 @@ impl World {
             outcome: None,
         };
         self.calls.insert(request, call);
-        let start = RouterInput::Start {
-            request,
+        let wanted = Wanted {
             agent,
             connection,
             deadline,
         };
-        self.nodes[via].router.handle_input(self.now, start);
+        let route = NodeInput::Route {
+            request,
+            wanted,
+            call: (),
+        };
+        input(self, via, route);
         request
     }
 
-    fn close_tunnel(&mut self, tunnel: TunnelId) {
+    /// The call a kas's request id stands for: itself at its origin, or the call forwarded.
+    fn origin_call(&self, at: At) -> RequestId {
+        self.served.get(&at).copied().unwrap_or(at.1)
+    }
+
+    /// The agent replica of `tunnel` goes away; the tunnel task reports its end (and the
+    /// end of a call it carried: possibly delivered), and so does its connection's stream.
+    fn disconnect(&mut self, tunnel: TunnelId, connection_first: bool) {
+        let t = self.tunnels[&tunnel].clone();
+        let gone = NodeInput::AgentDisconnected {
+            agent: t.agent,
+            project: ProjectId(100 + t.agent.0),
+            connection: t.connection,
+        };
+        if connection_first {
+            // The node closes the tunnel itself (`CloseTunnel`), which ends it as below.
+            input(self, t.kas, gone);
+            self.settle();
+            if self.tunnels.contains_key(&tunnel) {
+                self.tunnel_ended(tunnel);
+            }
+        } else {
+            self.tunnel_ended(tunnel);
+            input(self, t.kas, gone);
+        }
+    }
+
+    /// The tunnel task ends: `TunnelClosed` once, then the end of the call it carried.
+    fn tunnel_ended(&mut self, tunnel: TunnelId) {
         let t = self.tunnels.remove(&tunnel).unwrap();
-        let node = &mut self.nodes[t.kas];
-        node.registry
-            .handle_input(self.now, RegistryInput::TunnelClosed { tunnel })
-            .unwrap();
-        node.tracker.handle_input(
-            self.now,
-            TrackerInput::AgentDisconnected {
-                agent: t.agent,
-                project: ProjectId(100 + t.agent.0),
-                connection: t.connection,
-            },
-        );
-        // A call on the tunnel ends with the broken stream: delivered, so no retry.
-        if let Some(pos) = self
-            .answering
-            .iter()
-            .position(|(_, r)| self.calls[r].delivered_to == Some(tunnel))
-        {
-            let (_, request) = self.answering.remove(pos);
-            self.finish(request, Ok(()));
+        input(self, t.kas, NodeInput::TunnelClosed(tunnel));
+        if let Some(pos) = self.answering.iter().position(|(_, on)| *on == tunnel) {
+            let (at, _) = self.answering.remove(pos);
+            self.call_done(at);
+        }
+    }
+
+    /// The holder's tunnel saw the end of the call; a forward relays it to the origin.
+    fn call_done(&mut self, at: At) {
+        input(self, at.0, NodeInput::CallDone(at.1));
+        if let Some(origin_request) = self.served.remove(&at) {
+            self.forwards.remove(&origin_request);
+            let origin = self.calls[&origin_request].origin;
+            input(self, origin, NodeInput::CallDone(origin_request));
         }
     }
 
     /// Agents answer every call delivered to them since the last advance.
     fn answer_calls(&mut self) {
         if std::mem::take(&mut self.error_next_answer)
-            && let Some(&(holder, request)) = self.answering.first()
+            && let Some(&(at, tunnel)) = self.answering.first()
         {
-            self.answer_with_error(holder, request);
+            self.answer_with_error(at, tunnel);
         }
-        for (holder, request) in std::mem::take(&mut self.answering) {
-            let release = RegistryInput::Release { request };
-            self.nodes[holder]
-                .registry
-                .handle_input(self.now, release)
-                .unwrap();
-            self.finish(request, Ok(()));
+        for (at, _) in std::mem::take(&mut self.answering) {
+            self.call_done(at);
         }
     }
 
     /// The agent answers with an `Error` frame, which the holder's tunnel checks against the
     /// frame grammar as kas does. A violation closes the tunnel and ends the call (it was
-    /// delivered); were the frame taken as kas's "not delivered", the call would go back to
-    /// its router as refused and could be delivered twice (inv 3).
-    fn answer_with_error(&mut self, holder: usize, request: RequestId) {
+    /// delivered); were the frame taken as kas's "not delivered", the call would bounce
+    /// back to its router and could be delivered twice (inv 3).
+    fn answer_with_error(&mut self, at: At, tunnel: TunnelId) {
         use kas_core::frame_sequence::{Direction, FrameSequence, Progress, StreamKind};
         use kas_proto::frame::{self as f, Frame, frame::Kind};
         let frame = |kind| Frame { kind: Some(kind) };
-        let id = request.0;
-        let mut tunnel = FrameSequence::new(StreamKind::Tunnel);
+        let id = at.1.0;
+        let mut sequence = FrameSequence::new(StreamKind::Tunnel);
         let down = [
             frame(Kind::RequestStart(f::RequestStart {
                 request_id: id,
@@ -362,47 +430,30 @@ impl World {
             })),
             frame(Kind::CloseSend(f::CloseSend { request_id: id })),
         ];
-        tunnel
+        sequence
             .check(
                 Direction::FromAgent,
                 &frame(Kind::Descriptor(f::Descriptor::default())),
             )
             .unwrap();
         for d in &down {
-            tunnel.check(Direction::ToAgent, d).unwrap();
+            sequence.check(Direction::ToAgent, d).unwrap();
         }
         let error = frame(Kind::Error(f::Error {
             request_id: id,
             ..Default::default()
         }));
-        match tunnel.check(Direction::FromAgent, &error) {
+        match sequence.check(Direction::FromAgent, &error) {
             Ok(Progress::Finished(_)) => {
-                self.answering.retain(|(_, r)| *r != request);
-                let release = RegistryInput::Release { request };
-                self.nodes[holder]
-                    .registry
-                    .handle_input(self.now, release)
-                    .unwrap();
-                let origin = self.calls[&request].origin;
-                let refused = RouterInput::AttemptRefused { request };
-                self.nodes[origin].router.handle_input(self.now, refused);
+                self.answering.retain(|(a, _)| *a != at);
+                input(self, at.0, NodeInput::Bounced(at.1));
             }
             Ok(_) => panic!("an error frame neither ended the call nor broke the grammar"),
             Err(_) => {
-                let tunnel = self.calls[&request].delivered_to.expect("delivered");
-                self.close_tunnel(tunnel);
+                let connection_first = false;
+                self.disconnect(tunnel, connection_first);
             }
         }
-    }
-
-    fn finish(&mut self, request: RequestId, outcome: Result<(), RouteError>) {
-        let call = self.calls.get_mut(&request).unwrap();
-        assert!(call.outcome.is_none(), "inv 2: call {request} ended twice");
-        call.outcome = Some((self.now, outcome));
-        let origin = call.origin;
-        self.nodes[origin]
-            .router
-            .handle_input(self.now, RouterInput::Finished { request });
     }
 
     fn advance_to(&mut self, target: Time) {
@@ -410,23 +461,14 @@ impl World {
             let next = self
                 .nodes
                 .iter()
-                .flat_map(|n| {
-                    [
-                        n.registry.poll_timeout(),
-                        n.tracker.poll_timeout(),
-                        n.router.poll_timeout(),
-                    ]
-                })
-                .flatten()
+                .filter_map(|n| n.node.poll_timeout())
                 .filter(|t| *t <= target)
                 .min();
             let Some(t) = next else { break };
             self.now = self.now.max(t);
             self.store.expire_keys(self.now);
             for n in &mut self.nodes {
-                n.registry.handle_timeout(self.now);
-                n.tracker.handle_timeout(self.now);
-                n.router.handle_timeout(self.now);
+                n.node.handle_timeout(self.now);
             }
             self.settle();
         }
@@ -434,24 +476,16 @@ impl World {
         self.store.expire_keys(self.now);
     }
 
-    /// Carries every machine's outputs to their destinations until all are quiet.
+    /// Carries every node's outputs to their destinations until all are quiet.
     fn settle(&mut self) {
         loop {
             let mut progressed = false;
             for n in 0..KAS {
-                while let Some(o) = self.nodes[n].registry.poll_output() {
+                while let Some(o) = self.nodes[n].node.poll_output() {
                     progressed = true;
-                    self.on_registry(n, o);
+                    self.on_output(n, o);
                 }
-                while let Some(o) = self.nodes[n].tracker.poll_output() {
-                    progressed = true;
-                    self.on_tracker(n, o);
-                }
-                while let Some(o) = self.nodes[n].router.poll_output() {
-                    progressed = true;
-                    self.on_router(n, o);
-                }
-                self.nodes[n].registry.check_invariants().unwrap();
+                self.nodes[n].node.parts().0.check_invariants().unwrap();
             }
             if !progressed {
                 return;
@@ -459,50 +493,38 @@ impl World {
         }
     }
 
-    fn on_registry(&mut self, n: usize, o: RegistryOutput) {
+    fn on_output(&mut self, n: usize, o: NodeOutput<()>) {
         let now = self.now;
-        match o {
-            RegistryOutput::Matched { request, tunnel } => {
-                let t = &self.tunnels[&tunnel];
-                let call = self.calls.get_mut(&request).unwrap();
-                assert_eq!(
-                    t.agent, call.agent,
-                    "inv 1: call {request} delivered to wrong agent"
-                );
-                if let Some(c) = call.connection {
-                    assert_eq!(t.connection, c, "inv 1: call {request} to wrong connection");
-                }
-                assert!(
-                    call.delivered_to.is_none(),
-                    "inv 3: call {request} delivered twice"
-                );
-                assert!(
-                    call.outcome.is_none(),
-                    "call {request} delivered after it ended"
-                );
-                call.delivered_to = Some(tunnel);
-                self.answering.push((n, request));
-            }
-            RegistryOutput::NoTunnel { request } | RegistryOutput::WaitExpired { request } => {
-                let origin = self.calls[&request].origin;
-                let refused = RouterInput::AttemptRefused { request };
-                self.nodes[origin].router.handle_input(now, refused);
-            }
-            RegistryOutput::CloseTunnel { .. } => panic!("heartbeats are not modelled"),
-            RegistryOutput::AgentPresence { agent, present } => {
-                let node = &mut self.nodes[n];
-                node.tracker
-                    .handle_input(now, TrackerInput::TunnelPresence { agent, present });
-                node.router
-                    .handle_input(now, RouterInput::LocalPresence { agent, present });
-            }
+        if std::env::var("MODEL_TRACE").is_ok() {
+            eprintln!("{now:?} kas {n}: {o:?}");
         }
-    }
-
-    fn on_tracker(&mut self, n: usize, o: TrackerOutput) {
-        let now = self.now;
         match o {
-            TrackerOutput::Write(batch) => {
+            NodeOutput::Subscribe(channel) => {
+                self.nodes[n].subscriptions.insert(channel.clone());
+                if !self.nodes[n].pubsub_down {
+                    input(self, n, NodeInput::PubSub(PubSubEvent::Subscribed(channel)));
+                }
+            }
+            NodeOutput::Unsubscribe(channel) => {
+                self.nodes[n].subscriptions.remove(&channel);
+            }
+            NodeOutput::Lookup { agent, key } => {
+                let kas = self
+                    .store
+                    .hashes
+                    .get(&key)
+                    .map(|(_, fields)| {
+                        let view = fields.iter().map(|(f, v)| (f.as_str(), v.as_slice()));
+                        expiring::live_fields(view, now)
+                    })
+                    .unwrap_or_default()
+                    .into_iter()
+                    .map(|(f, _)| KasId(f))
+                    .collect();
+                let kas = Some(kas);
+                input(self, n, NodeInput::LookupDone { agent, kas });
+            }
+            NodeOutput::Write(batch) => {
                 let ok = !std::mem::take(&mut self.nodes[n].fail_next_batch);
                 if ok {
                     for w in &batch.writes {
@@ -519,19 +541,16 @@ impl World {
                         if fields.len() > before {
                             events.extend(w.announce.iter().cloned());
                         }
-                        for (_, payload) in &events {
-                            self.publish(TunnelEvent::decode(payload.as_slice()).unwrap());
+                        for (channel, payload) in events {
+                            self.publish(channel, payload);
                         }
                     }
                     self.store.expire_keys(now);
                 }
-                let result = TrackerInput::BatchResult {
-                    batch: batch.id,
-                    ok,
-                };
-                self.nodes[n].tracker.handle_input(now, result);
+                let batch = batch.id;
+                input(self, n, NodeInput::BatchDone { batch, ok });
             }
-            TrackerOutput::Gc { keys } => {
+            NodeOutput::Gc { keys } => {
                 for key in keys {
                     if let Some((_, fields)) = self.store.hashes.get_mut(&key) {
                         let view = fields.iter().map(|(f, v)| (f.as_str(), v.as_slice()));
@@ -542,123 +561,146 @@ impl World {
                 }
                 self.store.expire_keys(now);
             }
-            TrackerOutput::ShutdownComplete => {}
+            NodeOutput::Deliver {
+                request, tunnel, ..
+            } => {
+                let at = (n, request);
+                let id = self.origin_call(at);
+                let t = &self.tunnels[&tunnel];
+                assert_eq!(t.kas, n, "kas {n} delivered to a tunnel it does not hold");
+                let call = self.calls.get_mut(&id).unwrap();
+                assert_eq!(
+                    t.agent, call.agent,
+                    "inv 1: call {id} delivered to wrong agent"
+                );
+                if let Some(c) = call.connection {
+                    assert_eq!(t.connection, c, "inv 1: call {id} to wrong connection");
+                }
+                assert!(
+                    call.delivered_to.is_none(),
+                    "inv 3: call {id} delivered twice"
+                );
+                assert!(
+                    self.answering.iter().all(|(_, on)| *on != tunnel),
+                    "call {id} sent down tunnel {tunnel} while it carries another call"
+                );
+                assert!(call.outcome.is_none(), "call {id} delivered after it ended");
+                call.delivered_to = Some(tunnel);
+                self.answering.push((at, tunnel));
+            }
+            NodeOutput::Forward { request, kas, .. } => {
+                let holder = (0..KAS).find(|i| kas_id(*i) == kas).expect("a known kas");
+                assert_ne!(holder, n, "inv 4: a kas forwarded a call to itself");
+                assert!(
+                    !self.served.contains_key(&(n, request)),
+                    "inv 4: kas {n} forwarded a call it serves for another kas (a third hop)"
+                );
+                let call = &self.calls[&request];
+                let wanted = Wanted {
+                    agent: call.agent,
+                    connection: call.connection,
+                    deadline: call.deadline,
+                };
+                let at = (holder, RequestId(self.id()));
+                self.served.insert(at, request);
+                self.forwards.insert(request, at);
+                // The holder serves from its own registry only: the second and last hop.
+                let serve = NodeInput::Serve {
+                    request: at.1,
+                    wanted,
+                    call: (),
+                };
+                input(self, holder, serve);
+            }
+            NodeOutput::CloseTunnel(tunnel) => {
+                // Its orders dropped: the tunnel task ends, failing a call it carried.
+                if self.tunnels.contains_key(&tunnel) {
+                    self.tunnel_ended(tunnel);
+                }
+            }
+            NodeOutput::Ended {
+                request,
+                origin,
+                outcome,
+                error,
+                ..
+            } => self.ended(n, request, origin, outcome, error),
+            NodeOutput::StoreHealth(_) | NodeOutput::ShutdownComplete => {}
+            NodeOutput::Inconsistent(what) => panic!("kas {n}: its machines disagreed: {what}"),
         }
     }
 
-    fn publish(&mut self, event: TunnelEvent) {
-        let agent = AgentId(event.agent_id);
-        let lose = std::mem::take(&mut self.lose_next_publish);
-        for node in &mut self.nodes {
-            if lose && node.subscriptions.contains(&agent) {
-                node.pubsub_down = true;
-                node.router.handle_input(self.now, RouterInput::PubSubDown);
+    fn ended(
+        &mut self,
+        n: usize,
+        request: RequestId,
+        origin: Origin,
+        outcome: Outcome,
+        error: Option<CallError>,
+    ) {
+        let now = self.now;
+        if origin == Origin::Private {
+            let Some(origin_request) = self.served.get(&(n, request)).copied() else {
+                return; // the forward was abandoned first
+            };
+            if error.is_some() {
+                // A refusal frame: nothing was delivered, the origin may try elsewhere.
+                assert!(outcome != Outcome::Delivered);
+                self.served.remove(&(n, request));
+                self.forwards.remove(&origin_request);
+                let origin = self.calls[&origin_request].origin;
+                input(self, origin, NodeInput::Bounced(origin_request));
             }
-            if node.subscriptions.contains(&agent) && !node.pubsub_down {
-                let input = RouterInput::TunnelEvent {
-                    agent,
-                    kas: KasId(event.kas_id.clone()),
-                    connected: event.connected,
+            return;
+        }
+        if outcome != Outcome::Delivered
+            && let Some(at) = self.forwards.remove(&request)
+        {
+            // The origin abandons the forward: the stream's reset cancels it at the holder.
+            self.served.remove(&at);
+            input(self, at.0, NodeInput::Cancel(at.1));
+        }
+        let call = self.calls.get_mut(&request).unwrap();
+        assert!(call.outcome.is_none(), "inv 2: call {request} ended twice");
+        if error.is_some() {
+            assert!(
+                now <= call.deadline + GRACE || outcome == Outcome::Cancelled,
+                "inv 2: call {request} failed at {now:?}, after deadline {:?} + grace",
+                call.deadline
+            );
+        }
+        call.outcome = Some((now, error.map_or(Ok(()), Err)));
+    }
+
+    fn publish(&mut self, channel: String, payload: Vec<u8>) {
+        TunnelEvent::decode(payload.as_slice()).expect("a tunnel event");
+        let lose = std::mem::take(&mut self.lose_next_publish);
+        for n in 0..KAS {
+            if !self.nodes[n].subscriptions.contains(&channel) {
+                continue;
+            }
+            if lose && !self.nodes[n].pubsub_down {
+                self.nodes[n].pubsub_down = true;
+                input(self, n, NodeInput::PubSub(PubSubEvent::Down));
+            }
+            if !self.nodes[n].pubsub_down {
+                let message = PubSubEvent::Message {
+                    channel: channel.clone(),
+                    payload: payload.clone(),
                 };
-                node.router.handle_input(self.now, input);
+                input(self, n, NodeInput::PubSub(message));
             }
         }
     }
 
     /// Subscriber connections that went down are back, with their subscriptions.
     fn reconnect_pubsub(&mut self) {
-        for node in &mut self.nodes {
-            if std::mem::take(&mut node.pubsub_down) {
-                node.router.handle_input(self.now, RouterInput::PubSubUp);
-                for &agent in &node.subscriptions {
-                    node.router
-                        .handle_input(self.now, RouterInput::Subscribed { agent });
+        for n in 0..KAS {
+            if std::mem::take(&mut self.nodes[n].pubsub_down) {
+                input(self, n, NodeInput::PubSub(PubSubEvent::Up));
+                for channel in self.nodes[n].subscriptions.clone() {
+                    input(self, n, NodeInput::PubSub(PubSubEvent::Subscribed(channel)));
                 }
-            }
-        }
-    }
-
-    fn on_router(&mut self, n: usize, o: RouterOutput) {
-        let now = self.now;
-        if std::env::var("MODEL_TRACE").is_ok() {
-            eprintln!("{now:?} router {n}: {o:?}");
-        }
-        match o {
-            RouterOutput::Subscribe(agent) => {
-                self.nodes[n].subscriptions.insert(agent);
-                if !self.nodes[n].pubsub_down {
-                    self.nodes[n]
-                        .router
-                        .handle_input(now, RouterInput::Subscribed { agent });
-                }
-            }
-            RouterOutput::Unsubscribe(agent) => {
-                self.nodes[n].subscriptions.remove(&agent);
-            }
-            RouterOutput::Lookup(agent) => {
-                let key = self.keys.tunnels_by_agent(agent);
-                let kas = self
-                    .store
-                    .hashes
-                    .get(&key)
-                    .map(|(_, fields)| {
-                        let view = fields.iter().map(|(f, v)| (f.as_str(), v.as_slice()));
-                        expiring::live_fields(view, now)
-                    })
-                    .unwrap_or_default()
-                    .into_iter()
-                    .map(|(f, _)| KasId(f))
-                    .collect();
-                self.nodes[n]
-                    .router
-                    .handle_input(now, RouterInput::LookupDone { agent, kas });
-            }
-            RouterOutput::Attempt { request, target } => {
-                let holder = match target {
-                    Target::Local => n,
-                    Target::Kas(k) => {
-                        let holder = (0..KAS).find(|i| kas_id(*i) == k).expect("a known kas");
-                        assert_ne!(holder, n, "inv 4: a kas forwarded a call to itself");
-                        holder
-                    }
-                };
-                let call = &self.calls[&request];
-                let input = RegistryInput::Request {
-                    request,
-                    agent: call.agent,
-                    connection: call.connection,
-                    deadline: call.deadline,
-                };
-                // The holder serves from its own registry only: the second and last hop.
-                self.nodes[holder]
-                    .registry
-                    .handle_input(now, input)
-                    .unwrap();
-            }
-            RouterOutput::Fail { request, error } => {
-                let call = &self.calls[&request];
-                assert!(
-                    now <= call.deadline + GRACE,
-                    "inv 2: call {request} failed at {now:?}, after deadline {:?} + grace",
-                    call.deadline
-                );
-                if call.delivered_to.is_some() {
-                    // Abandoned mid-delivery: the holder releases the tunnel.
-                    let pos = self
-                        .answering
-                        .iter()
-                        .position(|(_, r)| *r == request)
-                        .unwrap();
-                    let (holder, _) = self.answering.remove(pos);
-                    let release = RegistryInput::Release { request };
-                    self.nodes[holder]
-                        .registry
-                        .handle_input(now, release)
-                        .unwrap();
-                }
-                let call = self.calls.get_mut(&request).unwrap();
-                assert!(call.outcome.is_none(), "inv 2: call {request} ended twice");
-                call.outcome = Some((now, Err(error)));
             }
         }
     }
@@ -684,20 +726,24 @@ impl World {
                 "inv 2: call {id} never ended: {call:?}"
             );
         }
-        for (n, node) in self.nodes.iter().enumerate() {
+        assert!(self.served.is_empty() && self.forwards.is_empty());
+        for (n, kas) in self.nodes.iter().enumerate() {
+            let (registry, tracker, router) = kas.node.parts();
+            let stats = kas.node.stats();
             let leaks = (
-                node.router.request_count(),
-                node.router.subscription_count(),
-                node.registry.waiter_count(),
-                node.registry.claimed_count(),
+                stats.calls,
+                router.request_count(),
+                router.subscription_count(),
+                registry.waiter_count(),
+                registry.claimed_count(),
             );
             assert_eq!(
                 leaks,
-                (0, 0, 0, 0),
-                "inv 6: kas {n} leaks (routes, subs, waiters, claims)"
+                (0, 0, 0, 0, 0),
+                "inv 6: kas {n} leaks (calls, routes, subs, waiters, claims)"
             );
             assert!(
-                node.tracker.is_settled(),
+                tracker.is_settled(),
                 "kas {n} has writes pending after healing"
             );
         }
@@ -718,7 +764,7 @@ impl World {
         let mut desired: Vec<_> = self
             .nodes
             .iter()
-            .flat_map(|n| n.tracker.desired())
+            .flat_map(|n| n.node.parts().1.desired())
             .collect();
         desired.sort();
         assert_eq!(stored, desired, "inv 5: store differs from the live truth");

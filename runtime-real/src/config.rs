@@ -212,8 +212,11 @@ pub struct Redis {
 /// longest names fit (about 12 MiB).
 pub const DEFAULT_MAX_MESSAGE_SIZE: usize = 32 << 20;
 
+/// `redis.subscription_linger`'s default.
+pub const DEFAULT_SUBSCRIPTION_LINGER: Duration = Duration::from_secs(60);
+
 fn default_subscription_linger() -> Duration {
-    Duration::from_secs(60)
+    DEFAULT_SUBSCRIPTION_LINGER
 }
 
 fn default_true() -> bool {

@@ -29,6 +29,7 @@ use crate::store::{MemoryStore, Store};
 use kas_core::KasId;
 use kas_core::backoff::Backoff;
 use kas_core::keys::Keys;
+use kas_core::node::{KasNode, NodeConfig};
 use kas_core::router::{Router, RouterConfig};
 use kas_core::tracker::{Tracker, TrackerConfig};
 use kas_core::tunnel_registry::{RegistryConfig, TunnelRegistry};
@@ -300,17 +301,22 @@ impl Kas {
         let (closing, closing_rx) = watch::channel(false);
         let (leaving, leaving_rx) = watch::channel(false);
         let signer = Signer::new(&private_secret, jwt::GITLAB_KAS, jwt::GITLAB_KAS);
-        let engine = engine::spawn(engine::EngineParts {
-            kas_id: kas_id.clone(),
+        let node = KasNode::new(
+            NodeConfig {
+                kas_id: kas_id.clone(),
+                keys: keys.clone(),
+                wakeups: config.redis.as_ref().is_none_or(|r| r.pubsub_wakeups),
+            },
             registry,
             tracker,
             router,
-            keys: keys.clone(),
+        );
+        let engine = engine::spawn(engine::EngineParts {
+            node,
             store: store.clone(),
             forwarder: forward::Forwarder::new(signer, metrics.clone(), a.max_message_size),
             metrics: metrics.clone(),
             store_ready: store_ready_tx,
-            wakeups: config.redis.as_ref().is_none_or(|r| r.pubsub_wakeups),
         });
 
         let public = KasApiServer::with_interceptor(

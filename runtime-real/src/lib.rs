@@ -20,3 +20,4 @@ pub mod rate;
 #[cfg(not(madsim))]
 pub mod signals;
 pub mod store;
+pub mod tasks;

@@ -1,6 +1,7 @@
 //! Routing bugs the simulation plants on purpose, to prove its invariant checker reports
 //! them (madsim build only; each simulated test runs on its own thread, so the switch is
-//! per thread and cannot leak into another test).
+//! per thread and cannot leak into another test). They act in simulated I/O only — the
+//! simulated GitLab client and the simulated Redis connection — never in kas's own code.
 
 use std::cell::Cell;
 
@@ -10,11 +11,11 @@ pub enum Bug {
     /// No bug: the production behaviour.
     #[default]
     None,
-    /// Route each call to the next agent id instead of the one asked for.
+    /// Each call reaches the next agent id instead of the one asked for.
     WrongAgent,
-    /// After an agent answered, deliver the same call again.
+    /// After an agent answered, the same call is delivered again.
     DeliverTwice,
-    /// Ignore every tunnel event from pub-sub (a lost wake-up).
+    /// Every tunnel event on the pub-sub connection is lost (a lost wake-up).
     DropWakeup,
 }
 

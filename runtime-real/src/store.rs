@@ -191,24 +191,7 @@ pub enum PubSubCommand {
     Unsubscribe(String),
 }
 
-/// What the pub-sub connection reports.
-#[derive(Debug)]
-pub enum PubSubEvent {
-    /// The subscription is active: messages published from now on arrive.
-    Subscribed(String),
-    /// A message on a subscribed channel.
-    Message {
-        /// The channel.
-        channel: String,
-        /// The payload.
-        payload: Vec<u8>,
-    },
-    /// The connection is up with every subscription in place: at start, and again after
-    /// each loss (messages published while it was down are lost).
-    Up,
-    /// The connection was lost (closed, or its keep-alive `PING` went unanswered).
-    Down,
-}
+pub use kas_core::node::PubSubEvent;
 
 /// The handle of a pub-sub connection. Dropping it ends the connection.
 #[derive(Clone, Debug)]

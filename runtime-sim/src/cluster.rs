@@ -121,18 +121,12 @@ fn write_files() -> PathBuf {
     dir
 }
 
-/// The simulated kas unsubscribe at an agent's last call (`subscription_linger: 0s`). The
-/// determinism failure that first kept the linger out is explained and fixed (unbiased
-/// `tokio::select!`s drew from tokio's per-thread RNG, and std hash maps from per-process
-/// seeds, both of which differ between the determinism check's two runs in one process).
-/// With the production 60 s linger (and a leak check that waits it out), `redis-restart`
-/// still fails inv 5 on some of seeds 1..=100: after healing, a call finds its agent "not
-/// connected", the lingering knowledge of where its tunnels are gone stale across a Redis
-/// restart. Until that is fixed the simulation runs without the linger.
+/// A simulated kas's configuration: production defaults (the 60 s `subscription_linger`
+/// included) but for the short record TTL that lets a run see records expire.
 fn kas_config(i: usize, dir: &std::path::Path, spec: &ClusterSpec) -> Config {
     let ttl = spec.ttl.as_millis();
     let yaml = format!(
-        "agent:\n  listen: {{address: '{}'}}\n  tokens_file: '{d}/tokens.yaml'\n  redis_conn_info_ttl: {ttl}ms\n  redis_conn_info_refresh: {}ms\n  redis_conn_info_gc: {ttl}ms\n  heartbeat_timeout: 3s\napi:\n  listen: {{address: '{}', authentication_secret_file: '{d}/gitlab.secret'}}\nprivate_api:\n  listen: {{address: '{}', authentication_secret_file: '{d}/kas.secret'}}\nobservability:\n  listen: {{address: '{}'}}\nredis:\n  server: {{address: '{REDIS}'}}\n  key_prefix: kas\n  timeout: 1s\n  pubsub_wakeups: {}\n  subscription_linger: 0s\nshutdown_grace: 2s\n",
+        "agent:\n  listen: {{address: '{}'}}\n  tokens_file: '{d}/tokens.yaml'\n  redis_conn_info_ttl: {ttl}ms\n  redis_conn_info_refresh: {}ms\n  redis_conn_info_gc: {ttl}ms\n  heartbeat_timeout: 3s\napi:\n  listen: {{address: '{}', authentication_secret_file: '{d}/gitlab.secret'}}\nprivate_api:\n  listen: {{address: '{}', authentication_secret_file: '{d}/kas.secret'}}\nobservability:\n  listen: {{address: '{}'}}\nredis:\n  server: {{address: '{REDIS}'}}\n  key_prefix: kas\n  timeout: 1s\n  pubsub_wakeups: {}\nshutdown_grace: 2s\n",
         kas_addr(i, 8150),
         ttl / 2,
         kas_addr(i, 8153),

@@ -425,7 +425,9 @@ pub async fn run(scenario: Scenario) -> Report {
     for (_, _, node) in &cluster.agent_nodes {
         Handle::current().kill(node.id());
     }
-    tokio::time::sleep(TTL * 3 + Duration::from_secs(4)).await;
+    // Subscriptions outlive an agent's last call by the linger.
+    let linger = kas_runtime::config::DEFAULT_SUBSCRIPTION_LINGER;
+    tokio::time::sleep(TTL * 3 + Duration::from_secs(4) + linger).await;
     for (k, slot) in cluster.health.iter().enumerate() {
         let metrics = slot
             .lock()

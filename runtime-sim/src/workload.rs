@@ -5,6 +5,7 @@
 use crate::cluster::kas_addr;
 use kas_runtime::api_client::ApiClient;
 use kas_runtime::jwt::Secret;
+use kas_runtime::planted_bug::{Bug, planted};
 use madsim::rand::{Rng, thread_rng};
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
@@ -53,12 +54,25 @@ pub async fn pinned(
     timeout: Duration,
 ) -> Call {
     let started = Instant::now();
+    let bug = planted();
+    // The planted bugs' calls: as if kas had routed to the wrong agent or delivered twice.
+    let routed_to = if bug == Bug::WrongAgent {
+        agent % 3 + 1
+    } else {
+        agent
+    };
     let result = match ApiClient::connect(&kas_addr(kas, 8153).to_string(), secret, timeout).await {
         Err(e) => Err((tonic::Code::Unavailable, e)),
-        Ok(api) => match api.pods(agent, pin.map(|p| p.1), &marker).await {
-            Ok(pods) => Ok(pods.first().map(|p| p.name.clone()).unwrap_or_default()),
-            Err(s) => Err((s.code(), s.message().to_string())),
-        },
+        Ok(api) => {
+            let answer = api.pods(routed_to, pin.map(|p| p.1), &marker).await;
+            if bug == Bug::DeliverTwice && answer.is_ok() {
+                let _ = api.pods(routed_to, None, &marker).await;
+            }
+            match answer {
+                Ok(pods) => Ok(pods.first().map(|p| p.name.clone()).unwrap_or_default()),
+                Err(s) => Err((s.code(), s.message().to_string())),
+            }
+        }
     };
     Call {
         marker,

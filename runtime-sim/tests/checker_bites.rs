@@ -1,4 +1,4 @@
-//! The checker bites: with a routing bug planted in kas (test-only switch), a scenario run
+//! The checker bites: with a routing bug planted in simulated I/O (test-only switch), a run
 //! reports the invariant the bug breaks.
 #![cfg(madsim)]
 

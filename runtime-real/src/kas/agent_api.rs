@@ -6,6 +6,7 @@ use super::limits::AgentLimits;
 use super::tunnel::{self, OutboundStream, Tunnel};
 use crate::agent_auth::{AgentAuth, AgentIdentity, AuthError};
 use kas_core::frame_sequence::{Direction, FrameSequence, StreamKind};
+use kas_core::node::NodeInput;
 use kas_core::{ConnectionId, TunnelId};
 use kas_proto::agent_api::agent_api_server::AgentApi;
 use kas_proto::agent_api::{ConfigurationRequest, ConfigurationResponse};
@@ -94,7 +95,7 @@ impl AgentApi for AgentService {
             }),
         };
         tracing::info!(agent = %identity.agent_id, %connection, "agent connected");
-        self.engine.send(Command::AgentConnected(info));
+        self.engine.input(NodeInput::AgentConnected(info));
         let (tx, rx) = mpsc::channel(2);
         let commit_id = hex(&Sha256::digest(identity.config.as_bytes())[..8]);
         let first = ConfigurationResponse {
@@ -117,7 +118,7 @@ impl AgentApi for AgentService {
                 let _ = tx.send(Err(status)).await;
             }
             tracing::info!(agent = %identity.agent_id, %connection, "agent disconnected");
-            engine.send(Command::AgentDisconnected {
+            engine.input(NodeInput::AgentDisconnected {
                 agent: identity.agent_id,
                 project: identity.project_id,
                 connection,

@@ -1,6 +1,7 @@
 //! A routed call as the kas runtime carries it between its tasks.
 
 use crate::frames;
+use kas_core::node::Wanted;
 use kas_core::{AgentId, ConnectionId, Time};
 use kas_proto::frame::{Frame, RequestStart, frame::Kind};
 use std::sync::Arc;
@@ -30,6 +31,15 @@ pub struct Call {
 }
 
 impl Call {
+    /// What the call asks the kas node for.
+    pub fn wanted(&self) -> Wanted {
+        Wanted {
+            agent: self.agent,
+            connection: self.connection,
+            deadline: self.deadline,
+        }
+    }
+
     /// The call's frames for one hop: its start (numbered `id`, with `hops`) and its
     /// buffered request frames, renumbered.
     pub fn frames(&self, id: u64, hops: u32) -> Vec<Frame> {

@@ -5,20 +5,20 @@
 //! after the first answer frame is relayed to the caller and the call is never retried.
 
 use super::call::Call;
-use super::engine::{Command, EngineHandle};
+use super::engine::EngineHandle;
 use super::metrics::Metrics;
 use crate::clock;
 use crate::frames;
 use crate::jwt::Signer;
 use kas_core::fixed_hash::Map;
 use kas_core::frame_sequence::{Direction, FrameSequence, Progress, StreamKind};
+use kas_core::node::NodeInput;
 use kas_core::{KasId, RequestId};
 use kas_proto::frame::frame::Kind;
 use kas_proto::private_api::kas_private_client::KasPrivateClient;
 
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
-use tokio::task::AbortHandle;
 use tonic::Status;
 use tonic::transport::{Channel, Endpoint};
 
@@ -52,26 +52,29 @@ impl Forwarder {
         }
     }
 
-    /// Starts forwarding `call` to `kas`; the task reports `CallDone` or `Bounced`.
-    pub fn spawn(
+    /// Forwards `call` to `kas` (`waited` after its arrival), then reports `CallDone` or
+    /// `Bounced`.
+    pub fn run(
         &self,
         kas: KasId,
         request: RequestId,
         call: Call,
+        waited: Duration,
         engine: EngineHandle,
-        started: tokio::time::Instant,
-    ) -> AbortHandle {
+    ) -> impl Future<Output = ()> + Send + 'static {
         let this = self.clone();
-        tokio::spawn(async move {
+        let started = tokio::time::Instant::now()
+            .checked_sub(waited)
+            .unwrap_or_else(tokio::time::Instant::now);
+        async move {
             match this.forward(&kas, request, call, started).await {
-                Forwarded::Done => engine.send(Command::CallDone(request)),
+                Forwarded::Done => engine.input(NodeInput::CallDone(request)),
                 Forwarded::Refused(why) => {
                     tracing::debug!(%kas, %request, %why, "forward refused");
-                    engine.send(Command::Bounced(request));
+                    engine.input(NodeInput::Bounced(request));
                 }
             }
-        })
-        .abort_handle()
+        }
     }
 
     fn channel(&self, kas: &KasId) -> Result<Channel, String> {

@@ -8,30 +8,17 @@ use prometheus_client::metrics::histogram::{Histogram, exponential_buckets};
 use prometheus_client::registry::Registry;
 use std::sync::Arc;
 
-/// How a call ended.
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
-pub enum Outcome {
-    /// It reached an agent.
-    Delivered,
-    /// No tunnel of the agent became reachable by the deadline.
-    NotConnected,
-    /// The deadline passed while waiting for a busy agent or during an attempt.
-    DeadlineExceeded,
-    /// The caller went away first.
-    Cancelled,
-    /// A call from another kas this kas could not serve.
-    Refused,
-}
+use kas_core::node::NodeStats;
+pub use kas_core::node::Outcome;
 
-impl Outcome {
-    fn label(self) -> &'static str {
-        match self {
-            Outcome::Delivered => "delivered",
-            Outcome::NotConnected => "not_connected",
-            Outcome::DeadlineExceeded => "deadline_exceeded",
-            Outcome::Cancelled => "cancelled",
-            Outcome::Refused => "refused",
-        }
+/// The metric label of an outcome.
+fn label(outcome: Outcome) -> &'static str {
+    match outcome {
+        Outcome::Delivered => "delivered",
+        Outcome::NotConnected => "not_connected",
+        Outcome::DeadlineExceeded => "deadline_exceeded",
+        Outcome::Cancelled => "cancelled",
+        Outcome::Refused => "refused",
     }
 }
 
@@ -66,22 +53,26 @@ struct ListenerLabels {
 pub struct Metrics {
     registry: Arc<Registry>,
     /// Agent connections (`GetConfiguration` streams) on this kas.
-    pub connections: Gauge,
+    connections: Gauge,
     /// Open tunnels on this kas.
-    pub tunnels: Gauge,
+    tunnels: Gauge,
     /// Calls this kas is routing or serving.
-    pub calls: Gauge,
+    calls: Gauge,
     /// Calls the router is placing: looking up, waiting for a tunnel event or attempting.
-    pub routing: Gauge,
+    routing: Gauge,
     /// Calls waiting for a tunnel of a busy agent on this kas.
-    pub tunnel_waiters: Gauge,
+    tunnel_waiters: Gauge,
     /// Pub-sub channels subscribed (one per agent with waiting calls).
-    pub subscriptions: Gauge,
+    subscriptions: Gauge,
     /// Seconds from a call's arrival until a tunnel (local) or the holding kas (remote)
     /// took it.
     pub routing_latency: Histogram,
     /// The open-file limit in force (raised to the hard limit at start).
     pub open_files_limit: Gauge,
+    /// Seconds the engine fired each timer (deadline, poll, refresh) after it was due.
+    pub timer_lag: Histogram,
+    /// Inputs the kas node refused as a driver bug (each also logged at error level).
+    pub driver_mistakes: Counter,
     routed: Family<RoutedLabels, Counter>,
     served: Family<OutcomeLabels, Counter>,
     store_errors: Family<OpLabels, Counter>,
@@ -105,6 +96,18 @@ impl Default for Metrics {
         let open_files_limit = Gauge::default();
         let limit_refusals = Family::<LimitLabels, Counter>::default();
         let accept_errors = Family::<ListenerLabels, Counter>::default();
+        let driver_mistakes = Counter::default();
+        let timer_lag = Histogram::new(exponential_buckets(0.0001, 2.0, 20));
+        registry.register(
+            "engine_timer_lag_seconds",
+            "How late the routing engine fired its timers (deadlines, polls, refreshes)",
+            timer_lag.clone(),
+        );
+        registry.register(
+            "driver_mistakes",
+            "Inputs the routing core refused as a bug in its driver, or its machines disagreed on (should stay 0)",
+            driver_mistakes.clone(),
+        );
         registry.register(
             "open_files_limit",
             "The open-file limit (RLIMIT_NOFILE) kas runs with",
@@ -172,6 +175,8 @@ impl Default for Metrics {
             subscriptions,
             routing_latency,
             open_files_limit,
+            driver_mistakes,
+            timer_lag,
             routed,
             served,
             store_errors,
@@ -182,11 +187,22 @@ impl Default for Metrics {
 }
 
 impl Metrics {
+    /// Sets the gauges that count what the kas node holds.
+    pub fn node(&self, stats: NodeStats) {
+        let set = |gauge: &Gauge, n: usize| gauge.set(i64::try_from(n).unwrap_or(i64::MAX));
+        set(&self.calls, stats.calls);
+        set(&self.routing, stats.routing);
+        set(&self.tunnel_waiters, stats.tunnel_waiters);
+        set(&self.subscriptions, stats.subscriptions);
+        set(&self.connections, stats.connections);
+        set(&self.tunnels, stats.tunnels);
+    }
+
     /// Counts a routed call's end.
     pub fn routed(&self, outcome: Outcome, hops: u32) {
         self.routed
             .get_or_create(&RoutedLabels {
-                outcome: outcome.label(),
+                outcome: label(outcome),
                 hops,
             })
             .inc();
@@ -196,7 +212,7 @@ impl Metrics {
     pub fn served(&self, outcome: Outcome) {
         self.served
             .get_or_create(&OutcomeLabels {
-                outcome: outcome.label(),
+                outcome: label(outcome),
             })
             .inc();
     }

@@ -3,8 +3,10 @@
 
 use super::call::Call;
 use super::deadline::deadline;
-use super::engine::{CancelOnDrop, Command, EngineHandle};
+use super::engine::{CancelOnDrop, EngineHandle};
+use crate::frames;
 use kas_core::frame_sequence::{Direction, FrameSequence, StreamKind};
+use kas_core::node::Origin;
 use kas_core::{AgentId, ConnectionId};
 use kas_proto::frame::{Frame, frame::Kind};
 use kas_proto::private_api::kas_private_server::KasPrivate;
@@ -69,7 +71,11 @@ impl KasPrivate for PrivateService {
                         requests: Arc::new(requests),
                         responses: tx,
                     };
-                    engine.send(Command::Serve(id, call));
+                    let responses = call.responses.clone();
+                    if let Err(status) = engine.submit(id, Origin::Private, call) {
+                        // Not delivered: a refusal, so the forwarding kas may try another.
+                        let _ = responses.send(Ok(frames::error(id.0, &status))).await;
+                    }
                 }
                 Ok(Err(status)) => {
                     tracing::info!(error = %status.message(), "malformed forwarded call refused");

@@ -3,12 +3,13 @@
 
 use super::call::Call;
 use super::deadline::deadline;
-use super::engine::{CancelOnDrop, Command, EngineHandle};
+use super::engine::{CancelOnDrop, EngineHandle};
 use crate::clock;
 use crate::frames;
 use crate::store::Store;
 use futures::stream::{self, BoxStream, StreamExt, TryStreamExt};
 use kas_core::keys::Keys;
+use kas_core::node::Origin;
 use kas_core::{AgentId, ConnectionId, ProjectId, Time};
 use kas_proto::frame::{Frame, RequestStart, frame::Kind};
 use kas_proto::pods::{ListRequest, ListResponse, LogChunk, LogsRequest};
@@ -81,7 +82,7 @@ impl PublicService {
         method: &str,
         request: Vec<u8>,
         deadline: Time,
-    ) -> Reply {
+    ) -> Result<Reply, Status> {
         let id = self.engine.next_request_id();
         let (tx, rx) = mpsc::channel(16);
         let call = Call {
@@ -99,15 +100,14 @@ impl PublicService {
             requests: Arc::new(vec![frames::message(0, request), frames::close_send(0)]),
             responses: tx,
         };
-        let cancel = CancelOnDrop::new(self.engine.clone(), id);
-        self.engine.send(Command::Route(id, call));
-        Reply {
+        self.engine.submit(id, Origin::Public, call)?;
+        Ok(Reply {
             agent,
             rx,
-            cancel,
+            cancel: CancelOnDrop::new(self.engine.clone(), id),
             give_up: tokio::time::Instant::now() + clock::until(deadline) + ANSWER_GRACE,
             ended: false,
-        }
+        })
     }
 
     /// Routes a unary call to the agent and returns its one response message.
@@ -119,7 +119,7 @@ impl PublicService {
         request: Vec<u8>,
         deadline: Time,
     ) -> Result<Vec<u8>, Status> {
-        let mut reply = self.call_agent(agent, connection, method, request, deadline);
+        let mut reply = self.call_agent(agent, connection, method, request, deadline)?;
         let body = reply
             .message()
             .await?
@@ -230,7 +230,7 @@ impl KasApi for PublicService {
             PODS_LOGS,
             logs,
             deadline,
-        );
+        )?;
         // The first piece (or the refusal) before the headers: a call that reached no agent
         // fails as a plain status.
         let first = reply.message().await?;
@@ -270,21 +270,10 @@ impl KasApi for PublicService {
         req: Request<GetPodsRequest>,
     ) -> Result<Response<GetPodsResponse>, Status> {
         let (deadline, r) = self.routed(req, |r| r.agent_id)?;
-        #[cfg(madsim)]
-        let r = {
-            use crate::planted_bug::{Bug, planted};
-            let mut r = r;
-            if planted() == Bug::WrongAgent {
-                r.agent_id = r.agent_id % 3 + 1;
-            }
-            r
-        };
         let list = ListRequest {
             namespace: r.namespace,
         }
         .encode_to_vec();
-        #[cfg(madsim)]
-        let list_again = list.clone();
         let answer = self
             .call_unary(
                 AgentId(r.agent_id),
@@ -294,13 +283,6 @@ impl KasApi for PublicService {
                 deadline,
             )
             .await?;
-        #[cfg(madsim)]
-        if crate::planted_bug::planted() == crate::planted_bug::Bug::DeliverTwice {
-            let again = AgentId(r.agent_id);
-            let _ = self
-                .call_unary(again, None, PODS_LIST, list_again, deadline)
-                .await;
-        }
         let list = ListResponse::decode(answer.as_slice())
             .map_err(|e| Status::internal(format!("agent sent a malformed pod list: {e}")))?;
         Ok(Response::new(GetPodsResponse { pods: list.pods }))

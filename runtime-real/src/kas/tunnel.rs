@@ -2,11 +2,12 @@
 //! idle, and carries one call at a time when the engine hands it one.
 
 use super::call::Call;
-use super::engine::{Command, EngineHandle};
+use super::engine::EngineHandle;
 use super::limits::Slot;
 use crate::clock;
 use crate::frames;
 use kas_core::frame_sequence::{Direction, FrameSequence, Progress};
+use kas_core::node::NodeInput;
 use kas_core::{RequestId, TunnelId};
 use kas_proto::frame::{Frame, frame::Kind};
 use std::time::Duration;
@@ -78,14 +79,18 @@ enum End {
 }
 
 impl Tunnel {
-    /// Runs until the tunnel ends, then tells the engine.
+    /// Runs until the tunnel ends, then tells the engine, once.
     pub async fn run(mut self) {
-        let end = self.serve().await;
-        self.engine.send(Command::TunnelClosed(self.id));
+        let (end, call) = self.serve().await;
+        // Closed before the call it carried ends, so that the tunnel is never offered again.
+        self.engine.input(NodeInput::TunnelClosed(self.id));
+        if let Some(request) = call {
+            self.engine.input(NodeInput::CallDone(request));
+        }
         // Calls handed over after the end never reached the agent: offer them elsewhere.
         self.orders.close();
         while let Ok(order) = self.orders.try_recv() {
-            self.engine.send(Command::Bounced(order.request));
+            self.engine.input(NodeInput::Bounced(order.request));
         }
         let status = match end {
             End::Gone => return,
@@ -99,41 +104,37 @@ impl Tunnel {
         let _ = self.outbound.send(Box::new(Err(status))).await;
     }
 
-    async fn serve(&mut self) -> End {
+    /// Serves until the tunnel ends; with the call it was carrying then, if any.
+    async fn serve(&mut self) -> (End, Option<RequestId>) {
         let mut last_report = Instant::now();
         loop {
             tokio::select! {
                 biased;
                 order = self.orders.recv() => match order {
-                    None => return End::Dropped,
+                    None => return (End::Dropped, None),
                     Some(order) => {
                         let request = order.request;
                         match self.carry(order).await {
-                            Ok(()) => self.engine.send(Command::CallDone(request)),
-                            Err(end) => {
-                                // Closed first, so that the tunnel is never offered again.
-                                self.engine.send(Command::TunnelClosed(self.id));
-                                self.engine.send(Command::CallDone(request));
-                                return end;
-                            }
+                            Ok(()) => self.engine.input(NodeInput::CallDone(request)),
+                            Err(end) => return (end, Some(request)),
                         }
                     }
                 },
                 frame = self.inbound.message() => {
                     let frame = match frame {
                         Ok(Some(f)) => f,
-                        Ok(None) | Err(_) => return End::Gone,
+                        Ok(None) | Err(_) => return (End::Gone, None),
                     };
                     if let Err(e) = self.sequence.check(Direction::FromAgent, &frame) {
-                        return End::Fault(Status::invalid_argument(format!("tunnel protocol error: {e}")));
+                        return (End::Fault(Status::invalid_argument(format!("tunnel protocol error: {e}"))), None);
                     }
                     let Some(Kind::Heartbeat(hb)) = frame.kind else {
-                        return End::Fault(Status::invalid_argument("tunnel protocol error: call frame while idle"));
+                        return (End::Fault(Status::invalid_argument("tunnel protocol error: call frame while idle")), None);
                     };
                     let _ = self.outbound.try_send(Box::new(Ok(frames::heartbeat(hb.sequence))));
                     self.report_activity(&mut last_report, true);
                 },
-                _ = self.leaving.changed() => return End::Dropped,
+                _ = self.leaving.changed() => return (End::Dropped, None),
             }
         }
     }
@@ -141,7 +142,7 @@ impl Tunnel {
     fn report_activity(&self, last: &mut Instant, force: bool) {
         if force || last.elapsed() >= self.activity_every {
             *last = Instant::now();
-            self.engine.send(Command::TunnelActivity(self.id));
+            self.engine.input(NodeInput::TunnelActivity(self.id));
         }
     }
 
@@ -175,7 +176,7 @@ impl Tunnel {
                     }
                     Some(other) => {
                         // Never sent while a call is running; refuse it rather than mix calls.
-                        self.engine.send(Command::Bounced(other.request));
+                        self.engine.input(NodeInput::Bounced(other.request));
                         continue;
                     }
                 },

@@ -3,6 +3,7 @@
 //! transaction atomically, fields under key expiry, fire-and-forget pub-sub).
 
 use super::{PubSubCommand, PubSubEvent, StoreError};
+use crate::planted_bug::{Bug, planted};
 use kas_core::tracker::KeyWrite;
 use std::collections::BTreeSet;
 use std::net::SocketAddr;
@@ -184,6 +185,7 @@ async fn run_pubsub(
                 reply = receive(&mut rx) => {
                     let event = match reply {
                         Ok(SimReply::Subscribed(ch)) => PubSubEvent::Subscribed(ch),
+                        Ok(SimReply::Message(..)) if planted() == Bug::DropWakeup => continue,
                         Ok(SimReply::Message(channel, payload)) => PubSubEvent::Message { channel, payload },
                         Ok(_) => {
                             ping_sent = None;

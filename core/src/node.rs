@@ -1,0 +1,905 @@
+//! One kas, whole: the tunnel registry, the tracker and the router wired together, with the
+//! bookkeeping of every call this kas carries (where it is, whether it may have reached an
+//! agent) and the table of agent connections and their tunnels.
+//!
+//! This is the composition production runs, the model test drives and the simulation
+//! exercises: the driver (`kas-runtime`'s engine) only carries outputs to the network and
+//! the network's answers back as inputs.
+//!
+//! At-most-once lives here. A call is in one of three places: routing (the router decides),
+//! with a local tunnel ([`NodeOutput::Deliver`]), or with another kas
+//! ([`NodeOutput::Forward`]). Only a refusal the driver reports with
+//! [`NodeInput::Bounced`] or [`NodeInput::DeliveryFailed`] — nothing reached an agent —
+//! sends a call back to its router; once a tunnel holds it, a cancellation waits for the
+//! tunnel to drain the answer, and a failure ends it for good.
+//!
+//! A call for `C` (the driver's payload: the request frames and where the answer goes) is
+//! stored once and handed out in the outputs that need it; the node never looks inside.
+
+use crate::ids::{AgentId, ConnectionId, KasId, ProjectId, RequestId, TunnelId};
+use crate::keys::Keys;
+use crate::router::{RouteError, Router, RouterInput, RouterOutput, Target};
+use crate::time::{self, Time};
+use crate::tracker::{Batch, Tracker, TrackerInput, TrackerOutput};
+use crate::tunnel_registry::{RegistryInput, RegistryOutput, TunnelRegistry};
+use kas_proto::registry::{ConnectedAgentInfo, TunnelEvent};
+use prost::Message;
+use std::collections::{BTreeMap, BTreeSet, VecDeque};
+use std::time::Duration;
+
+/// Where a call came from.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Origin {
+    /// GitLab, on the public API: the router finds its agent.
+    Public,
+    /// Another kas, on the private API: served from this kas's tunnels or refused.
+    Private,
+}
+
+/// How a call ended, as counted in metrics.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Outcome {
+    /// It reached an agent (or may have: a tunnel or forward held it).
+    Delivered,
+    /// No tunnel of the agent became reachable by the deadline.
+    NotConnected,
+    /// The deadline passed while waiting for a busy agent or during an attempt.
+    DeadlineExceeded,
+    /// The caller went away first.
+    Cancelled,
+    /// A call from another kas this kas could not serve.
+    Refused,
+}
+
+/// Why the node ended a call that no agent saw (or that was abandoned mid-attempt).
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub enum CallError {
+    /// The router gave up.
+    Route(RouteError),
+    /// Every tunnel of the agent here stayed busy until the deadline.
+    TunnelsBusy {
+        /// The agent.
+        agent: AgentId,
+    },
+    /// A forwarded call found no tunnel of its agent here.
+    NoFreeTunnel {
+        /// This kas.
+        kas: KasId,
+        /// The agent.
+        agent: AgentId,
+    },
+}
+
+impl CallError {
+    /// True when the caller's deadline passed (rather than the agent being unreachable).
+    pub fn is_deadline(&self) -> bool {
+        matches!(
+            self,
+            CallError::Route(RouteError::DeadlineExceeded { .. }) | CallError::TunnelsBusy { .. }
+        )
+    }
+}
+
+impl std::fmt::Display for CallError {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        match self {
+            CallError::Route(e) => e.fmt(f),
+            CallError::TunnelsBusy { agent } => {
+                write!(
+                    f,
+                    "every tunnel of agent {agent} was busy until the deadline"
+                )
+            }
+            CallError::NoFreeTunnel { kas, agent } => {
+                write!(f, "kas {kas} holds no free tunnel of agent {agent}")
+            }
+        }
+    }
+}
+
+/// What a call asks for.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct Wanted {
+    /// The agent.
+    pub agent: AgentId,
+    /// The replica, if the caller named one.
+    pub connection: Option<ConnectionId>,
+    /// The caller's deadline.
+    pub deadline: Time,
+}
+
+/// A message from the pub-sub connection.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub enum PubSubEvent {
+    /// The subscription is active: messages published from now on arrive.
+    Subscribed(String),
+    /// A message on a subscribed channel.
+    Message {
+        /// The channel.
+        channel: String,
+        /// The payload.
+        payload: Vec<u8>,
+    },
+    /// The connection is up with every subscription in place: at start, and again after
+    /// each loss (messages published while it was down are lost).
+    Up,
+    /// The connection was lost (closed, or its keep-alive `PING` went unanswered).
+    Down,
+}
+
+/// What the driver tells the node.
+#[derive(Debug)]
+pub enum NodeInput<C> {
+    /// An agent replica opened `GetConfiguration`.
+    AgentConnected(ConnectedAgentInfo),
+    /// That stream ended; its tunnels are closed with it.
+    AgentDisconnected {
+        /// The agent.
+        agent: AgentId,
+        /// Its project.
+        project: ProjectId,
+        /// The stream's connection id.
+        connection: ConnectionId,
+    },
+    /// A tunnel sent its descriptor. Refused with [`NodeError::ConnectionNotOpen`] when
+    /// its connection is not open here.
+    TunnelOpened {
+        /// Its id.
+        tunnel: TunnelId,
+        /// The agent.
+        agent: AgentId,
+        /// The replica's connection.
+        connection: ConnectionId,
+    },
+    /// The tunnel is alive.
+    TunnelActivity(TunnelId),
+    /// The tunnel's stream ended (reported once per tunnel the node accepted).
+    TunnelClosed(TunnelId),
+    /// A call from GitLab: route it.
+    Route {
+        /// Its id, unique in this kas.
+        request: RequestId,
+        /// What it wants.
+        wanted: Wanted,
+        /// The driver's payload.
+        call: C,
+    },
+    /// A call from another kas: serve it from this kas's tunnels only.
+    Serve {
+        /// Its id, unique in this kas.
+        request: RequestId,
+        /// What it wants.
+        wanted: Wanted,
+        /// The driver's payload.
+        call: C,
+    },
+    /// The tunnel of a [`NodeOutput::Deliver`] could not take the call (gone, or still
+    /// draining): nothing reached the agent.
+    DeliveryFailed {
+        /// The call.
+        request: RequestId,
+        /// The tunnel.
+        tunnel: TunnelId,
+    },
+    /// The call is over: its tunnel or forward saw the end (delivered, or possibly so).
+    CallDone(RequestId),
+    /// A tunnel or a kas did not take the call; nothing reached an agent.
+    Bounced(RequestId),
+    /// The caller went away.
+    Cancel(RequestId),
+    /// A tracker batch finished.
+    BatchDone {
+        /// The batch.
+        batch: u64,
+        /// Whether it committed.
+        ok: bool,
+    },
+    /// A [`NodeOutput::Lookup`] finished: the kas holding live tunnel records of the agent,
+    /// or `None` when the store failed.
+    LookupDone {
+        /// The agent.
+        agent: AgentId,
+        /// The kas ids found.
+        kas: Option<Vec<KasId>>,
+    },
+    /// The store answered (or failed) a health check.
+    StoreHealth(bool),
+    /// The pub-sub connection reported something.
+    PubSub(PubSubEvent),
+    /// Close every tunnel and delete this kas's records; answered by
+    /// [`NodeOutput::ShutdownComplete`].
+    Shutdown,
+}
+
+/// What the node asks of the driver.
+#[derive(Debug)]
+pub enum NodeOutput<C> {
+    /// Subscribe to this channel; answer with `PubSub(Subscribed(channel))`.
+    Subscribe(String),
+    /// Drop that subscription.
+    Unsubscribe(String),
+    /// Read the live tunnel records of `agent` under `key`; answer with `LookupDone`.
+    Lookup {
+        /// The agent.
+        agent: AgentId,
+        /// Its tunnels-by-agent key.
+        key: String,
+    },
+    /// Run this transaction batch; answer with `BatchDone`.
+    Write(Batch),
+    /// Remove expired fields of these keys (best effort, no answer).
+    Gc {
+        /// The keys.
+        keys: Vec<String>,
+    },
+    /// Send the call down this tunnel; answer with `DeliveryFailed` if it cannot take it,
+    /// then `CallDone` (or `Bounced`, when the tunnel ended before sending anything).
+    Deliver {
+        /// The call.
+        request: RequestId,
+        /// The claimed tunnel.
+        tunnel: TunnelId,
+        /// The payload.
+        call: C,
+        /// How long the call took to find the tunnel.
+        waited: Duration,
+    },
+    /// Send the call to another kas; answer with `CallDone` or `Bounced`.
+    Forward {
+        /// The call.
+        request: RequestId,
+        /// Where to.
+        kas: KasId,
+        /// The payload.
+        call: C,
+        /// How long the call has been routing.
+        waited: Duration,
+    },
+    /// Close this tunnel's stream (missed heartbeats, its connection ended, shutdown): drop
+    /// what sends it calls, then report `TunnelClosed`.
+    CloseTunnel(TunnelId),
+    /// The node has forgotten the call: count it; with `error`, answer the caller with it
+    /// (a refusal frame when the call came from another kas); a forward still running for a
+    /// call not delivered is abandoned.
+    Ended {
+        /// The call.
+        request: RequestId,
+        /// Where it came from.
+        origin: Origin,
+        /// How it ended.
+        outcome: Outcome,
+        /// 1 when a forward held it at the end, else 0.
+        hops: u32,
+        /// The payload.
+        call: C,
+        /// What to tell the caller, when the node ends the call rather than a tunnel or
+        /// forward.
+        error: Option<CallError>,
+    },
+    /// The store became reachable (`true`) or unreachable.
+    StoreHealth(bool),
+    /// Every record of this kas is deleted after [`NodeInput::Shutdown`].
+    ShutdownComplete,
+    /// The node's machines disagreed (a bug in the node): log it loudly and count it.
+    Inconsistent(String),
+}
+
+/// An input the node did not apply.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub enum NodeError {
+    /// A tunnel named a connection that is not open here (the agent's mistake).
+    ConnectionNotOpen {
+        /// The agent.
+        agent: AgentId,
+        /// The connection it named.
+        connection: ConnectionId,
+    },
+    /// A pub-sub message that is not a tunnel event (broken or hostile store data).
+    BadTunnelEvent {
+        /// Its channel.
+        channel: String,
+    },
+    /// The driver broke the contract: a bug in the driver, never the network's doing.
+    DriverMistake(String),
+}
+
+impl std::fmt::Display for NodeError {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        match self {
+            NodeError::ConnectionNotOpen { agent, connection } => write!(
+                f,
+                "connection {connection} of agent {agent} is not open on this kas: open GetConfiguration first and use the connection id it returns"
+            ),
+            NodeError::BadTunnelEvent { channel } => {
+                write!(f, "undecodable tunnel event on channel {channel}")
+            }
+            NodeError::DriverMistake(m) => write!(f, "driver mistake: {m}"),
+        }
+    }
+}
+
+impl std::error::Error for NodeError {}
+
+/// Settings of the node besides its machines'.
+#[derive(Clone, Debug)]
+pub struct NodeConfig {
+    /// This kas's id (its private API address).
+    pub kas_id: KasId,
+    /// Key and channel names.
+    pub keys: Keys,
+    /// Subscribe to tunnel events; without, waiting calls rely on polls alone.
+    pub wakeups: bool,
+}
+
+/// Sizes, for gauges.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct NodeStats {
+    /// Calls this kas holds.
+    pub calls: usize,
+    /// Of them, calls the router holds.
+    pub routing: usize,
+    /// Calls waiting for a busy agent's tunnel.
+    pub tunnel_waiters: usize,
+    /// Pub-sub subscriptions.
+    pub subscriptions: usize,
+    /// Open agent connections.
+    pub connections: usize,
+    /// Open tunnels.
+    pub tunnels: usize,
+}
+
+struct CallState<C> {
+    call: C,
+    wanted: Wanted,
+    origin: Origin,
+    /// A local tunnel holds it: the tunnel ends it.
+    in_tunnel: bool,
+    /// A forward to another kas holds it.
+    forwarding: bool,
+    started: Time,
+}
+
+/// One kas: see the module documentation.
+pub struct KasNode<C> {
+    config: NodeConfig,
+    registry: TunnelRegistry,
+    tracker: Tracker,
+    router: Router,
+    calls: BTreeMap<RequestId, CallState<C>>,
+    connections: BTreeMap<(AgentId, ConnectionId), BTreeSet<TunnelId>>,
+    tunnels: BTreeMap<TunnelId, (AgentId, ConnectionId)>,
+    /// Tunnels the node closed (registry already told) whose `TunnelClosed` is still due.
+    closing: BTreeSet<TunnelId>,
+    channels: BTreeMap<String, AgentId>,
+    store_healthy: bool,
+    /// The pub-sub connection has been up before (so `Up` is a reconnection).
+    pubsub_was_up: bool,
+    outputs: VecDeque<NodeOutput<C>>,
+}
+
+impl<C: Clone> KasNode<C> {
+    /// A kas with no agents and no calls, running these machines.
+    pub fn new(
+        config: NodeConfig,
+        registry: TunnelRegistry,
+        tracker: Tracker,
+        router: Router,
+    ) -> Self {
+        let mut node = KasNode {
+            config,
+            registry,
+            tracker,
+            router,
+            calls: BTreeMap::new(),
+            connections: BTreeMap::new(),
+            tunnels: BTreeMap::new(),
+            closing: BTreeSet::new(),
+            channels: BTreeMap::new(),
+            store_healthy: true,
+            pubsub_was_up: false,
+            outputs: VecDeque::new(),
+        };
+        node.drain(Time(0));
+        node
+    }
+
+    /// Applies one input at `now`. An error means the input changed nothing.
+    pub fn handle_input(&mut self, now: Time, input: NodeInput<C>) -> Result<(), NodeError> {
+        let result = self.input(now, input);
+        self.drain(now);
+        result
+    }
+
+    /// Fires the timers due at `now`: call deadlines, polls, heartbeats, refreshes.
+    pub fn handle_timeout(&mut self, now: Time) {
+        self.registry.handle_timeout(now);
+        self.tracker.handle_timeout(now);
+        self.router.handle_timeout(now);
+        self.drain(now);
+    }
+
+    /// The next thing for the driver to do, `None` when there is nothing.
+    #[must_use]
+    pub fn poll_output(&mut self) -> Option<NodeOutput<C>> {
+        self.outputs.pop_front()
+    }
+
+    /// When to call [`KasNode::handle_timeout`] next, `None` when no timer runs.
+    #[must_use]
+    pub fn poll_timeout(&self) -> Option<Time> {
+        time::earliest(
+            time::earliest(self.registry.poll_timeout(), self.tracker.poll_timeout()),
+            self.router.poll_timeout(),
+        )
+    }
+
+    /// Sizes, for gauges.
+    pub fn stats(&self) -> NodeStats {
+        NodeStats {
+            calls: self.calls.len(),
+            routing: self.router.request_count(),
+            tunnel_waiters: self.registry.waiter_count(),
+            subscriptions: self.channels.len(),
+            connections: self.connections.len(),
+            tunnels: self.tunnels.len(),
+        }
+    }
+
+    /// The machines, read-only: for invariant checks in tests.
+    pub fn parts(&self) -> (&TunnelRegistry, &Tracker, &Router) {
+        (&self.registry, &self.tracker, &self.router)
+    }
+
+    fn input(&mut self, now: Time, input: NodeInput<C>) -> Result<(), NodeError> {
+        match input {
+            NodeInput::AgentConnected(info) => {
+                let key = (AgentId(info.agent_id), ConnectionId(info.connection_id));
+                self.connections.entry(key).or_default();
+                self.tracker
+                    .handle_input(now, TrackerInput::AgentConnected(info));
+            }
+            NodeInput::AgentDisconnected {
+                agent,
+                project,
+                connection,
+            } => {
+                // Its tunnels go with it: the agent reconnects both.
+                for tunnel in self
+                    .connections
+                    .remove(&(agent, connection))
+                    .unwrap_or_default()
+                {
+                    self.close(now, tunnel)?;
+                }
+                self.tracker.handle_input(
+                    now,
+                    TrackerInput::AgentDisconnected {
+                        agent,
+                        project,
+                        connection,
+                    },
+                );
+            }
+            NodeInput::TunnelOpened {
+                tunnel,
+                agent,
+                connection,
+            } => {
+                if self.tunnels.contains_key(&tunnel) || self.closing.contains(&tunnel) {
+                    return Err(mistake(format!("tunnel {tunnel} opened twice")));
+                }
+                let Some(set) = self.connections.get_mut(&(agent, connection)) else {
+                    return Err(NodeError::ConnectionNotOpen { agent, connection });
+                };
+                set.insert(tunnel);
+                self.tunnels.insert(tunnel, (agent, connection));
+                let opened = RegistryInput::TunnelOpened {
+                    tunnel,
+                    agent,
+                    connection,
+                };
+                self.registry(now, opened)?;
+            }
+            NodeInput::TunnelActivity(tunnel) => {
+                if self.tunnels.contains_key(&tunnel) {
+                    self.registry(now, RegistryInput::TunnelActivity { tunnel })?;
+                } else if !self.closing.contains(&tunnel) {
+                    return Err(mistake(format!("activity on unknown tunnel {tunnel}")));
+                }
+            }
+            NodeInput::TunnelClosed(tunnel) => {
+                if self.closing.remove(&tunnel) {
+                    return Ok(()); // closed by the node; the registry knows
+                }
+                let Some(key) = self.tunnels.remove(&tunnel) else {
+                    return Err(mistake(format!(
+                        "tunnel {tunnel} closed twice or never opened"
+                    )));
+                };
+                if let Some(set) = self.connections.get_mut(&key) {
+                    set.remove(&tunnel);
+                }
+                self.registry(now, RegistryInput::TunnelClosed { tunnel })?;
+            }
+            NodeInput::Route {
+                request,
+                wanted,
+                call,
+            } => {
+                self.admit(now, request, wanted, call, Origin::Public)?;
+                self.router.handle_input(
+                    now,
+                    RouterInput::Start {
+                        request,
+                        agent: wanted.agent,
+                        connection: wanted.connection,
+                        deadline: wanted.deadline,
+                    },
+                );
+            }
+            NodeInput::Serve {
+                request,
+                wanted,
+                call,
+            } => {
+                self.admit(now, request, wanted, call, Origin::Private)?;
+                self.registry(now, wants_tunnel(request, wanted))?;
+            }
+            NodeInput::DeliveryFailed { request, tunnel } => {
+                // The tunnel cannot be trusted with calls any more: close it, offer again.
+                if self.tunnels.contains_key(&tunnel) {
+                    self.close(now, tunnel)?;
+                }
+                self.bounced(now, request);
+            }
+            NodeInput::CallDone(request) => {
+                // Released even when the call was ended already: its tunnel is free now.
+                self.registry(now, RegistryInput::Release { request })?;
+                self.router
+                    .handle_input(now, RouterInput::Finished { request });
+                self.end(request, Outcome::Delivered, None);
+            }
+            NodeInput::Bounced(request) => self.bounced(now, request),
+            NodeInput::Cancel(request) => {
+                let Some(state) = self.calls.get(&request) else {
+                    return Ok(()); // ended first: the caller's guard fires after every end
+                };
+                if state.in_tunnel {
+                    return Ok(()); // the tunnel drains the agent's answer and ends the call
+                }
+                self.registry(now, RegistryInput::Release { request })?;
+                self.router
+                    .handle_input(now, RouterInput::Finished { request });
+                self.end(request, Outcome::Cancelled, None);
+            }
+            NodeInput::BatchDone { batch, ok } => {
+                if !ok {
+                    self.set_store_health(now, false);
+                }
+                self.tracker
+                    .handle_input(now, TrackerInput::BatchResult { batch, ok });
+            }
+            NodeInput::LookupDone { agent, kas } => {
+                let input = match kas {
+                    Some(kas) => RouterInput::LookupDone { agent, kas },
+                    None => RouterInput::LookupFailed { agent },
+                };
+                self.router.handle_input(now, input);
+            }
+            NodeInput::StoreHealth(ok) => self.set_store_health(now, ok),
+            NodeInput::PubSub(event) => return self.pubsub(now, event),
+            NodeInput::Shutdown => {
+                for (tunnel, _) in std::mem::take(&mut self.tunnels) {
+                    self.registry(now, RegistryInput::TunnelClosed { tunnel })?;
+                    self.closing.insert(tunnel);
+                    self.outputs.push_back(NodeOutput::CloseTunnel(tunnel));
+                }
+                for set in self.connections.values_mut() {
+                    set.clear();
+                }
+                self.tracker.handle_input(now, TrackerInput::Shutdown);
+            }
+        }
+        Ok(())
+    }
+
+    fn admit(
+        &mut self,
+        now: Time,
+        request: RequestId,
+        wanted: Wanted,
+        call: C,
+        origin: Origin,
+    ) -> Result<(), NodeError> {
+        if self.calls.contains_key(&request) {
+            return Err(mistake(format!("request id {request} reused")));
+        }
+        let state = CallState {
+            call,
+            wanted,
+            origin,
+            in_tunnel: false,
+            forwarding: false,
+            started: now,
+        };
+        self.calls.insert(request, state);
+        Ok(())
+    }
+
+    fn pubsub(&mut self, now: Time, event: PubSubEvent) -> Result<(), NodeError> {
+        match event {
+            PubSubEvent::Subscribed(channel) => {
+                if let Some(&agent) = self.channels.get(&channel) {
+                    self.router
+                        .handle_input(now, RouterInput::Subscribed { agent });
+                }
+            }
+            PubSubEvent::Message { channel, payload } => {
+                let Ok(ev) = TunnelEvent::decode(payload.as_slice()) else {
+                    return Err(NodeError::BadTunnelEvent { channel });
+                };
+                self.router.handle_input(
+                    now,
+                    RouterInput::TunnelEvent {
+                        agent: AgentId(ev.agent_id),
+                        kas: KasId(ev.kas_id),
+                        connected: ev.connected,
+                    },
+                );
+            }
+            // Without wake-ups the router is never told of the connection: its calls keep
+            // polling, and its subscriptions stay the node's own fiction.
+            PubSubEvent::Up => {
+                if self.config.wakeups {
+                    self.router.handle_input(now, RouterInput::PubSubUp);
+                }
+                if std::mem::replace(&mut self.pubsub_was_up, true) {
+                    // The store may have restarted empty.
+                    self.tracker.handle_input(now, TrackerInput::RewriteAll);
+                }
+            }
+            PubSubEvent::Down if self.config.wakeups => {
+                self.router.handle_input(now, RouterInput::PubSubDown);
+            }
+            PubSubEvent::Down => {}
+        }
+        Ok(())
+    }
+
+    fn set_store_health(&mut self, now: Time, ok: bool) {
+        if ok == self.store_healthy {
+            return;
+        }
+        self.store_healthy = ok;
+        self.outputs.push_back(NodeOutput::StoreHealth(ok));
+        if ok {
+            // The store may have lost what this kas wrote while it was away.
+            self.tracker.handle_input(now, TrackerInput::RewriteAll);
+        }
+    }
+
+    fn registry(&mut self, now: Time, input: RegistryInput) -> Result<(), NodeError> {
+        // The node keeps the registry's view of tunnels and calls in step with its own, so
+        // a refusal here is a driver input the node failed to screen.
+        self.registry
+            .handle_input(now, input)
+            .map_err(|e| mistake(e.to_string()))
+    }
+
+    /// [`KasNode::registry`] while carrying outputs, where a refusal has no input to
+    /// blame: it is reported as [`NodeOutput::Inconsistent`].
+    fn registry_in_drain(&mut self, now: Time, input: RegistryInput) {
+        if let Err(e) = self.registry.handle_input(now, input) {
+            self.outputs
+                .push_back(NodeOutput::Inconsistent(e.to_string()));
+        }
+    }
+
+    /// Forgets a tunnel the node closes itself and tells the registry and the driver.
+    fn close(&mut self, now: Time, tunnel: TunnelId) -> Result<(), NodeError> {
+        if let Some(key) = self.tunnels.remove(&tunnel)
+            && let Some(set) = self.connections.get_mut(&key)
+        {
+            set.remove(&tunnel);
+        }
+        self.registry(now, RegistryInput::TunnelClosed { tunnel })?;
+        self.closing.insert(tunnel);
+        self.outputs.push_back(NodeOutput::CloseTunnel(tunnel));
+        Ok(())
+    }
+
+    /// Carries every machine's outputs to their destinations until all are quiet.
+    fn drain(&mut self, now: Time) {
+        loop {
+            let mut any = false;
+            while let Some(out) = self.registry.poll_output() {
+                any = true;
+                self.registry_output(now, out);
+            }
+            while let Some(out) = self.router.poll_output() {
+                any = true;
+                self.router_output(now, out);
+            }
+            while let Some(out) = self.tracker.poll_output() {
+                any = true;
+                self.outputs.push_back(match out {
+                    TrackerOutput::Write(batch) => NodeOutput::Write(batch),
+                    TrackerOutput::Gc { keys } => NodeOutput::Gc { keys },
+                    TrackerOutput::ShutdownComplete => NodeOutput::ShutdownComplete,
+                });
+            }
+            if !any {
+                return;
+            }
+        }
+    }
+
+    fn registry_output(&mut self, now: Time, out: RegistryOutput) {
+        match out {
+            RegistryOutput::Matched { request, tunnel } => {
+                let Some(state) = self.calls.get_mut(&request) else {
+                    // Ended while it waited: the tunnel is free again at once.
+                    self.registry_in_drain(now, RegistryInput::Release { request });
+                    return;
+                };
+                state.in_tunnel = true;
+                self.outputs.push_back(NodeOutput::Deliver {
+                    request,
+                    tunnel,
+                    call: state.call.clone(),
+                    waited: now - state.started,
+                });
+            }
+            RegistryOutput::NoTunnel { request } => self.bounced(now, request),
+            RegistryOutput::WaitExpired { request } => {
+                // Nothing reached an agent, and the deadline has passed: no kas could do
+                // better, so the call ends here with the reason, whichever API it came on.
+                let Some(state) = self.calls.get(&request) else {
+                    return;
+                };
+                let error = CallError::TunnelsBusy {
+                    agent: state.wanted.agent,
+                };
+                self.router
+                    .handle_input(now, RouterInput::Finished { request });
+                self.end(request, Outcome::DeadlineExceeded, Some(error));
+            }
+            RegistryOutput::CloseTunnel { tunnel, request } => {
+                if let Some(key) = self.tunnels.remove(&tunnel)
+                    && let Some(set) = self.connections.get_mut(&key)
+                {
+                    set.remove(&tunnel);
+                }
+                self.closing.insert(tunnel);
+                self.outputs.push_back(NodeOutput::CloseTunnel(tunnel));
+                if let Some(request) = request {
+                    // The tunnel fails the call as its stream closes; it may have been
+                    // delivered, so the router must not retry it.
+                    self.router
+                        .handle_input(now, RouterInput::Finished { request });
+                }
+            }
+            RegistryOutput::AgentPresence { agent, present } => {
+                self.router
+                    .handle_input(now, RouterInput::LocalPresence { agent, present });
+                self.tracker
+                    .handle_input(now, TrackerInput::TunnelPresence { agent, present });
+            }
+        }
+    }
+
+    fn router_output(&mut self, now: Time, out: RouterOutput) {
+        match out {
+            RouterOutput::Subscribe(agent) if !self.config.wakeups => {
+                self.router
+                    .handle_input(now, RouterInput::Subscribed { agent });
+            }
+            RouterOutput::Subscribe(agent) => {
+                let channel = self.config.keys.tunnel_events(agent);
+                self.channels.insert(channel.clone(), agent);
+                self.outputs.push_back(NodeOutput::Subscribe(channel));
+            }
+            RouterOutput::Unsubscribe(_) if !self.config.wakeups => {}
+            RouterOutput::Unsubscribe(agent) => {
+                let channel = self.config.keys.tunnel_events(agent);
+                self.channels.remove(&channel);
+                self.outputs.push_back(NodeOutput::Unsubscribe(channel));
+            }
+            RouterOutput::Lookup(agent) => {
+                let key = self.config.keys.tunnels_by_agent(agent);
+                self.outputs.push_back(NodeOutput::Lookup { agent, key });
+            }
+            RouterOutput::Attempt { request, target } => {
+                let Some(state) = self.calls.get_mut(&request) else {
+                    self.router
+                        .handle_input(now, RouterInput::Finished { request });
+                    return;
+                };
+                match target {
+                    Target::Local => {
+                        let wanted = state.wanted;
+                        // A request id is fresh in the registry whenever the router
+                        // attempts: the last attempt ended with a refusal.
+                        self.registry_in_drain(now, wants_tunnel(request, wanted));
+                    }
+                    Target::Kas(kas) => {
+                        debug_assert_ne!(kas, self.config.kas_id, "the router never picks itself");
+                        state.forwarding = true;
+                        self.outputs.push_back(NodeOutput::Forward {
+                            request,
+                            kas,
+                            call: state.call.clone(),
+                            waited: now - state.started,
+                        });
+                    }
+                }
+            }
+            RouterOutput::Fail { request, error } => {
+                let Some(state) = self.calls.get(&request) else {
+                    return;
+                };
+                let outcome = match error {
+                    RouteError::NotConnected { .. } => Outcome::NotConnected,
+                    RouteError::DeadlineExceeded { .. } => Outcome::DeadlineExceeded,
+                };
+                if !state.in_tunnel {
+                    self.registry_in_drain(now, RegistryInput::Release { request });
+                }
+                self.end(request, outcome, Some(CallError::Route(error)));
+            }
+        }
+    }
+
+    /// A target did not take the call; nothing reached an agent.
+    fn bounced(&mut self, now: Time, request: RequestId) {
+        let Some(state) = self.calls.get_mut(&request) else {
+            return;
+        };
+        state.in_tunnel = false;
+        state.forwarding = false;
+        match state.origin {
+            Origin::Public => self
+                .router
+                .handle_input(now, RouterInput::AttemptRefused { request }),
+            Origin::Private => {
+                let error = CallError::NoFreeTunnel {
+                    kas: self.config.kas_id.clone(),
+                    agent: state.wanted.agent,
+                };
+                self.end(request, Outcome::Refused, Some(error));
+            }
+        }
+    }
+
+    /// Forgets a call and reports how it ended.
+    fn end(&mut self, request: RequestId, outcome: Outcome, error: Option<CallError>) {
+        let Some(state) = self.calls.remove(&request) else {
+            return;
+        };
+        self.outputs.push_back(NodeOutput::Ended {
+            request,
+            origin: state.origin,
+            outcome,
+            hops: u32::from(state.forwarding),
+            call: state.call,
+            error,
+        });
+    }
+}
+
+/// The registry's request for a tunnel the call wants.
+fn wants_tunnel(request: RequestId, wanted: Wanted) -> RegistryInput {
+    RegistryInput::Request {
+        request,
+        agent: wanted.agent,
+        connection: wanted.connection,
+        deadline: wanted.deadline,
+    }
+}
+
+fn mistake(what: String) -> NodeError {
+    NodeError::DriverMistake(what)
+}
+
+#[cfg(test)]
+mod tests;

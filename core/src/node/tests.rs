@@ -1,0 +1,341 @@
+//! The node's own bookkeeping: where a call is, and what may end it.
+
+use super::*;
+use crate::backoff::Backoff;
+use crate::router::RouterConfig;
+use crate::tracker::TrackerConfig;
+use crate::tunnel_registry::RegistryConfig;
+use kas_proto::registry::KasInstanceInfo;
+
+const AGENT: AgentId = AgentId(7);
+const CONN: ConnectionId = ConnectionId(70);
+const TUNNEL: TunnelId = TunnelId(1);
+const GRACE: Duration = Duration::from_secs(2);
+
+fn node() -> KasNode<&'static str> {
+    let keys = Keys::new("kas");
+    let kas = KasId("10.0.0.1:8155".into());
+    let backoff = Backoff {
+        initial: Duration::from_millis(100),
+        max: Duration::from_secs(1),
+        factor: 2,
+    };
+    let tracker = TrackerConfig {
+        ttl: Duration::from_secs(300),
+        refresh: Duration::from_secs(240),
+        gc: Duration::from_secs(600),
+        liveness: Duration::from_secs(300),
+        backoff,
+        max_keys_per_batch: 16,
+    };
+    let router = RouterConfig {
+        poll_backoff: backoff,
+        failure_memory: Duration::from_secs(30),
+        grace: GRACE,
+        linger: Duration::ZERO,
+    };
+    let info = KasInstanceInfo::default();
+    KasNode::new(
+        NodeConfig {
+            kas_id: kas.clone(),
+            keys: keys.clone(),
+            wakeups: true,
+        },
+        TunnelRegistry::new(RegistryConfig {
+            heartbeat_timeout: Duration::from_secs(3600),
+        }),
+        Tracker::new(Time(0), tracker, keys, kas.clone(), &info, 1),
+        Router::new(router, kas, 1),
+    )
+}
+
+/// A node with one replica of `AGENT` and one idle tunnel of it; its outputs so far drained.
+fn with_tunnel() -> KasNode<&'static str> {
+    let mut n = node();
+    let info = ConnectedAgentInfo {
+        agent_id: AGENT.0,
+        project_id: 1,
+        connection_id: CONN.0,
+        ..Default::default()
+    };
+    n.handle_input(Time(0), NodeInput::AgentConnected(info))
+        .unwrap();
+    let opened = NodeInput::TunnelOpened {
+        tunnel: TUNNEL,
+        agent: AGENT,
+        connection: CONN,
+    };
+    n.handle_input(Time(0), opened).unwrap();
+    outputs(&mut n);
+    n
+}
+
+fn outputs(n: &mut KasNode<&'static str>) -> Vec<NodeOutput<&'static str>> {
+    std::iter::from_fn(|| n.poll_output()).collect()
+}
+
+fn wanted(deadline: u64) -> Wanted {
+    Wanted {
+        agent: AGENT,
+        connection: None,
+        deadline: Time(deadline),
+    }
+}
+
+fn route(n: &mut KasNode<&'static str>, request: u64, deadline: u64) {
+    let input = NodeInput::Route {
+        request: RequestId(request),
+        wanted: wanted(deadline),
+        call: "call",
+    };
+    n.handle_input(Time(0), input).unwrap();
+}
+
+fn ended(outs: &[NodeOutput<&'static str>]) -> Vec<(RequestId, Outcome, Option<CallError>)> {
+    outs.iter()
+        .filter_map(|o| match o {
+            NodeOutput::Ended {
+                request,
+                outcome,
+                error,
+                ..
+            } => Some((*request, *outcome, error.clone())),
+            _ => None,
+        })
+        .collect()
+}
+
+fn delivered(outs: &[NodeOutput<&'static str>]) -> Vec<(RequestId, TunnelId)> {
+    outs.iter()
+        .filter_map(|o| match o {
+            NodeOutput::Deliver {
+                request, tunnel, ..
+            } => Some((*request, *tunnel)),
+            _ => None,
+        })
+        .collect()
+}
+
+#[test]
+fn a_call_in_a_tunnel_outlives_its_caller_and_ends_once_as_delivered() {
+    let mut n = with_tunnel();
+    route(&mut n, 1, 10_000);
+    let outs = outputs(&mut n);
+    assert_eq!(delivered(&outs), [(RequestId(1), TUNNEL)]);
+    // The caller goes away: the tunnel still drains the agent's answer.
+    n.handle_input(Time(5), NodeInput::Cancel(RequestId(1)))
+        .unwrap();
+    assert!(
+        ended(&outputs(&mut n)).is_empty(),
+        "cancelled while delivered"
+    );
+    // Nor is the tunnel free for another call until then.
+    route(&mut n, 2, 10_000);
+    assert!(
+        delivered(&outputs(&mut n)).is_empty(),
+        "a busy tunnel took a call"
+    );
+    n.handle_input(Time(6), NodeInput::CallDone(RequestId(1)))
+        .unwrap();
+    let outs = outputs(&mut n);
+    assert_eq!(ended(&outs), [(RequestId(1), Outcome::Delivered, None)]);
+    assert_eq!(
+        delivered(&outs),
+        [(RequestId(2), TUNNEL)],
+        "freed, then reused"
+    );
+    // A late duplicate end changes nothing.
+    n.handle_input(Time(7), NodeInput::CallDone(RequestId(1)))
+        .unwrap();
+    assert!(ended(&outputs(&mut n)).is_empty());
+}
+
+#[test]
+fn a_refused_forward_goes_back_to_the_router_and_a_delivered_one_never_does() {
+    let mut n = node();
+    let other = KasId("10.0.0.2:8155".into());
+    route(&mut n, 1, 10_000);
+    // Subscribed, then the lookup finds the agent at another kas.
+    let channel = Keys::new("kas").tunnel_events(AGENT);
+    n.handle_input(Time(1), NodeInput::PubSub(PubSubEvent::Up))
+        .unwrap();
+    let sub = NodeInput::PubSub(PubSubEvent::Subscribed(channel));
+    n.handle_input(Time(1), sub).unwrap();
+    let found = NodeInput::LookupDone {
+        agent: AGENT,
+        kas: Some(vec![other.clone()]),
+    };
+    n.handle_input(Time(2), found).unwrap();
+    let forwards = |outs: &[NodeOutput<&'static str>]| {
+        outs.iter()
+            .filter(|o| matches!(o, NodeOutput::Forward { kas, .. } if *kas == other))
+            .count()
+    };
+    assert_eq!(forwards(&outputs(&mut n)), 1);
+    // Refused before delivery: no end, the router looks again.
+    n.handle_input(Time(3), NodeInput::Bounced(RequestId(1)))
+        .unwrap();
+    assert!(ended(&outputs(&mut n)).is_empty());
+    // Delivered through the other kas: ends once, one hop, and a late refusal is ignored.
+    let found = NodeInput::LookupDone {
+        agent: AGENT,
+        kas: Some(vec![other.clone()]),
+    };
+    n.handle_timeout(Time(3_000));
+    n.handle_input(Time(3_000), found).unwrap();
+    assert_eq!(
+        forwards(&outputs(&mut n)),
+        1,
+        "tried again after the refusal"
+    );
+    n.handle_input(Time(3_001), NodeInput::CallDone(RequestId(1)))
+        .unwrap();
+    let outs = outputs(&mut n);
+    let hops: Vec<u32> = outs
+        .iter()
+        .filter_map(|o| match o {
+            NodeOutput::Ended { hops, .. } => Some(*hops),
+            _ => None,
+        })
+        .collect();
+    assert_eq!(ended(&outs), [(RequestId(1), Outcome::Delivered, None)]);
+    assert_eq!(hops, [1]);
+    n.handle_input(Time(3_002), NodeInput::Bounced(RequestId(1)))
+        .unwrap();
+    assert!(
+        outputs(&mut n).is_empty(),
+        "a refusal after the end re-routed the call"
+    );
+}
+
+/// Settled: a call that waited for a busy agent's tunnel until its deadline ends there,
+/// not delivered, with that reason, whichever API it came on (the model test, which used
+/// to retry it as refused, drives this same node).
+#[test]
+fn waiting_for_a_busy_tunnel_past_the_deadline_ends_the_call_as_busy() {
+    let mut n = with_tunnel();
+    route(&mut n, 1, 10_000);
+    outputs(&mut n);
+    route(&mut n, 2, 500);
+    let serve = NodeInput::Serve {
+        request: RequestId(3),
+        wanted: wanted(500),
+        call: "forwarded",
+    };
+    n.handle_input(Time(0), serve).unwrap();
+    assert!(outputs(&mut n).is_empty(), "both wait for the busy tunnel");
+    n.handle_timeout(Time(500));
+    let outs = outputs(&mut n);
+    let busy = CallError::TunnelsBusy { agent: AGENT };
+    assert!(busy.is_deadline());
+    let busy = Some(busy);
+    assert_eq!(
+        ended(&outs),
+        [
+            (RequestId(2), Outcome::DeadlineExceeded, busy.clone()),
+            (RequestId(3), Outcome::DeadlineExceeded, busy.clone()),
+        ]
+    );
+    assert_eq!(n.stats().calls, 1);
+}
+
+#[test]
+fn a_deadline_while_in_a_tunnel_answers_the_caller_and_keeps_the_tunnel_claimed() {
+    let mut n = with_tunnel();
+    route(&mut n, 1, 1_000);
+    outputs(&mut n);
+    n.handle_timeout(Time(1_000) + GRACE);
+    let outs = outputs(&mut n);
+    assert!(matches!(
+        ended(&outs).as_slice(),
+        [(_, Outcome::DeadlineExceeded, Some(CallError::Route(_)))]
+    ));
+    assert_eq!(
+        n.parts().0.claimed_count(),
+        1,
+        "released before the tunnel ended it"
+    );
+    n.handle_input(Time(2_500), NodeInput::CallDone(RequestId(1)))
+        .unwrap();
+    assert!(ended(&outputs(&mut n)).is_empty(), "ended twice");
+    assert_eq!(n.parts().0.claimed_count(), 0);
+}
+
+#[test]
+fn a_tunnel_that_cannot_take_its_call_is_closed_and_the_call_offered_again() {
+    let mut n = with_tunnel();
+    route(&mut n, 1, 10_000);
+    outputs(&mut n);
+    let failed = NodeInput::DeliveryFailed {
+        request: RequestId(1),
+        tunnel: TUNNEL,
+    };
+    n.handle_input(Time(1), failed).unwrap();
+    let outs = outputs(&mut n);
+    assert!(
+        outs.iter()
+            .any(|o| matches!(o, NodeOutput::CloseTunnel(TUNNEL)))
+    );
+    assert!(
+        ended(&outs).is_empty(),
+        "the call is routed again, not ended"
+    );
+    assert_eq!(n.stats().tunnels, 0);
+    // The tunnel task then reports its end, once; a second report is a driver mistake.
+    n.handle_input(Time(2), NodeInput::TunnelClosed(TUNNEL))
+        .unwrap();
+    let again = n.handle_input(Time(3), NodeInput::TunnelClosed(TUNNEL));
+    assert!(
+        matches!(again, Err(NodeError::DriverMistake(_))),
+        "{again:?}"
+    );
+}
+
+#[test]
+fn a_tunnel_on_a_connection_not_open_here_is_refused_and_changes_nothing() {
+    let mut n = node();
+    let opened = NodeInput::TunnelOpened {
+        tunnel: TUNNEL,
+        agent: AGENT,
+        connection: CONN,
+    };
+    let result = n.handle_input(Time(0), opened);
+    assert_eq!(
+        result,
+        Err(NodeError::ConnectionNotOpen {
+            agent: AGENT,
+            connection: CONN
+        })
+    );
+    assert_eq!(n.stats(), NodeStats::default());
+}
+
+#[test]
+fn a_connection_ending_closes_its_tunnels_and_fails_waiting_forwarded_calls_over() {
+    let mut n = with_tunnel();
+    let gone = NodeInput::AgentDisconnected {
+        agent: AGENT,
+        project: ProjectId(1),
+        connection: CONN,
+    };
+    n.handle_input(Time(1), gone).unwrap();
+    let outs = outputs(&mut n);
+    assert!(
+        outs.iter()
+            .any(|o| matches!(o, NodeOutput::CloseTunnel(TUNNEL)))
+    );
+    n.handle_input(Time(2), NodeInput::TunnelClosed(TUNNEL))
+        .unwrap();
+    // A forwarded call for the agent is refused at once: the other kas may look elsewhere.
+    let serve = NodeInput::Serve {
+        request: RequestId(9),
+        wanted: wanted(10_000),
+        call: "forwarded",
+    };
+    n.handle_input(Time(3), serve).unwrap();
+    let outs = outputs(&mut n);
+    assert!(matches!(
+        ended(&outs).as_slice(),
+        [(_, Outcome::Refused, Some(CallError::NoFreeTunnel { .. }))]
+    ));
+}
