@@ -12,7 +12,9 @@ use std::hash::BuildHasherDefault;
 pub type Fixed = BuildHasherDefault<DefaultHasher>;
 
 /// A `HashMap` with the [`Fixed`] hasher; make one with `Map::default()`.
+#[allow(clippy::disallowed_types)] // the fixed hasher is the point: see the module docs
 pub type Map<K, V> = std::collections::HashMap<K, V, Fixed>;
 
 /// A `HashSet` with the [`Fixed`] hasher; make one with `Set::default()`.
+#[allow(clippy::disallowed_types)] // the fixed hasher is the point: see the module docs
 pub type Set<K> = std::collections::HashSet<K, Fixed>;

@@ -95,6 +95,9 @@ struct Kas {
     subscriptions: BTreeSet<String>,
     /// The pub-sub connection is down (until the next clock advance).
     pubsub_down: bool,
+    /// Channels re-subscribed by a reconnection whose confirmation has not come yet (it
+    /// comes at the next clock advance): Redis does not deliver their messages yet.
+    unconfirmed: BTreeSet<String>,
     fail_next_batch: bool,
 }
 
@@ -209,6 +212,7 @@ impl World {
                 ),
                 subscriptions: BTreeSet::new(),
                 pubsub_down: false,
+                unconfirmed: BTreeSet::new(),
                 fail_next_batch: false,
             })
             .collect();
@@ -300,6 +304,7 @@ impl World {
             }
             Op::Advance { ms } => {
                 self.answer_calls();
+                self.confirm_subscriptions();
                 self.reconnect_pubsub();
                 self.advance_to(now + Duration::from_millis(ms));
             }
@@ -507,6 +512,7 @@ impl World {
             }
             NodeOutput::Unsubscribe(channel) => {
                 self.nodes[n].subscriptions.remove(&channel);
+                self.nodes[n].unconfirmed.remove(&channel);
             }
             NodeOutput::Lookup { agent, key } => {
                 let kas = self
@@ -676,7 +682,9 @@ impl World {
         TunnelEvent::decode(payload.as_slice()).expect("a tunnel event");
         let lose = std::mem::take(&mut self.lose_next_publish);
         for n in 0..KAS {
-            if !self.nodes[n].subscriptions.contains(&channel) {
+            if !self.nodes[n].subscriptions.contains(&channel)
+                || self.nodes[n].unconfirmed.contains(&channel)
+            {
                 continue;
             }
             if lose && !self.nodes[n].pubsub_down {
@@ -693,14 +701,27 @@ impl World {
         }
     }
 
-    /// Subscriber connections that went down are back, with their subscriptions.
+    /// Subscriber connections that went down are back; their subscriptions are asked for
+    /// again and confirmed later ([`World::confirm_subscriptions`]), as Redis answers
+    /// `SUBSCRIBE` after the connection is up: a router that looked up before the
+    /// confirmation could miss a record announced in between, and wait for nothing.
     fn reconnect_pubsub(&mut self) {
         for n in 0..KAS {
             if std::mem::take(&mut self.nodes[n].pubsub_down) {
                 input(self, n, NodeInput::PubSub(PubSubEvent::Up));
-                for channel in self.nodes[n].subscriptions.clone() {
-                    input(self, n, NodeInput::PubSub(PubSubEvent::Subscribed(channel)));
-                }
+                self.nodes[n].unconfirmed = self.nodes[n].subscriptions.clone();
+            }
+        }
+    }
+
+    /// Subscriptions asked for by a reconnection are active now.
+    fn confirm_subscriptions(&mut self) {
+        for n in 0..KAS {
+            if self.nodes[n].pubsub_down {
+                continue;
+            }
+            for channel in std::mem::take(&mut self.nodes[n].unconfirmed) {
+                input(self, n, NodeInput::PubSub(PubSubEvent::Subscribed(channel)));
             }
         }
     }
@@ -716,6 +737,7 @@ impl World {
         let until = self.now.max(last_deadline) + TTL + REFRESH + GC + GRACE;
         while self.now < until {
             self.answer_calls();
+            self.confirm_subscriptions();
             self.reconnect_pubsub();
             self.advance_to(self.now + Duration::from_millis(100));
             self.settle();
@@ -848,7 +870,36 @@ fn lost_wake_up_is_recovered_when_pubsub_is_back() {
     w.apply(&Op::Connect { agent: 9, kas: 2 });
     assert!(w.calls[&call].delivered_to.is_none(), "the event was lost");
     w.apply(&Op::Advance { ms: 1 });
+    assert!(w.calls[&call].delivered_to.is_none(), "before the renewal is confirmed");
+    w.apply(&Op::Advance { ms: 1 });
     assert!(w.calls[&call].delivered_to.is_some(), "looked up again");
+    w.check_convergence();
+}
+
+/// A record announced after a reconnection but before the renewed subscription is
+/// confirmed: the announcement is not delivered, and the lookup made on confirmation finds
+/// the record. (A router that looked up as soon as the connection was back missed it and
+/// waited out the deadline: the simulation found this with the subscription linger on.)
+#[test]
+fn an_announcement_before_the_renewed_subscription_is_confirmed_is_not_missed() {
+    let mut w = World::new(4);
+    let call = w.start_call(AgentId(9), None, 0, Time(5_000));
+    w.apply(&Op::Advance { ms: 10 });
+    w.apply(&Op::LoseNextPublish);
+    w.apply(&Op::Connect { agent: 9, kas: 2 }); // lost: kas 0's connection goes down
+    assert!(w.calls[&call].delivered_to.is_none());
+    w.apply(&Op::Disconnect {
+        pick: 0,
+        connection_first: false,
+    }); // agent 9 leaves while kas 0 is down
+    w.apply(&Op::Advance { ms: 1 }); // kas 0 reconnects; SUBSCRIBE not confirmed yet
+    w.apply(&Op::Connect { agent: 9, kas: 2 }); // announced, not delivered to kas 0
+    assert!(w.calls[&call].delivered_to.is_none());
+    w.apply(&Op::Advance { ms: 1 }); // confirmed: looks up now
+    assert!(
+        w.calls[&call].delivered_to.is_some(),
+        "the record announced before the confirmation was missed"
+    );
     w.check_convergence();
 }
 

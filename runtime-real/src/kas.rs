@@ -16,6 +16,7 @@ mod metrics;
 pub mod observability;
 mod private_api;
 mod public_api;
+mod timing;
 mod tunnel;
 
 pub use deadline::parse_grpc_timeout;
@@ -278,7 +279,7 @@ impl Kas {
                     factor: 2,
                 },
                 failure_memory: Duration::from_secs(30),
-                grace: Duration::from_secs(2),
+                grace: timing::ROUTE_GRACE,
                 linger: config
                     .redis
                     .as_ref()

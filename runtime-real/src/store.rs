@@ -8,6 +8,7 @@
 //! pub-sub on a connection of its own that reports when it is up and down.
 
 mod memory;
+mod pubsub;
 mod redis;
 #[cfg(madsim)]
 pub mod sim;
@@ -150,37 +151,6 @@ impl Store {
         (PubSub(cmd_tx), ev_rx)
     }
 }
-
-/// While a pub-sub connection is down: waits `delay`, keeping `channels` (the wanted
-/// subscriptions) up to date with the commands that arrive. `false`: the handle is gone.
-/// Ordered, so that a reconnection subscribes in the same order in every run (the
-/// simulation's determinism check found a `HashSet` here).
-async fn wait_while_down(
-    delay: std::time::Duration,
-    cmds: &mut mpsc::UnboundedReceiver<PubSubCommand>,
-    channels: &mut std::collections::BTreeSet<String>,
-) -> bool {
-    let sleep = tokio::time::sleep(delay);
-    tokio::pin!(sleep);
-    loop {
-        tokio::select! {
-            biased;
-            () = &mut sleep => return true,
-            cmd = cmds.recv() => match cmd {
-                None => return false,
-                Some(PubSubCommand::Subscribe(ch)) => {
-                    channels.insert(ch);
-                }
-                Some(PubSubCommand::Unsubscribe(ch)) => {
-                    channels.remove(&ch);
-                }
-            },
-        }
-    }
-}
-
-/// How often an idle pub-sub connection is checked with `PING`.
-const KEEPALIVE: std::time::Duration = std::time::Duration::from_secs(1);
 
 /// A request to the pub-sub connection.
 #[derive(Debug)]

@@ -2,7 +2,7 @@
 
 use futures::stream::{self, BoxStream, Stream, StreamExt, TryStreamExt};
 use prost::Message;
-use std::collections::HashMap;
+use std::collections::BTreeMap;
 use std::sync::Arc;
 use tonic::Status;
 
@@ -14,7 +14,7 @@ type Handler = Arc<dyn Fn(Vec<u8>) -> Answer + Send + Sync>;
 /// The methods this agent serves, by full gRPC method name.
 #[derive(Clone, Default)]
 pub struct Modules {
-    handlers: HashMap<String, Handler>,
+    handlers: BTreeMap<String, Handler>,
 }
 
 fn decode<Req: Message + Default>(bytes: &[u8]) -> Result<Req, Status> {

@@ -8,6 +8,9 @@
 //! - While GitLab fails, a token it accepted within `stale_ttl` is still accepted.
 //! - Lookups of tokens not known to be good are rate-limited, overall and per client
 //!   address, so that spraying random tokens does not reach GitLab one to one.
+// Std hash maps on purpose: keys are client input (tokens, addresses), and a random seed
+// resists hash flooding; they are looked up and pruned, never iterated into an output.
+#![allow(clippy::disallowed_types)]
 
 use super::{AgentIdentity, AuthError, GitLabClient};
 use crate::rate::{Bucket, Rate};

@@ -1,12 +1,10 @@
 //! The caller's deadline, from gRPC's `grpc-timeout` metadata.
 
+use super::timing::DEADLINE_MARGIN;
 use crate::clock;
 use kas_core::Time;
 use std::time::Duration;
 use tonic::metadata::MetadataMap;
-
-/// Longest margin kept between kas's deadline for a call and the caller's.
-const MAX_MARGIN: Duration = Duration::from_millis(500);
 
 /// The call's deadline: `grpc-timeout` when present (capped at `max`), else `default`.
 /// kas gives up a tenth of the timeout (at most half a second) early, so that the caller
@@ -18,7 +16,7 @@ pub fn deadline(metadata: &MetadataMap, default: Duration, max: Duration) -> Tim
         .and_then(parse_grpc_timeout)
         .unwrap_or(default)
         .min(max);
-    clock::now() + (timeout - (timeout / 10).min(MAX_MARGIN))
+    clock::now() + (timeout - (timeout / 10).min(DEADLINE_MARGIN))
 }
 
 /// Parses `grpc-timeout` (`<up to 8 digits><H|M|S|m|u|n>`).

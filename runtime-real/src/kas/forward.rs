@@ -7,6 +7,7 @@
 use super::call::Call;
 use super::engine::EngineHandle;
 use super::metrics::Metrics;
+use super::timing::FORWARD_DRAIN;
 use crate::clock;
 use crate::frames;
 use crate::jwt::Signer;
@@ -19,18 +20,24 @@ use kas_proto::private_api::kas_private_client::KasPrivateClient;
 
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
+use tokio::time::Instant;
 use tonic::Status;
 use tonic::transport::{Channel, Endpoint};
 
 /// Opens (and reuses) connections to other kas and runs forwards.
 #[derive(Clone)]
 pub struct Forwarder {
-    channels: Arc<Mutex<Map<KasId, Channel>>>,
+    /// Connections by kas, with when each was last used.
+    channels: Arc<Mutex<Map<KasId, (Channel, Instant)>>>,
     signer: Signer,
     metrics: Metrics,
     /// `agent.max_message_size`: the largest answer frame accepted from another kas.
     max_message_size: usize,
 }
+
+/// A connection to a kas unused this long is dropped: kas replicas come and go with their
+/// addresses, and the table must not grow with every one ever seen.
+const IDLE_CHANNEL: Duration = Duration::from_secs(300);
 
 /// How a forward ended.
 enum Forwarded {
@@ -79,7 +86,9 @@ impl Forwarder {
 
     fn channel(&self, kas: &KasId) -> Result<Channel, String> {
         let mut channels = self.channels.lock().unwrap_or_else(|p| p.into_inner());
-        if let Some(c) = channels.get(kas) {
+        let now = Instant::now();
+        if let Some((c, used)) = channels.get_mut(kas) {
+            *used = now;
             return Ok(c.clone());
         }
         let channel = Endpoint::from_shared(format!("http://{kas}"))
@@ -87,8 +96,16 @@ impl Forwarder {
             .connect_timeout(Duration::from_secs(2))
             .tcp_nodelay(true)
             .connect_lazy();
-        channels.insert(kas.clone(), channel.clone());
+        channels.retain(|_, (_, used)| now.duration_since(*used) < IDLE_CHANNEL);
+        channels.insert(kas.clone(), (channel.clone(), now));
         Ok(channel)
+    }
+
+    /// Drops the connection to a kas that could not be reached: the next forward there
+    /// connects afresh, and a kas that is gone for good leaves the table.
+    fn forget(&self, kas: &KasId) {
+        let mut channels = self.channels.lock().unwrap_or_else(|p| p.into_inner());
+        channels.remove(kas);
     }
 
     async fn forward(
@@ -132,7 +149,12 @@ impl Forwarder {
             KasPrivateClient::new(channel).max_decoding_message_size(self.max_message_size);
         let mut inbound = match client.forward(req).await {
             Ok(resp) => resp.into_inner(),
-            Err(status) => return Forwarded::Refused(status.to_string()),
+            Err(status) => {
+                if status.code() == tonic::Code::Unavailable {
+                    self.forget(kas);
+                }
+                return Forwarded::Refused(status.to_string());
+            }
         };
         for f in up {
             // Capacity holds every frame; a closed stream shows as the answer's error below.
@@ -201,12 +223,51 @@ impl Forwarder {
                 // it here would reset the HTTP/2 stream, and a server that sees many resets
                 // on one connection closes it with ENHANCE_YOUR_CALM (h2's reset-flood
                 // guard), failing every call on it. Found by kas-bench at concurrency 16.
-                let _ = tokio::time::timeout(Duration::from_secs(1), async {
+                let _ = tokio::time::timeout(FORWARD_DRAIN, async {
                     while let Ok(Some(_)) = inbound.message().await {}
                 })
                 .await;
                 return Forwarded::Done;
             }
         }
+    }
+}
+
+#[cfg(all(test, not(madsim)))]
+mod tests {
+    use super::*;
+    use crate::jwt::Secret;
+
+    fn forwarder() -> Forwarder {
+        let secret = Secret::from_base64("c2VjcmV0LXNlY3JldC1zZWNyZXQtc2VjcmV0LXNlY3JldA==")
+            .expect("a secret");
+        let signer = Signer::new(&secret, "kas", "kas");
+        Forwarder::new(signer, Metrics::default(), 1 << 20)
+    }
+
+    fn held(f: &Forwarder) -> Vec<String> {
+        let channels = f.channels.lock().unwrap();
+        let mut held: Vec<String> = channels.keys().map(|k| k.0.clone()).collect();
+        held.sort();
+        held
+    }
+
+    #[tokio::test(start_paused = true)]
+    async fn connections_to_kas_unused_for_a_while_are_dropped() {
+        let f = forwarder();
+        let (a, b, c) = (
+            KasId("127.0.0.1:1".into()),
+            KasId("127.0.0.1:2".into()),
+            KasId("127.0.0.1:3".into()),
+        );
+        f.channel(&a).unwrap();
+        f.channel(&b).unwrap();
+        tokio::time::advance(IDLE_CHANNEL / 2).await;
+        f.channel(&b).unwrap(); // used again: kept
+        tokio::time::advance(IDLE_CHANNEL / 2 + Duration::from_secs(1)).await;
+        f.channel(&c).unwrap();
+        assert_eq!(held(&f), ["127.0.0.1:2", "127.0.0.1:3"]);
+        f.forget(&b);
+        assert_eq!(held(&f), ["127.0.0.1:3"]);
     }
 }

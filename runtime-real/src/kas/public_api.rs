@@ -4,6 +4,7 @@
 use super::call::Call;
 use super::deadline::deadline;
 use super::engine::{CancelOnDrop, EngineHandle};
+use super::timing::ANSWER_GRACE;
 use crate::clock;
 use crate::frames;
 use crate::store::Store;
@@ -26,9 +27,6 @@ use tokio::sync::mpsc;
 use tonic::{Request, Response, Status};
 
 pub use kas_proto::pods::{LIST_METHOD as PODS_LIST, LOGS_METHOD as PODS_LOGS};
-
-/// How long past its deadline a caller waits for an answer already under way.
-const ANSWER_GRACE: Duration = Duration::from_secs(3);
 
 /// The public API service.
 pub struct PublicService {

@@ -4,6 +4,7 @@
 use super::call::Call;
 use super::engine::EngineHandle;
 use super::limits::Slot;
+use super::timing::TUNNEL_GRACE;
 use crate::clock;
 use crate::frames;
 use kas_core::frame_sequence::{Direction, FrameSequence, Progress};
@@ -43,9 +44,6 @@ pub struct TunnelOrder {
     /// The call.
     pub call: Call,
 }
-
-/// How long past its deadline a call may hold a tunnel before the tunnel is given up.
-const CALL_GRACE: Duration = Duration::from_secs(2);
 
 /// Everything the tunnel task needs.
 pub struct Tunnel {
@@ -164,7 +162,7 @@ impl Tunnel {
                 return Err(End::Gone);
             }
         }
-        let give_up = Instant::now() + clock::until(call.deadline) + CALL_GRACE;
+        let give_up = Instant::now() + clock::until(call.deadline) + TUNNEL_GRACE;
         let mut last_report = Instant::now();
         loop {
             let frame = tokio::select! {

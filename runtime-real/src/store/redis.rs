@@ -1,13 +1,14 @@
 //! The Redis store: an auto-reconnecting multiplexed connection for commands and a
 //! separate connection for pub-sub, re-established (with every subscription) after a loss.
 
+use super::pubsub::{self, Connection, Pushed, Transport};
 use super::{PubSubCommand, PubSubEvent, StoreError};
 use ::redis::aio::{ConnectionManager, ConnectionManagerConfig};
 use ::redis::{Client, Script, Value};
 use futures::StreamExt;
 use kas_core::Time;
 use kas_core::tracker::KeyWrite;
-use std::collections::BTreeSet;
+use std::collections::VecDeque;
 use std::sync::Arc;
 use std::time::Duration;
 use tokio::sync::mpsc;
@@ -217,92 +218,76 @@ impl RedisStore {
         cmds: mpsc::UnboundedReceiver<PubSubCommand>,
         events: mpsc::Sender<PubSubEvent>,
     ) {
-        tokio::spawn(run_pubsub(self.client.clone(), self.timeout, cmds, events));
+        let transport = RedisPubSub {
+            client: self.client.clone(),
+            timeout: self.timeout,
+        };
+        tokio::spawn(pubsub::run(transport, self.timeout, cmds, events));
     }
 }
 
-/// Keeps one pub-sub connection up: (re)connects with backoff, restores subscriptions,
-/// relays messages, checks the connection with `PING` every [`super::KEEPALIVE`]. Ends
-/// when the handle or the event receiver is dropped.
-async fn run_pubsub(
+/// Opens pub-sub connections to Redis.
+struct RedisPubSub {
     client: Client,
     timeout: Duration,
-    mut cmds: mpsc::UnboundedReceiver<PubSubCommand>,
-    events: mpsc::Sender<PubSubEvent>,
-) {
-    let mut channels: BTreeSet<String> = BTreeSet::new();
-    let mut delay = Duration::from_millis(50);
-    loop {
-        let conn = tokio::time::timeout(timeout, client.get_async_pubsub()).await;
-        let Ok(Ok(pubsub)) = conn else {
-            // Down: keep track of what is wanted, retry after a growing delay.
-            if !super::wait_while_down(delay, &mut cmds, &mut channels).await {
-                return;
-            }
-            delay = (delay * 2).min(Duration::from_secs(2));
-            continue;
-        };
-        let (mut sink, mut stream) = pubsub.split();
-        let all: Vec<&String> = channels.iter().collect();
-        if !all.is_empty() && sink.subscribe(all).await.is_err() {
-            continue;
+}
+
+/// A Redis subscriber connection. Redis confirms a subscription, and answers a `PING`,
+/// within the call that asks; the answers wait here to be read as pushed.
+struct RedisSubscriber {
+    sink: ::redis::aio::PubSubSink,
+    stream: ::redis::aio::PubSubStream,
+    answered: VecDeque<Pushed>,
+    timeout: Duration,
+}
+
+impl Transport for RedisPubSub {
+    type Conn = RedisSubscriber;
+
+    async fn connect(&self) -> Result<RedisSubscriber, StoreError> {
+        let (sink, stream) = self.client.get_async_pubsub().await.map_err(err)?.split();
+        Ok(RedisSubscriber {
+            sink,
+            stream,
+            answered: VecDeque::new(),
+            timeout: self.timeout,
+        })
+    }
+}
+
+impl Connection for RedisSubscriber {
+    async fn subscribe(&mut self, channels: Vec<String>) -> Result<(), StoreError> {
+        let asked = tokio::time::timeout(self.timeout, self.sink.subscribe(&channels)).await;
+        asked.map_err(err)?.map_err(err)?;
+        self.answered
+            .extend(channels.into_iter().map(Pushed::Subscribed));
+        Ok(())
+    }
+
+    async fn unsubscribe(&mut self, channel: String) -> Result<(), StoreError> {
+        let asked = tokio::time::timeout(self.timeout, self.sink.unsubscribe(&channel)).await;
+        asked.map_err(err)?.map_err(err)
+    }
+
+    async fn ping(&mut self) -> Result<(), StoreError> {
+        let pong = tokio::time::timeout(self.timeout, self.sink.ping::<Value>()).await;
+        pong.map_err(err)?.map_err(err)?;
+        self.answered.push_back(Pushed::Pong);
+        Ok(())
+    }
+
+    async fn next(&mut self) -> Result<Pushed, StoreError> {
+        if let Some(answer) = self.answered.pop_front() {
+            return Ok(answer);
         }
-        delay = Duration::from_millis(50);
-        if events.send(PubSubEvent::Up).await.is_err() {
-            return;
-        }
-        for ch in &channels {
-            if events
-                .send(PubSubEvent::Subscribed(ch.clone()))
-                .await
-                .is_err()
-            {
-                return;
-            }
-        }
-        let mut keepalive = tokio::time::interval(super::KEEPALIVE);
-        keepalive.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
-        loop {
-            tokio::select! {
-                biased;
-                cmd = cmds.recv() => match cmd {
-                    None => return,
-                    Some(PubSubCommand::Subscribe(ch)) => {
-                        channels.insert(ch.clone());
-                        if sink.subscribe(&ch).await.is_err() {
-                            break;
-                        }
-                        if events.send(PubSubEvent::Subscribed(ch)).await.is_err() {
-                            return;
-                        }
-                    }
-                    Some(PubSubCommand::Unsubscribe(ch)) => {
-                        channels.remove(&ch);
-                        if sink.unsubscribe(&ch).await.is_err() {
-                            break;
-                        }
-                    }
-                },
-                _ = keepalive.tick() => {
-                    let pong = tokio::time::timeout(timeout, sink.ping::<Value>()).await;
-                    if !matches!(pong, Ok(Ok(_))) {
-                        break;
-                    }
-                }
-                msg = stream.next() => {
-                    let Some(msg) = msg else { break };
-                    let event = PubSubEvent::Message {
-                        channel: msg.get_channel_name().to_string(),
-                        payload: msg.get_payload_bytes().to_vec(),
-                    };
-                    if events.send(event).await.is_err() {
-                        return;
-                    }
-                }
-            }
-        }
-        if events.send(PubSubEvent::Down).await.is_err() {
-            return;
-        }
+        let msg = self
+            .stream
+            .next()
+            .await
+            .ok_or_else(|| StoreError("pub-sub connection closed".into()))?;
+        Ok(Pushed::Message(
+            msg.get_channel_name().to_string(),
+            msg.get_payload_bytes().to_vec(),
+        ))
     }
 }

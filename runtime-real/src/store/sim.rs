@@ -2,10 +2,10 @@
 //! to the simulated Redis node of `kas-sim`, which applies them as Redis would (each key's
 //! transaction atomically, fields under key expiry, fire-and-forget pub-sub).
 
+use super::pubsub::{self, Connection, Pushed, Transport};
 use super::{PubSubCommand, PubSubEvent, StoreError};
 use crate::planted_bug::{Bug, planted};
 use kas_core::tracker::KeyWrite;
-use std::collections::BTreeSet;
 use std::net::SocketAddr;
 use std::time::Duration;
 use tokio::net::{Endpoint, Receiver, Sender};
@@ -124,85 +124,64 @@ impl SimStore {
         cmds: mpsc::UnboundedReceiver<PubSubCommand>,
         events: mpsc::Sender<PubSubEvent>,
     ) {
-        tokio::spawn(run_pubsub(self.server, self.timeout, cmds, events));
+        let transport = SimPubSub {
+            server: self.server,
+        };
+        tokio::spawn(pubsub::run(transport, self.timeout, cmds, events));
     }
 }
 
-/// Keeps one subscriber connection up, as the Redis driver does: reconnects with backoff,
-/// restores every subscription, reports `Up` and `Down` (messages in between are lost),
-/// and checks the connection with `PING` every [`super::KEEPALIVE`].
-async fn run_pubsub(
+/// Opens subscriber connections to the simulated Redis node.
+struct SimPubSub {
     server: SocketAddr,
-    timeout: Duration,
-    mut cmds: mpsc::UnboundedReceiver<PubSubCommand>,
-    events: mpsc::Sender<PubSubEvent>,
-) {
-    let mut channels: BTreeSet<String> = BTreeSet::new();
-    let mut delay = Duration::from_millis(50);
-    loop {
-        let Ok((tx, mut rx)) = connect(server).await else {
-            if !super::wait_while_down(delay, &mut cmds, &mut channels).await {
-                return;
-            }
-            delay = (delay * 2).min(Duration::from_secs(2));
-            continue;
-        };
-        delay = Duration::from_millis(50);
-        let mut ok = true;
-        for ch in &channels {
-            ok &= tx
-                .send(Box::new(SimRequest::Subscribe(ch.clone())))
-                .await
-                .is_ok();
+}
+
+/// A subscriber connection to the simulated Redis node.
+struct SimSubscriber {
+    tx: Sender,
+    rx: Receiver,
+}
+
+impl Transport for SimPubSub {
+    type Conn = SimSubscriber;
+
+    async fn connect(&self) -> Result<SimSubscriber, StoreError> {
+        let (tx, rx) = connect(self.server).await.map_err(err)?;
+        Ok(SimSubscriber { tx, rx })
+    }
+}
+
+impl SimSubscriber {
+    async fn send(&mut self, request: SimRequest) -> Result<(), StoreError> {
+        self.tx.send(Box::new(request)).await.map_err(err)
+    }
+}
+
+impl Connection for SimSubscriber {
+    async fn subscribe(&mut self, channels: Vec<String>) -> Result<(), StoreError> {
+        for ch in channels {
+            self.send(SimRequest::Subscribe(ch)).await?;
         }
-        if ok && events.send(PubSubEvent::Up).await.is_err() {
-            return;
+        Ok(())
+    }
+
+    async fn unsubscribe(&mut self, channel: String) -> Result<(), StoreError> {
+        self.send(SimRequest::Unsubscribe(channel)).await
+    }
+
+    async fn ping(&mut self) -> Result<(), StoreError> {
+        self.send(SimRequest::Ping).await
+    }
+
+    async fn next(&mut self) -> Result<Pushed, StoreError> {
+        loop {
+            return Ok(match receive(&mut self.rx).await? {
+                SimReply::Subscribed(ch) => Pushed::Subscribed(ch),
+                SimReply::Message(..) if planted() == Bug::DropWakeup => continue,
+                SimReply::Message(channel, payload) => Pushed::Message(channel, payload),
+                SimReply::Done => Pushed::Pong,
+                other => return Err(err(format!("unexpected push {other:?}"))),
+            });
         }
-        let mut keepalive = tokio::time::interval(super::KEEPALIVE);
-        // When the unanswered PING was sent.
-        let mut ping_sent: Option<tokio::time::Instant> = None;
-        while ok {
-            tokio::select! {
-                biased;
-                cmd = cmds.recv() => match cmd {
-                    None => return,
-                    Some(PubSubCommand::Subscribe(ch)) => {
-                        channels.insert(ch.clone());
-                        ok = tx.send(Box::new(SimRequest::Subscribe(ch))).await.is_ok();
-                    }
-                    Some(PubSubCommand::Unsubscribe(ch)) => {
-                        channels.remove(&ch);
-                        ok = tx.send(Box::new(SimRequest::Unsubscribe(ch))).await.is_ok();
-                    }
-                },
-                _ = keepalive.tick() => match ping_sent {
-                    Some(at) => ok = at.elapsed() < timeout,
-                    None => {
-                        ping_sent = Some(tokio::time::Instant::now());
-                        ok = tx.send(Box::new(SimRequest::Ping)).await.is_ok();
-                    }
-                },
-                reply = receive(&mut rx) => {
-                    let event = match reply {
-                        Ok(SimReply::Subscribed(ch)) => PubSubEvent::Subscribed(ch),
-                        Ok(SimReply::Message(..)) if planted() == Bug::DropWakeup => continue,
-                        Ok(SimReply::Message(channel, payload)) => PubSubEvent::Message { channel, payload },
-                        Ok(_) => {
-                            ping_sent = None;
-                            continue;
-                        }
-                        Err(_) => break,
-                    };
-                    if events.send(event).await.is_err() {
-                        return;
-                    }
-                }
-            }
-        }
-        if events.send(PubSubEvent::Down).await.is_err() {
-            return;
-        }
-        // Lost: pause before reconnecting.
-        tokio::time::sleep(delay).await;
     }
 }

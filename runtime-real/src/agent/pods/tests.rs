@@ -1,3 +1,5 @@
+// axum's query extractor wants a map; it is only read by key.
+#![allow(clippy::disallowed_types)]
 use super::*;
 use axum::Json;
 use axum::extract::{Path as UrlPath, Query, State};

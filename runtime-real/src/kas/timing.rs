@@ -1,0 +1,33 @@
+//! How long past a call's deadline each part of kas keeps at it, in one place because
+//! their order matters (checked at compile time below):
+//!
+//! 1. kas's deadline is the caller's less [`DEADLINE_MARGIN`] (a tenth of the timeout at
+//!    most), so that the caller hears why a call failed before its own timer fires.
+//! 2. A call still in an attempt (a forward under way) is failed by the router
+//!    [`ROUTE_GRACE`] after kas's deadline.
+//! 3. A tunnel whose agent has not finished answering gives up [`TUNNEL_GRACE`] after it,
+//!    failing the call and closing the tunnel.
+//! 4. The API handler stops waiting for an answer [`ANSWER_GRACE`] after it: later than 2
+//!    and 3, so that their precise errors, not a bare timeout, reach the caller.
+//! 5. A forward that relayed its trailer reads the stream's end for at most
+//!    [`FORWARD_DRAIN`] (dropping it early resets the HTTP/2 stream).
+
+use std::time::Duration;
+
+/// Longest margin kept between kas's deadline for a call and the caller's.
+pub const DEADLINE_MARGIN: Duration = Duration::from_millis(500);
+/// How long past its deadline a call in an attempt may run before the router fails it.
+pub const ROUTE_GRACE: Duration = Duration::from_secs(2);
+/// How long past its deadline a call may hold a tunnel before the tunnel is given up.
+pub const TUNNEL_GRACE: Duration = Duration::from_secs(2);
+/// How long past its deadline a caller waits for an answer already under way.
+pub const ANSWER_GRACE: Duration = Duration::from_secs(3);
+/// How long a finished forward reads its stream's end.
+pub const FORWARD_DRAIN: Duration = Duration::from_secs(1);
+
+const _: () = {
+    assert!(ROUTE_GRACE.as_millis() < ANSWER_GRACE.as_millis());
+    assert!(TUNNEL_GRACE.as_millis() < ANSWER_GRACE.as_millis());
+    assert!(FORWARD_DRAIN.as_millis() < ANSWER_GRACE.as_millis());
+    assert!(DEADLINE_MARGIN.as_millis() < ROUTE_GRACE.as_millis());
+};
