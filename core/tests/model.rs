@@ -870,7 +870,10 @@ fn lost_wake_up_is_recovered_when_pubsub_is_back() {
     w.apply(&Op::Connect { agent: 9, kas: 2 });
     assert!(w.calls[&call].delivered_to.is_none(), "the event was lost");
     w.apply(&Op::Advance { ms: 1 });
-    assert!(w.calls[&call].delivered_to.is_none(), "before the renewal is confirmed");
+    assert!(
+        w.calls[&call].delivered_to.is_none(),
+        "before the renewal is confirmed"
+    );
     w.apply(&Op::Advance { ms: 1 });
     assert!(w.calls[&call].delivered_to.is_some(), "looked up again");
     w.check_convergence();

@@ -1,6 +1,7 @@
 //! `kas-bench`: routing overhead, wake-up latency, idle tunnel cost and Redis cost of the
 //! kas router, measured in one run on loopback, printed as tables and written as JSON.
 
+mod deadlines;
 mod scale;
 mod setup;
 mod stats;
@@ -248,6 +249,8 @@ async fn routed_parts(
             ("remote route", unary::routed(gitlab_b.clone(), 1)),
         ];
         results["unary"] = unary_part(&paths, args).await;
+        let remote = paths[2].1.clone();
+        results["deadlines"] = deadlines::part(remote, gitlab_b.clone(), args.point).await;
     }
     if args.parts.contains(&Part::Streaming) {
         // A read may take long on a slow build: calls get a minute.
