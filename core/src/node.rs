@@ -511,13 +511,10 @@ impl<C: Clone> KasNode<C> {
                 if self.closing.remove(&tunnel) {
                     return Ok(()); // closed by the node; the registry knows
                 }
-                let Some(key) = self.tunnels.remove(&tunnel) else {
+                if !self.untable(tunnel) {
                     return Err(mistake(format!(
                         "tunnel {tunnel} closed twice or never opened"
                     )));
-                };
-                if let Some(set) = self.connections.get_mut(&key) {
-                    set.remove(&tunnel);
                 }
                 self.registry(now, RegistryInput::TunnelClosed { tunnel })?;
             }
@@ -695,13 +692,20 @@ impl<C: Clone> KasNode<C> {
         }
     }
 
-    /// Forgets a tunnel the node closes itself and tells the registry and the driver.
-    fn close(&mut self, now: Time, tunnel: TunnelId) -> Result<(), NodeError> {
-        if let Some(key) = self.tunnels.remove(&tunnel)
-            && let Some(set) = self.connections.get_mut(&key)
-        {
+    /// Takes an open tunnel out of the node's tables; `false` when it was not open.
+    fn untable(&mut self, tunnel: TunnelId) -> bool {
+        let Some(key) = self.tunnels.remove(&tunnel) else {
+            return false;
+        };
+        if let Some(set) = self.connections.get_mut(&key) {
             set.remove(&tunnel);
         }
+        true
+    }
+
+    /// Forgets a tunnel the node closes itself and tells the registry and the driver.
+    fn close(&mut self, now: Time, tunnel: TunnelId) -> Result<(), NodeError> {
+        self.untable(tunnel);
         self.registry(now, RegistryInput::TunnelClosed { tunnel })?;
         self.closing.insert(tunnel);
         self.outputs.push_back(NodeOutput::CloseTunnel(tunnel));
@@ -765,11 +769,7 @@ impl<C: Clone> KasNode<C> {
                 self.end(request, Outcome::DeadlineExceeded, Some(error));
             }
             RegistryOutput::CloseTunnel { tunnel, request } => {
-                if let Some(key) = self.tunnels.remove(&tunnel)
-                    && let Some(set) = self.connections.get_mut(&key)
-                {
-                    set.remove(&tunnel);
-                }
+                self.untable(tunnel);
                 self.closing.insert(tunnel);
                 self.outputs.push_back(NodeOutput::CloseTunnel(tunnel));
                 if let Some(request) = request {

@@ -483,3 +483,50 @@ fn answer(
         Origin::Private => Ok(frames::error(request.0, &status)),
     }
 }
+
+#[cfg(all(test, not(madsim)))]
+mod tests {
+    use super::*;
+    use kas_core::Time;
+
+    fn call() -> Call {
+        Call {
+            agent: AgentId(1),
+            connection: None,
+            deadline: Time(u64::MAX),
+            start: Default::default(),
+            requests: Arc::new(Vec::new()),
+            responses: mpsc::channel(1).0,
+        }
+    }
+
+    #[test]
+    fn new_calls_beyond_the_queue_are_refused_naming_it() {
+        let (control, _control_rx) = mpsc::unbounded_channel();
+        let (calls, calls_rx) = mpsc::channel(2);
+        let engine = EngineHandle {
+            control,
+            calls,
+            next_id: Arc::default(),
+        };
+        for origin in [Origin::Public, Origin::Private] {
+            let id = engine.next_request_id();
+            engine
+                .submit(id, origin, call())
+                .expect("room in the queue");
+        }
+        let refused = engine
+            .submit(engine.next_request_id(), Origin::Public, call())
+            .expect_err("the queue is full");
+        assert_eq!(refused.code(), tonic::Code::ResourceExhausted);
+        assert!(
+            refused.message().contains("queue of 4096 calls"),
+            "{refused:?}"
+        );
+        drop(calls_rx);
+        let gone = engine
+            .submit(engine.next_request_id(), Origin::Public, call())
+            .expect_err("the engine stopped");
+        assert_eq!(gone.code(), tonic::Code::Unavailable);
+    }
+}
