@@ -4,6 +4,7 @@
 pub mod agent;
 pub mod agent_auth;
 pub mod api_client;
+pub mod buggify;
 pub mod clock;
 pub mod config;
 pub mod errors;

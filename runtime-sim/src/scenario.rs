@@ -273,6 +273,7 @@ fn fault_kinds(scenario: Scenario) -> Vec<Fault> {
 /// Runs `scenario` in the current madsim runtime.
 pub async fn run(scenario: Scenario) -> Report {
     let spec = spec(scenario);
+    let points = kas_runtime::buggify::enable();
     let mut cluster = Cluster::build(&spec);
     // One more agent, connecting at a random moment of the faulty phase.
     let mut agents = spec.agents.clone();
@@ -312,6 +313,8 @@ pub async fn run(scenario: Scenario) -> Report {
         log = faults(&cluster, &fault_kinds(scenario), until).await;
     }
     let mut calls: Vec<Call> = calls.await.expect("caller finished");
+    // The fault points are faults too: off for the healed phase.
+    kas_runtime::buggify::disable();
 
     // Healed. Let agents reconnect (their backoff is capped) and records expire and be
     // rewritten; then everything must route.
@@ -473,6 +476,9 @@ pub async fn run(scenario: Scenario) -> Report {
             _ => None,
         })
         .collect();
+    if !violations.is_empty() {
+        violations.push(format!("(buggify points on in this run: {points:?})"));
+    }
     Report {
         odd_errors,
         stats: Stats::of(&calls, wakeups.clone()),

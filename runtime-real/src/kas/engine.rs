@@ -14,6 +14,7 @@ use super::call::Call;
 use super::forward::Forwarder;
 use super::metrics::Metrics;
 use super::tunnel::{Orders, TunnelOrder};
+use crate::buggify::{self, Point};
 use crate::clock;
 use crate::frames;
 use crate::store::{PubSub, PubSubEvent, Store};
@@ -351,6 +352,7 @@ impl Engine {
                     // and a router that kept such a lookup would wait for an announcement
                     // that never comes (the record was never gone). A dead kas costs one
                     // refused attempt instead.
+                    buggify::pause(Point::LateLookup).await;
                     let kas = store
                         .read_live(&key, clock::now())
                         .await

@@ -8,6 +8,7 @@ use super::call::Call;
 use super::engine::EngineHandle;
 use super::metrics::Metrics;
 use super::timing::FORWARD_DRAIN;
+use crate::buggify::{self, Point};
 use crate::clock;
 use crate::frames;
 use crate::jwt::Signer;
@@ -156,6 +157,7 @@ impl Forwarder {
                 return Forwarded::Refused(status.to_string());
             }
         };
+        buggify::pause(Point::ForwardAfterHeaders).await;
         for f in up {
             // Capacity holds every frame; a closed stream shows as the answer's error below.
             let _ = frames_tx.try_send(f);

@@ -5,6 +5,7 @@ use super::call::Call;
 use super::engine::EngineHandle;
 use super::limits::Slot;
 use super::timing::TUNNEL_GRACE;
+use crate::buggify::{self, Point};
 use crate::clock;
 use crate::frames;
 use kas_core::frame_sequence::{Direction, FrameSequence, Progress};
@@ -151,6 +152,7 @@ impl Tunnel {
         let down = call.frames(id, call.start.hops);
         let responses = call.responses;
         let mut caller_gone = false;
+        buggify::pause(Point::TunnelBeforeFirstFrame).await;
         for frame in down {
             if let Err(e) = self.sequence.check(Direction::ToAgent, &frame) {
                 let status = Status::internal(format!("malformed call: {e}"));

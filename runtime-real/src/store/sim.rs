@@ -4,6 +4,7 @@
 
 use super::pubsub::{self, Connection, Pushed, Transport};
 use super::{PubSubCommand, PubSubEvent, StoreError};
+use crate::buggify::{self, Point};
 use crate::planted_bug::{Bug, planted};
 use kas_core::tracker::KeyWrite;
 use std::net::SocketAddr;
@@ -79,7 +80,11 @@ impl SimStore {
     }
 
     async fn call(&self, request: SimRequest) -> Result<SimReply, StoreError> {
+        if buggify::fires(Point::RedisFailure) {
+            return Err(err("failed (buggify)"));
+        }
         let exchange = async {
+            buggify::pause(Point::RedisLatency).await;
             let (tx, mut rx) = connect(self.server).await.map_err(err)?;
             tx.send(Box::new(request)).await.map_err(err)?;
             receive(&mut rx).await
@@ -140,6 +145,8 @@ struct SimPubSub {
 struct SimSubscriber {
     tx: Sender,
     rx: Receiver,
+    /// A message to deliver again.
+    again: Option<(String, Vec<u8>)>,
 }
 
 impl Transport for SimPubSub {
@@ -147,7 +154,11 @@ impl Transport for SimPubSub {
 
     async fn connect(&self) -> Result<SimSubscriber, StoreError> {
         let (tx, rx) = connect(self.server).await.map_err(err)?;
-        Ok(SimSubscriber { tx, rx })
+        Ok(SimSubscriber {
+            tx,
+            rx,
+            again: None,
+        })
     }
 }
 
@@ -174,11 +185,22 @@ impl Connection for SimSubscriber {
     }
 
     async fn next(&mut self) -> Result<Pushed, StoreError> {
+        if let Some((channel, payload)) = self.again.take() {
+            return Ok(Pushed::Message(channel, payload));
+        }
         loop {
             return Ok(match receive(&mut self.rx).await? {
                 SimReply::Subscribed(ch) => Pushed::Subscribed(ch),
                 SimReply::Message(..) if planted() == Bug::DropWakeup => continue,
-                SimReply::Message(channel, payload) => Pushed::Message(channel, payload),
+                SimReply::Message(..) if buggify::fires(Point::PubSubBreak) => {
+                    return Err(err("connection broken (buggify)"));
+                }
+                SimReply::Message(channel, payload) => {
+                    if buggify::fires(Point::PubSubDuplicate) {
+                        self.again = Some((channel.clone(), payload.clone()));
+                    }
+                    Pushed::Message(channel, payload)
+                }
                 SimReply::Done => Pushed::Pong,
                 other => return Err(err(format!("unexpected push {other:?}"))),
             });

@@ -1,0 +1,110 @@
+//! Fault points in kas's own code (FoundationDB's "buggify"), at the steps where timing
+//! changes the outcome. Under `--cfg madsim` a simulation run switches each point on with
+//! probability 1/2 ([`enable`]), and a point that is on fires at a rate drawn for the run
+//! (1-20%): every seed tries another mix. In the real build every point is a constant
+//! `false` and a pause is an empty future.
+
+/// A fault point.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Point {
+    /// A forward pauses between the serving kas's headers and its call frames.
+    ForwardAfterHeaders,
+    /// A router's lookup reaches Redis late, after events may have been published.
+    LateLookup,
+    /// A tunnel pauses between its claim of a call and the call's first frame.
+    TunnelBeforeFirstFrame,
+    /// A Redis command is slow.
+    RedisLatency,
+    /// A Redis command fails.
+    RedisFailure,
+    /// The pub-sub connection breaks as a message arrives (the message is lost with it).
+    PubSubBreak,
+    /// A pub-sub message is delivered twice.
+    PubSubDuplicate,
+}
+
+/// Every point, in a fixed order.
+pub const POINTS: [Point; 7] = [
+    Point::ForwardAfterHeaders,
+    Point::LateLookup,
+    Point::TunnelBeforeFirstFrame,
+    Point::RedisLatency,
+    Point::RedisFailure,
+    Point::PubSubBreak,
+    Point::PubSubDuplicate,
+];
+
+#[cfg(madsim)]
+mod run {
+    use super::{POINTS, Point};
+    use std::cell::Cell;
+
+    thread_local! {
+        /// Each point's firing rate in this run (0: off).
+        static RATES: Cell<[f64; POINTS.len()]> = const { Cell::new([0.0; POINTS.len()]) };
+    }
+
+    fn index(point: Point) -> usize {
+        POINTS.iter().position(|p| *p == point).unwrap_or(0)
+    }
+
+    pub fn enable() -> Vec<Point> {
+        let mut rates = [0.0; POINTS.len()];
+        for rate in &mut rates {
+            if rand::random::<bool>() {
+                *rate = 0.01 + 0.19 * rand::random::<f64>();
+            }
+        }
+        RATES.with(|r| r.set(rates));
+        POINTS
+            .iter()
+            .zip(rates)
+            .filter(|(_, r)| *r > 0.0)
+            .map(|(p, _)| *p)
+            .collect()
+    }
+
+    pub fn disable() {
+        RATES.with(|r| r.set([0.0; POINTS.len()]));
+    }
+
+    pub fn fires(point: Point) -> bool {
+        let rate = RATES.with(|r| r.get()[index(point)]);
+        rate > 0.0 && rand::random::<f64>() < rate
+    }
+}
+
+/// Switches points on for this simulation run, each with probability 1/2 and its own
+/// rate; returns those switched on.
+#[cfg(madsim)]
+pub fn enable() -> Vec<Point> {
+    run::enable()
+}
+
+/// Switches every point off.
+#[cfg(madsim)]
+pub fn disable() {
+    run::disable()
+}
+
+/// True when `point` fires now.
+#[cfg(madsim)]
+pub fn fires(point: Point) -> bool {
+    run::fires(point)
+}
+
+/// Never: the real build has no fault points.
+#[cfg(not(madsim))]
+#[inline(always)]
+pub fn fires(_: Point) -> bool {
+    false
+}
+
+/// Sleeps 1-500 ms when `point` fires.
+#[inline]
+pub async fn pause(point: Point) {
+    if fires(point) {
+        let ms = 1 + rand::random::<u64>() % 500;
+        tokio::time::sleep(std::time::Duration::from_millis(ms)).await;
+    }
+}
