@@ -1,15 +1,19 @@
-//! A misbehaving agent: it answers every call with an `Error` frame, which only a kas may
-//! send (kas's "not delivered"). An outside probe once made kas deliver such a call four
-//! times; here every call it receives is recorded in the ground truth, so a kas that took
-//! its `Error` for a refusal and offered the call again shows as a second delivery (inv 3).
+//! A misbehaving agent: each call it receives gets one misbehaviour, drawn at random (see
+//! [`Misbehaviour`]) — an `Error` frame, which only a kas may send (kas's "not
+//! delivered"; an outside probe once made kas deliver such a call four times), a second
+//! trailer, an answer without a message, an answer after the deadline, or a disconnection
+//! mid-call. Every call it receives is recorded in the ground truth, so a kas that took
+//! any of these for a refusal and offered the call again shows as a second delivery
+//! (inv 3), and one that waited on it too long as a late end (inv 2).
 //!
 //! It speaks the tunnel protocol frame by frame, reopening each tunnel kas closes for the
 //! violation, and heartbeats like agentk.
 
+use crate::cluster::pod_name;
 use crate::truth::{Delivery, Truth};
 use kas_proto::agent_api::agent_api_client::AgentApiClient;
 use kas_proto::frame::{Descriptor, Frame, frame::Kind};
-use kas_proto::pods::ListRequest;
+use kas_proto::pods::{ListRequest, ListResponse, Pod};
 use kas_runtime::agent::{AgentClient, PODS_LIST};
 use kas_runtime::frames;
 use prost::Message;
@@ -22,6 +26,34 @@ use tonic::transport::{Channel, Endpoint};
 
 /// Tunnels the rogue agent keeps open.
 const TUNNELS: usize = 2;
+
+/// What the rogue agent does with a call it received.
+#[derive(Clone, Copy, Debug)]
+enum Misbehaviour {
+    /// Answers with an `Error` frame.
+    ErrorFrame,
+    /// Answers, then sends a second trailer.
+    SecondTrailer,
+    /// Sends a trailer without any message (a unary call needs one).
+    EmptyAnswer,
+    /// Answers 6 s later: past every caller's deadline (at most 5 s) and kas's grace.
+    TooLate,
+    /// Drops the tunnel mid-call.
+    Disconnect,
+}
+
+impl Misbehaviour {
+    fn draw() -> Self {
+        use madsim::rand::{Rng, thread_rng};
+        match thread_rng().gen_range(0..5) {
+            0 => Misbehaviour::ErrorFrame,
+            1 => Misbehaviour::SecondTrailer,
+            2 => Misbehaviour::EmptyAnswer,
+            3 => Misbehaviour::TooLate,
+            _ => Misbehaviour::Disconnect,
+        }
+    }
+}
 
 /// Runs the rogue replica 0 of `agent` against the kas at `kas` until the node is killed.
 pub async fn run(kas: SocketAddr, token: String, agent: i64, truth: Truth) {
@@ -104,9 +136,35 @@ async fn tunnel(channel: Channel, token: &str, connection: i64, agent: i64, trut
                     replica: 0,
                     at: Instant::now(),
                 });
-                let refusal =
-                    tonic::Status::unavailable(format!("connection {connection} is not connected"));
-                let _ = tx.send(frames::error(c.request_id, &refusal)).await;
+                let id = c.request_id;
+                let ok = tonic::Status::ok("");
+                let pods = ListResponse {
+                    pods: vec![Pod {
+                        name: pod_name(agent, 0),
+                        ..Default::default()
+                    }],
+                };
+                let answer = || frames::message(id, pods.encode_to_vec());
+                let frames = match Misbehaviour::draw() {
+                    Misbehaviour::ErrorFrame => {
+                        let refusal = tonic::Status::unavailable(format!(
+                            "connection {connection} is not connected"
+                        ));
+                        vec![frames::error(id, &refusal)]
+                    }
+                    Misbehaviour::SecondTrailer => {
+                        vec![answer(), frames::trailer(id, &ok), frames::trailer(id, &ok)]
+                    }
+                    Misbehaviour::EmptyAnswer => vec![frames::trailer(id, &ok)],
+                    Misbehaviour::TooLate => {
+                        tokio::time::sleep(Duration::from_secs(6)).await;
+                        vec![answer(), frames::trailer(id, &ok)]
+                    }
+                    Misbehaviour::Disconnect => return,
+                };
+                for f in frames {
+                    let _ = tx.send(f).await;
+                }
             }
             _ => {}
         }
