@@ -1,8 +1,10 @@
 //! Fault points in kas's own code (FoundationDB's "buggify"), at the steps where timing
 //! changes the outcome. Under `--cfg madsim` a simulation run switches each point on with
 //! probability 1/2 ([`enable`]), and a point that is on fires at a rate drawn for the run
-//! (1-20%): every seed tries another mix. In the real build every point is a constant
-//! `false` and a pause is an empty future.
+//! (1-20%): every seed tries another mix. When a scenario heals, the points that are
+//! faults (failures, broken connections) go off, while those that only change timing stay
+//! on to its end. In the real build every point is a constant `false` and a pause is an
+//! empty future.
 
 /// A fault point.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -21,10 +23,22 @@ pub enum Point {
     PubSubBreak,
     /// A pub-sub message is delivered twice.
     PubSubDuplicate,
+    /// A pub-sub message is delivered late (and every later one after it, in order).
+    PubSubDelay,
+    /// A `SUBSCRIBE` reaches Redis late: the window before its confirmation grows.
+    SubscribeLate,
+}
+
+impl Point {
+    /// True for a point that makes an operation fail rather than only take longer; such
+    /// points go off when a scenario heals.
+    pub fn is_fault(self) -> bool {
+        matches!(self, Point::RedisFailure | Point::PubSubBreak)
+    }
 }
 
 /// Every point, in a fixed order.
-pub const POINTS: [Point; 7] = [
+pub const POINTS: [Point; 9] = [
     Point::ForwardAfterHeaders,
     Point::LateLookup,
     Point::TunnelBeforeFirstFrame,
@@ -32,6 +46,8 @@ pub const POINTS: [Point; 7] = [
     Point::RedisFailure,
     Point::PubSubBreak,
     Point::PubSubDuplicate,
+    Point::PubSubDelay,
+    Point::SubscribeLate,
 ];
 
 #[cfg(madsim)]
@@ -64,6 +80,18 @@ mod run {
             .collect()
     }
 
+    pub fn heal() {
+        RATES.with(|r| {
+            let mut rates = r.get();
+            for (rate, point) in rates.iter_mut().zip(POINTS) {
+                if point.is_fault() {
+                    *rate = 0.0;
+                }
+            }
+            r.set(rates);
+        });
+    }
+
     pub fn disable() {
         RATES.with(|r| r.set([0.0; POINTS.len()]));
     }
@@ -79,6 +107,12 @@ mod run {
 #[cfg(madsim)]
 pub fn enable() -> Vec<Point> {
     run::enable()
+}
+
+/// Switches the fault points off (see [`Point::is_fault`]); timing points stay on.
+#[cfg(madsim)]
+pub fn heal() {
+    run::heal()
 }
 
 /// Switches every point off.
@@ -100,11 +134,16 @@ pub fn fires(_: Point) -> bool {
     false
 }
 
+/// A delay of 1-500 ms when `point` fires.
+#[inline]
+pub fn delay(point: Point) -> Option<std::time::Duration> {
+    fires(point).then(|| std::time::Duration::from_millis(1 + rand::random::<u64>() % 500))
+}
+
 /// Sleeps 1-500 ms when `point` fires.
 #[inline]
 pub async fn pause(point: Point) {
-    if fires(point) {
-        let ms = 1 + rand::random::<u64>() % 500;
-        tokio::time::sleep(std::time::Duration::from_millis(ms)).await;
+    if let Some(d) = delay(point) {
+        tokio::time::sleep(d).await;
     }
 }

@@ -16,7 +16,7 @@ mod metrics;
 pub mod observability;
 mod private_api;
 mod public_api;
-mod timing;
+pub mod timing;
 mod tunnel;
 
 pub use deadline::parse_grpc_timeout;

@@ -3,18 +3,23 @@
 //!
 //! DESIGN.md's invariants, as checked here:
 //! 1. a call is delivered only to the agent it names (and the replica, if it named one);
-//! 2. every call has an outcome by its deadline (plus a bound, plus any time jump);
+//! 2. every call has an outcome by its deadline (plus a bound, plus any time jump), and
+//!    kas lets go of an agent that never answers by then (plus its grace);
 //! 3. at most once: no call is delivered twice;
-//! 4. at most one kas -> kas hop (kas metrics);
+//! 4. at most one kas -> kas hop (kas metrics: hop labels, and no more routed calls
+//!    counted than GitLab made);
+//! 5. in a run without faults, every call for a connected agent is answered (timeouts of
+//!    2 s and more);
 //! 5. and 7. after faults heal, every kas routes to every live agent and lists exactly the
 //!    live replicas, and calls waiting for an agent that connects are delivered (the final
 //!    phase, in `scenario`);
 //! 6. nothing leaks: once agents are gone and records expire, no tunnel, call, connection
 //!    or Redis record is left.
 
-use crate::cluster::pod_name;
-use crate::truth::Delivery;
+use crate::cluster::{AgentSpec, pod_name};
+use crate::truth::{Delivery, Hold};
 use crate::workload::Call;
+use kas_runtime::kas::timing::TUNNEL_GRACE;
 use std::collections::BTreeMap;
 use std::time::Duration;
 use tokio::time::Instant;
@@ -55,11 +60,7 @@ pub fn check_calls(
                 ));
             }
         }
-        let jumped: Duration = jumps
-            .iter()
-            .filter(|(at, _)| *at >= c.started && *at <= c.started + c.took)
-            .map(|(_, d)| *d)
-            .sum();
+        let jumped = jumped(jumps, c.started, c.started + c.took);
         if c.took > c.timeout + OUTCOME_BOUND + jumped {
             violations.push(format!(
                 "inv 2: {} (timeout {:?}) ended after {:?}",
@@ -86,6 +87,53 @@ pub fn check_calls(
     violations
 }
 
+/// Violations of liveness in a run without faults: a call with a timeout of `timeout` or
+/// more for one of `agents` (all connected from the start) failed.
+pub fn check_fault_free(calls: &[Call], agents: &[AgentSpec], timeout: Duration) -> Vec<String> {
+    calls
+        .iter()
+        .filter(|c| c.timeout >= timeout && agents.iter().any(|a| a.agent == c.agent))
+        .filter_map(|c| {
+            let (code, msg) = c.result.as_ref().err()?;
+            Some(format!(
+                "inv 5: in a run without faults, {} (timeout {:?}) for connected agent {} failed: {code:?} {msg}",
+                c.marker, c.timeout, c.agent
+            ))
+        })
+        .collect()
+}
+
+/// How far the clock jumped between `from` and `to`.
+fn jumped(jumps: &[(Instant, Duration)], from: Instant, to: Instant) -> Duration {
+    jumps
+        .iter()
+        .filter(|(at, _)| *at >= from && *at <= to)
+        .map(|(_, d)| *d)
+        .sum()
+}
+
+/// Violations of invariant 2 on kas's side: a tunnel whose agent never answered must be
+/// let go [`TUNNEL_GRACE`] after the call's deadline (the caller's timeout at the latest);
+/// one still held counts until now.
+pub fn check_holds(calls: &[Call], holds: &[Hold], jumps: &[(Instant, Duration)]) -> Vec<String> {
+    let mut violations = Vec::new();
+    for h in holds {
+        let Some(c) = calls.iter().find(|c| c.marker == h.marker) else {
+            continue;
+        };
+        let until = h.until.unwrap_or_else(Instant::now);
+        let held = until.saturating_duration_since(c.started);
+        let bound = c.timeout + TUNNEL_GRACE + OUTCOME_BOUND + jumped(jumps, c.started, until);
+        if held > bound {
+            violations.push(format!(
+                "inv 2: {} (timeout {:?}) held its unanswered tunnel for {held:?}",
+                c.marker, c.timeout
+            ));
+        }
+    }
+    violations
+}
+
 /// Violations of invariant 4: routed calls with more than one hop.
 pub fn check_hops(kas: usize, metrics: &str) -> Vec<String> {
     metrics
@@ -94,6 +142,28 @@ pub fn check_hops(kas: usize, metrics: &str) -> Vec<String> {
         .filter(|l| !l.contains("hops=\"0\"") && !l.contains("hops=\"1\""))
         .map(|l| format!("inv 4: kas{kas}: {l}"))
         .collect()
+}
+
+/// Calls from GitLab that kas `metrics` counts as routed (all outcomes and hops).
+pub fn routed(metrics: &str) -> f64 {
+    metrics
+        .lines()
+        .filter(|l| l.starts_with("kas_routed_requests_total{"))
+        .filter_map(|l| l.rsplit_once(' ')?.1.parse::<f64>().ok())
+        .sum()
+}
+
+/// Violations of invariant 4 over the cluster: a kas that routed a forwarded call on
+/// counts it a second time, so the kas together count more calls than GitLab made
+/// (`routed` may count fewer: a restarted kas starts from zero).
+pub fn check_routed(routed: f64, issued: usize) -> Vec<String> {
+    if routed > issued as f64 {
+        vec![format!(
+            "inv 4: the kas counted {routed} routed calls, but GitLab made {issued}: some kas routed a forwarded call on"
+        )]
+    } else {
+        Vec::new()
+    }
 }
 
 /// Summary numbers of a run.
@@ -227,5 +297,10 @@ mod tests {
             "kas_routed_requests_total{outcome=\"delivered\",hops=\"2\"} 1",
         );
         assert_eq!(hops.len(), 1);
+        let metrics = "kas_routed_requests_total{outcome=\"delivered\",hops=\"1\"} 2\n\
+                       kas_routed_requests_total{outcome=\"not_connected\",hops=\"0\"} 1";
+        assert_eq!(routed(metrics), 3.0);
+        assert!(check_routed(3.0, 3).is_empty());
+        assert_eq!(check_routed(4.0, 3).len(), 1);
     }
 }

@@ -1,10 +1,11 @@
 //! A misbehaving agent: each call it receives gets one misbehaviour, drawn at random (see
 //! [`Misbehaviour`]) — an `Error` frame, which only a kas may send (kas's "not
 //! delivered"; an outside probe once made kas deliver such a call four times), a second
-//! trailer, an answer without a message, an answer after the deadline, or a disconnection
-//! mid-call. Every call it receives is recorded in the ground truth, so a kas that took
-//! any of these for a refusal and offered the call again shows as a second delivery
-//! (inv 3), and one that waited on it too long as a late end (inv 2).
+//! trailer, an answer without a message, an answer after the deadline, silence (with
+//! heartbeats) until kas gives up, or a disconnection mid-call. Every call it receives is
+//! recorded in the ground truth, so a kas that took any of these for a refusal and offered
+//! the call again shows as a second delivery (inv 3), and one that waited on it too long
+//! as a late end or a tunnel held past the deadline (inv 2).
 //!
 //! It speaks the tunnel protocol frame by frame, reopening each tunnel kas closes for the
 //! violation, and heartbeats like agentk.
@@ -38,6 +39,8 @@ enum Misbehaviour {
     EmptyAnswer,
     /// Answers 6 s later: past every caller's deadline (at most 5 s) and kas's grace.
     TooLate,
+    /// Never answers, heartbeating on, until kas closes the tunnel; records when.
+    Silent,
     /// Drops the tunnel mid-call.
     Disconnect,
 }
@@ -45,13 +48,23 @@ enum Misbehaviour {
 impl Misbehaviour {
     fn draw() -> Self {
         use madsim::rand::{Rng, thread_rng};
-        match thread_rng().gen_range(0..5) {
+        match thread_rng().gen_range(0..6) {
             0 => Misbehaviour::ErrorFrame,
             1 => Misbehaviour::SecondTrailer,
             2 => Misbehaviour::EmptyAnswer,
             3 => Misbehaviour::TooLate,
+            4 => Misbehaviour::Silent,
             _ => Misbehaviour::Disconnect,
         }
+    }
+}
+
+/// A call left unanswered; dropped with its tunnel, it records when.
+struct Unanswered(Truth, String);
+
+impl Drop for Unanswered {
+    fn drop(&mut self) {
+        self.0.release(&self.1);
     }
 }
 
@@ -113,6 +126,8 @@ async fn tunnel(channel: Channel, token: &str, connection: i64, agent: i64, trut
     let mut inbound = resp.into_inner();
     let mut beat = tokio::time::interval(Duration::from_millis(500));
     let mut marker = None;
+    // The unanswered call, while silent: released when the tunnel ends, however it ends.
+    let mut _silent: Option<Unanswered> = None;
     loop {
         let frame = tokio::select! {
             biased;
@@ -130,8 +145,9 @@ async fn tunnel(channel: Channel, token: &str, connection: i64, agent: i64, trut
                     .map(|r| r.namespace);
             }
             Some(Kind::CloseSend(c)) => {
+                let marker = marker.take().unwrap_or_default();
                 truth.record(Delivery {
-                    marker: marker.take().unwrap_or_default(),
+                    marker: marker.clone(),
                     agent,
                     replica: 0,
                     at: Instant::now(),
@@ -159,6 +175,11 @@ async fn tunnel(channel: Channel, token: &str, connection: i64, agent: i64, trut
                     Misbehaviour::TooLate => {
                         tokio::time::sleep(Duration::from_secs(6)).await;
                         vec![answer(), frames::trailer(id, &ok)]
+                    }
+                    Misbehaviour::Silent => {
+                        truth.hold(marker.clone());
+                        _silent = Some(Unanswered(truth.clone(), marker));
+                        continue;
                     }
                     Misbehaviour::Disconnect => return,
                 };

@@ -88,40 +88,80 @@ const LATE: i64 = 50;
 const LIVENESS: i64 = 51;
 /// A misbehaving agent (see `rogue`): not expected to answer, only to be called once per call.
 const ROGUE: i64 = 52;
+/// In a run without faults, every call with at least this timeout for a connected agent
+/// must be answered: shorter ones may legitimately run out under the fault points' pauses
+/// (up to 0.5 s each, in the forward, the tunnel, the lookup and Redis).
+const LIVE_TIMEOUT: Duration = Duration::from_secs(2);
 /// Registry record lifetime in the simulation.
 const TTL: Duration = Duration::from_secs(4);
 /// How long the faulty phase lasts.
 const FAULTY: Duration = Duration::from_secs(20);
 
-fn spec(scenario: Scenario) -> ClusterSpec {
-    let agents = if scenario == Scenario::ReconnectStorm {
-        (1..=8)
+/// A run's shape: the cluster, and how often GitLab calls (mean gap between calls).
+struct Shape {
+    cluster: ClusterSpec,
+    every: Duration,
+}
+
+fn shape(scenario: Scenario) -> Shape {
+    let agents = match scenario {
+        Scenario::ReconnectStorm => (1..=8)
             .map(|agent| AgentSpec {
                 agent,
                 replicas: vec![0],
             })
-            .collect()
-    } else {
-        vec![
-            AgentSpec {
-                agent: 1,
-                replicas: vec![0],
-            },
-            AgentSpec {
-                agent: 2,
-                replicas: vec![1, 2],
-            },
-            AgentSpec {
-                agent: 3,
-                replicas: vec![2],
-            },
-        ]
+            .collect(),
+        Scenario::Swarm => return swarm_shape(),
+        // One replica; two on different kas; one; two sharing a kas (a pinned call must
+        // take its own replica's tunnel even when the other's is idle beside it).
+        _ => [vec![0], vec![1, 2], vec![2], vec![0, 0]]
+            .into_iter()
+            .zip(1..)
+            .map(|(replicas, agent)| AgentSpec { agent, replicas })
+            .collect(),
     };
-    ClusterSpec {
-        kas: 3,
-        agents,
-        pubsub_wakeups: true,
-        ttl: TTL,
+    Shape {
+        cluster: ClusterSpec {
+            kas: 3,
+            agents,
+            pubsub_wakeups: true,
+            ttl: TTL,
+        },
+        every: Duration::from_millis(150),
+    }
+}
+
+/// The swarm's shape, drawn from the seed: 1-5 kas; 1-8 agents (a fifth of the runs
+/// 9-24) of 1-3 replicas each, which share one kas with a probability drawn for the run;
+/// a mean gap between calls of 20-500 ms (about 40 to 1,000 calls). Bounded so that the
+/// CI seed set stays within minutes.
+fn swarm_shape() -> Shape {
+    let mut rng = thread_rng();
+    let kas = rng.gen_range(1..=5);
+    let n = if rng.gen_bool(0.2) {
+        rng.gen_range(9..=24)
+    } else {
+        rng.gen_range(1..=8)
+    };
+    let share = rng.r#gen::<f64>();
+    let agents = (1..=n)
+        .map(|agent| {
+            let first = rng.gen_range(0..kas);
+            let shared = rng.gen_bool(share);
+            let replicas = (0..rng.gen_range(1..=3))
+                .map(|_| if shared { first } else { rng.gen_range(0..kas) })
+                .collect();
+            AgentSpec { agent, replicas }
+        })
+        .collect();
+    Shape {
+        cluster: ClusterSpec {
+            kas,
+            agents,
+            pubsub_wakeups: true,
+            ttl: TTL,
+        },
+        every: Duration::from_secs_f64(0.02 * 25f64.powf(rng.r#gen::<f64>())),
     }
 }
 
@@ -135,6 +175,9 @@ struct FaultLog {
     count: usize,
     /// Clock jumps: when, and how far.
     jumps: Vec<(Instant, Duration)>,
+    /// A fault cut agents off from kas (a whole kas clogged, an agent killed): what an
+    /// agent saw of kas then is no measure of when kas acted.
+    agents_cut_off: bool,
 }
 
 /// Injects faults of `kinds` until `until`. Everything is healed at the end.
@@ -186,6 +229,7 @@ async fn faults(cluster: &Cluster, kinds: &[Fault], until: Instant) -> FaultLog 
                 net.unclog_link(r, a);
             }
             Fault::ClogNode => {
+                log.agents_cut_off = true;
                 let id = cluster.kas_nodes[kas].id();
                 net.clog_node(id);
                 tokio::time::sleep(lasting).await;
@@ -210,6 +254,7 @@ async fn faults(cluster: &Cluster, kinds: &[Fault], until: Instant) -> FaultLog 
                 cluster.redis.knobs.set_latency(Duration::ZERO);
             }
             Fault::KillAgent => {
+                log.agents_cut_off = true;
                 let i = thread_rng().gen_range(0..cluster.agent_nodes.len());
                 let id = cluster.agent_nodes[i].2.id();
                 handle.kill(id);
@@ -272,7 +317,10 @@ fn fault_kinds(scenario: Scenario) -> Vec<Fault> {
 
 /// Runs `scenario` in the current madsim runtime.
 pub async fn run(scenario: Scenario) -> Report {
-    let spec = spec(scenario);
+    let Shape {
+        cluster: spec,
+        every,
+    } = shape(scenario);
     let points = kas_runtime::buggify::enable();
     let mut cluster = Cluster::build(&spec);
     // One more agent, connecting at a random moment of the faulty phase.
@@ -296,7 +344,7 @@ pub async fn run(scenario: Scenario) -> Report {
         secret.clone(),
         spec.kas,
         targets,
-        Duration::from_millis(150),
+        every,
         until,
         "call",
     ));
@@ -313,13 +361,26 @@ pub async fn run(scenario: Scenario) -> Report {
         log = faults(&cluster, &fault_kinds(scenario), until).await;
     }
     let mut calls: Vec<Call> = calls.await.expect("caller finished");
-    // The fault points are faults too: off for the healed phase.
-    kas_runtime::buggify::disable();
+    // The fault points are faults too: off for the healed phase (timing points stay on).
+    kas_runtime::buggify::heal();
+    let mut violations = Vec::new();
+    if scenario == Scenario::Steady && !points.iter().any(|p| p.is_fault()) {
+        // Calls in the first second may find kas not yet listening.
+        let settled: Vec<Call> = calls
+            .iter()
+            .filter(|c| c.started >= start + Duration::from_secs(1))
+            .cloned()
+            .collect();
+        violations.extend(checker::check_fault_free(
+            &settled,
+            &spec.agents,
+            LIVE_TIMEOUT,
+        ));
+    }
 
     // Healed. Let agents reconnect (their backoff is capped) and records expire and be
     // rewritten; then everything must route.
     tokio::time::sleep(TTL * 2 + crate::cluster::RECONNECT_MAX + Duration::from_secs(2)).await;
-    let mut violations = Vec::new();
     let final_calls = caller
         .spawn({
             let secret = secret.clone();
@@ -423,6 +484,10 @@ pub async fn run(scenario: Scenario) -> Report {
     }
     calls.extend(waited);
     violations.extend(checker::check_calls(&calls, &truth, &[ABSENT], &log.jumps));
+    if !log.agents_cut_off {
+        let holds = cluster.truth.holds();
+        violations.extend(checker::check_holds(&calls, &holds, &log.jumps));
+    }
 
     // Leaks: with every agent gone and records expired, nothing may remain.
     for (_, _, node) in &cluster.agent_nodes {
@@ -431,6 +496,7 @@ pub async fn run(scenario: Scenario) -> Report {
     // Subscriptions outlive an agent's last call by the linger.
     let linger = kas_runtime::config::DEFAULT_SUBSCRIPTION_LINGER;
     tokio::time::sleep(TTL * 3 + Duration::from_secs(4) + linger).await;
+    let mut routed = 0.0;
     for (k, slot) in cluster.health.iter().enumerate() {
         let metrics = slot
             .lock()
@@ -439,6 +505,7 @@ pub async fn run(scenario: Scenario) -> Report {
             .map(|h| h.metrics_text())
             .unwrap_or_default();
         violations.extend(checker::check_hops(k, &metrics));
+        routed += checker::routed(&metrics);
         for gauge in [
             "kas_tunnels",
             "kas_calls",
@@ -453,6 +520,8 @@ pub async fn run(scenario: Scenario) -> Report {
             }
         }
     }
+    violations.extend(checker::check_routed(routed, calls.len()));
+    kas_runtime::buggify::disable();
     let keys = cluster.redis.with_db(|db| db.keys(Instant::now()));
     for (key, fields) in keys {
         if key.contains("agent:") || key.contains("project:") {
@@ -478,6 +547,14 @@ pub async fn run(scenario: Scenario) -> Report {
         .collect();
     if !violations.is_empty() {
         violations.push(format!("(buggify points on in this run: {points:?})"));
+        violations.push(format!(
+            "({} kas; replicas' kas by agent: {:?}; a call every {every:?} on average)",
+            spec.kas,
+            spec.agents
+                .iter()
+                .map(|a| (a.agent, &a.replicas))
+                .collect::<Vec<_>>()
+        ));
     }
     Report {
         odd_errors,

@@ -20,9 +20,25 @@ pub struct Delivery {
     pub at: Instant,
 }
 
+/// A call an agent received and never answered, and when kas let go of it by closing
+/// the tunnel.
+#[derive(Clone, Debug)]
+pub struct Hold {
+    /// The caller's marker.
+    pub marker: String,
+    /// When the tunnel closed; `None` while it is open.
+    pub until: Option<Instant>,
+}
+
+#[derive(Debug, Default)]
+struct Log {
+    deliveries: Vec<Delivery>,
+    holds: Vec<Hold>,
+}
+
 /// The log of deliveries, shared by every agent node (it survives their restarts).
 #[derive(Clone, Debug, Default)]
-pub struct Truth(Arc<Mutex<Vec<Delivery>>>);
+pub struct Truth(Arc<Mutex<Log>>);
 
 impl Truth {
     /// The Pods module of replica `replica` of `agent`: records each call, answers with
@@ -50,15 +66,37 @@ impl Truth {
 
     /// Records a call an agent received.
     pub fn record(&self, delivery: Delivery) {
-        self.lock().push(delivery);
+        self.lock().deliveries.push(delivery);
+    }
+
+    /// Records that an agent will not answer the call `marker`.
+    pub fn hold(&self, marker: String) {
+        self.lock().holds.push(Hold {
+            marker,
+            until: None,
+        });
+    }
+
+    /// Records that kas closed the tunnel of the unanswered call `marker`.
+    pub fn release(&self, marker: &str) {
+        let now = Instant::now();
+        let mut log = self.lock();
+        if let Some(h) = log.holds.iter_mut().find(|h| h.marker == marker) {
+            h.until = Some(now);
+        }
     }
 
     /// Every delivery so far, in order.
     pub fn deliveries(&self) -> Vec<Delivery> {
-        self.lock().clone()
+        self.lock().deliveries.clone()
     }
 
-    fn lock(&self) -> std::sync::MutexGuard<'_, Vec<Delivery>> {
+    /// Every hold so far, in order.
+    pub fn holds(&self) -> Vec<Hold> {
+        self.lock().holds.clone()
+    }
+
+    fn lock(&self) -> std::sync::MutexGuard<'_, Log> {
         self.0.lock().unwrap_or_else(|p| p.into_inner())
     }
 }

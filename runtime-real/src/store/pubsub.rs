@@ -56,7 +56,8 @@ pub(super) trait Connection: Send {
     ) -> impl Future<Output = Result<(), StoreError>> + Send;
     /// Sends a `PING`; its answer arrives as [`Pushed::Pong`].
     fn ping(&mut self) -> impl Future<Output = Result<(), StoreError>> + Send;
-    /// The next thing the server pushed.
+    /// The next thing the server pushed. Cancel-safe: the relay selects on it beside
+    /// commands and keepalives, and a message lost to a cancellation is a lost wake-up.
     fn next(&mut self) -> impl Future<Output = Result<Pushed, StoreError>> + Send;
 }
 

@@ -11,6 +11,7 @@ use std::net::SocketAddr;
 use std::time::Duration;
 use tokio::net::{Endpoint, Receiver, Sender};
 use tokio::sync::mpsc;
+use tokio::time::Instant;
 
 /// A request to the simulated Redis.
 #[derive(Clone, Debug)]
@@ -147,6 +148,8 @@ struct SimSubscriber {
     rx: Receiver,
     /// A message to deliver again.
     again: Option<(String, Vec<u8>)>,
+    /// A message held back until the instant given; nothing after it is read before.
+    late: Option<(Instant, String, Vec<u8>)>,
 }
 
 impl Transport for SimPubSub {
@@ -158,6 +161,7 @@ impl Transport for SimPubSub {
             tx,
             rx,
             again: None,
+            late: None,
         })
     }
 }
@@ -166,11 +170,20 @@ impl SimSubscriber {
     async fn send(&mut self, request: SimRequest) -> Result<(), StoreError> {
         self.tx.send(Box::new(request)).await.map_err(err)
     }
+
+    /// Hands a message over, keeping a copy to deliver again when duplication fires.
+    fn deliver(&mut self, channel: String, payload: Vec<u8>) -> Pushed {
+        if buggify::fires(Point::PubSubDuplicate) {
+            self.again = Some((channel.clone(), payload.clone()));
+        }
+        Pushed::Message(channel, payload)
+    }
 }
 
 impl Connection for SimSubscriber {
     async fn subscribe(&mut self, channels: Vec<String>) -> Result<(), StoreError> {
         for ch in channels {
+            buggify::pause(Point::SubscribeLate).await;
             self.send(SimRequest::Subscribe(ch)).await?;
         }
         Ok(())
@@ -184,11 +197,18 @@ impl Connection for SimSubscriber {
         self.send(SimRequest::Ping).await
     }
 
+    /// Cancel-safe, as the relay's `select!` needs: state changes only after the last
+    /// await of each path.
     async fn next(&mut self) -> Result<Pushed, StoreError> {
-        if let Some((channel, payload)) = self.again.take() {
-            return Ok(Pushed::Message(channel, payload));
-        }
         loop {
+            if let Some((channel, payload)) = self.again.take() {
+                return Ok(Pushed::Message(channel, payload));
+            }
+            if let Some((at, ..)) = &self.late {
+                tokio::time::sleep_until(*at).await;
+                let (_, channel, payload) = self.late.take().expect("held above");
+                return Ok(self.deliver(channel, payload));
+            }
             return Ok(match receive(&mut self.rx).await? {
                 SimReply::Subscribed(ch) => Pushed::Subscribed(ch),
                 SimReply::Message(..) if planted() == Bug::DropWakeup => continue,
@@ -196,10 +216,11 @@ impl Connection for SimSubscriber {
                     return Err(err("connection broken (buggify)"));
                 }
                 SimReply::Message(channel, payload) => {
-                    if buggify::fires(Point::PubSubDuplicate) {
-                        self.again = Some((channel.clone(), payload.clone()));
+                    if let Some(d) = buggify::delay(Point::PubSubDelay) {
+                        self.late = Some((Instant::now() + d, channel, payload));
+                        continue;
                     }
-                    Pushed::Message(channel, payload)
+                    self.deliver(channel, payload)
                 }
                 SimReply::Done => Pushed::Pong,
                 other => return Err(err(format!("unexpected push {other:?}"))),
