@@ -27,18 +27,23 @@ pub enum Point {
     PubSubDelay,
     /// A `SUBSCRIBE` reaches Redis late: the window before its confirmation grows.
     SubscribeLate,
+    /// A call's stream (a forward, or an agent's tunnel) is reset as its next frame is read.
+    StreamReset,
 }
 
 impl Point {
     /// True for a point that makes an operation fail rather than only take longer; such
     /// points go off when a scenario heals.
     pub fn is_fault(self) -> bool {
-        matches!(self, Point::RedisFailure | Point::PubSubBreak)
+        matches!(
+            self,
+            Point::RedisFailure | Point::PubSubBreak | Point::StreamReset
+        )
     }
 }
 
 /// Every point, in a fixed order.
-pub const POINTS: [Point; 9] = [
+pub const POINTS: [Point; 10] = [
     Point::ForwardAfterHeaders,
     Point::LateLookup,
     Point::TunnelBeforeFirstFrame,
@@ -48,6 +53,7 @@ pub const POINTS: [Point; 9] = [
     Point::PubSubDuplicate,
     Point::PubSubDelay,
     Point::SubscribeLate,
+    Point::StreamReset,
 ];
 
 #[cfg(madsim)]
@@ -138,6 +144,18 @@ pub fn fires(_: Point) -> bool {
 #[inline]
 pub fn delay(point: Point) -> Option<std::time::Duration> {
     fires(point).then(|| std::time::Duration::from_millis(1 + rand::random::<u64>() % 500))
+}
+
+/// The next frame from `read`, or when [`Point::StreamReset`] fires, the error a reset
+/// stream reads as (and `read` is dropped, which resets the stream for real).
+#[inline]
+pub async fn read<T>(
+    read: impl Future<Output = Result<T, tonic::Status>>,
+) -> Result<T, tonic::Status> {
+    if fires(Point::StreamReset) {
+        return Err(tonic::Status::unknown("stream reset (buggify)"));
+    }
+    read.await
 }
 
 /// Sleeps 1-500 ms when `point` fires.

@@ -28,12 +28,12 @@ use tokio::time::Instant;
 pub const OUTCOME_BOUND: Duration = Duration::from_secs(1);
 
 /// Violations of invariants 1, 2 and 3 by `calls`, given `truth`; `absent` agents never
-/// connect; `jumps` are the simulated clock's jumps (when, how far).
+/// connect; `stalls` are the times the world or one kas stood still.
 pub fn check_calls(
     calls: &[Call],
     truth: &[Delivery],
     absent: &[i64],
-    jumps: &[(Instant, Duration)],
+    stalls: &[Stall],
 ) -> Vec<String> {
     let mut violations = Vec::new();
     let mut delivered: BTreeMap<&str, Vec<&Delivery>> = BTreeMap::new();
@@ -60,11 +60,11 @@ pub fn check_calls(
                 ));
             }
         }
-        let jumped = jumped(jumps, c.started, c.started + c.took);
-        if c.took > c.timeout + OUTCOME_BOUND + jumped {
+        let stalled = stalled(stalls, Some(c.kas), c.started, c.started + c.took);
+        if c.took > c.timeout + OUTCOME_BOUND + stalled {
             violations.push(format!(
-                "inv 2: {} (timeout {:?}) ended after {:?}",
-                c.marker, c.timeout, c.took
+                "inv 2: {} (kas{}, agent {}, timeout {:?}) ended after {:?}: {:?}",
+                c.marker, c.kas, c.agent, c.timeout, c.took, c.result
             ));
         }
         match &c.result {
@@ -103,19 +103,34 @@ pub fn check_fault_free(calls: &[Call], agents: &[AgentSpec], timeout: Duration)
         .collect()
 }
 
-/// How far the clock jumped between `from` and `to`.
-fn jumped(jumps: &[(Instant, Duration)], from: Instant, to: Instant) -> Duration {
-    jumps
+/// A time the world (`kas: None`: the clock jumped, as for a paused VM) or one kas (cut
+/// off from everything, callers included) stood still.
+#[derive(Clone, Copy, Debug)]
+pub struct Stall {
+    /// The kas cut off, or `None` for everything.
+    pub kas: Option<usize>,
+    /// When it began.
+    pub at: Instant,
+    /// How long it lasted.
+    pub lasting: Duration,
+}
+
+/// How long, between `from` and `to`, the world or kas `kas` stood still.
+fn stalled(stalls: &[Stall], kas: Option<usize>, from: Instant, to: Instant) -> Duration {
+    stalls
         .iter()
-        .filter(|(at, _)| *at >= from && *at <= to)
-        .map(|(_, d)| *d)
+        .filter(|s| s.kas.is_none() || s.kas == kas)
+        .map(|s| {
+            let (start, end) = (s.at.max(from), (s.at + s.lasting).min(to));
+            end.saturating_duration_since(start)
+        })
         .sum()
 }
 
 /// Violations of invariant 2 on kas's side: a tunnel whose agent never answered must be
 /// let go [`TUNNEL_GRACE`] after the call's deadline (the caller's timeout at the latest);
 /// one still held counts until now.
-pub fn check_holds(calls: &[Call], holds: &[Hold], jumps: &[(Instant, Duration)]) -> Vec<String> {
+pub fn check_holds(calls: &[Call], holds: &[Hold], stalls: &[Stall]) -> Vec<String> {
     let mut violations = Vec::new();
     for h in holds {
         let Some(c) = calls.iter().find(|c| c.marker == h.marker) else {
@@ -123,7 +138,8 @@ pub fn check_holds(calls: &[Call], holds: &[Hold], jumps: &[(Instant, Duration)]
         };
         let until = h.until.unwrap_or_else(Instant::now);
         let held = until.saturating_duration_since(c.started);
-        let bound = c.timeout + TUNNEL_GRACE + OUTCOME_BOUND + jumped(jumps, c.started, until);
+        let bound =
+            c.timeout + TUNNEL_GRACE + OUTCOME_BOUND + stalled(stalls, None, c.started, until);
         if held > bound {
             violations.push(format!(
                 "inv 2: {} (timeout {:?}) held its unanswered tunnel for {held:?}",
@@ -278,11 +294,22 @@ mod tests {
         assert!(twice.iter().any(|v| v.starts_with("inv 3")), "{twice:?}");
         let mut late = call("c1", 1, Err(tonic::Code::DeadlineExceeded));
         late.took = Duration::from_secs(5);
-        let jump = [(
-            late.started + Duration::from_secs(1),
-            Duration::from_secs(4),
-        )];
-        assert!(check_calls(&[late.clone()], &[], &[], &jump).is_empty());
+        let jump = Stall {
+            kas: None,
+            at: late.started + Duration::from_secs(1),
+            lasting: Duration::from_secs(4),
+        };
+        assert!(check_calls(&[late.clone()], &[], &[], &[jump]).is_empty());
+        let elsewhere = Stall {
+            kas: Some(1),
+            ..jump
+        };
+        let cut_off = Stall {
+            kas: Some(0),
+            ..jump
+        };
+        assert!(!check_calls(&[late.clone()], &[], &[], &[elsewhere]).is_empty());
+        assert!(check_calls(&[late.clone()], &[], &[], &[cut_off]).is_empty());
         let late = check_calls(&[late], &[], &[], &[]);
         assert!(late.iter().any(|v| v.starts_with("inv 2")), "{late:?}");
         let mut pinned = call("c1", 1, Ok("agent1-replica1"));

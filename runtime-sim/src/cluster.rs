@@ -12,6 +12,7 @@ use kas_runtime::config::Config;
 use kas_runtime::jwt::Secret;
 use kas_runtime::kas::Kas;
 use kas_runtime::kas::observability::Health;
+use madsim::rand::{Rng, thread_rng};
 use madsim::runtime::{Handle, NodeHandle};
 use std::net::{IpAddr, Ipv4Addr, SocketAddr};
 use std::path::PathBuf;
@@ -210,6 +211,9 @@ impl Cluster {
         let ip = self.next_agent_ip;
         let pod = pod_name(agent, replica);
         let truth = self.truth.clone();
+        // Half the replicas keep one tunnel only: a call then waits for it or takes
+        // another replica's, and a pinned call must not.
+        let one_tunnel = thread_rng().gen_bool(0.5);
         // The delay applies to the first start only.
         let delay = Arc::new(AtomicU64::new(
             u64::try_from(delay.as_millis()).unwrap_or(u64::MAX),
@@ -229,6 +233,10 @@ impl Cluster {
                     AgentOptions::new(kas_addr(kas, 8150).to_string(), token(agent), meta);
                 options.seed = u64::from(ip);
                 options.heartbeat = Duration::from_millis(500);
+                if one_tunnel {
+                    options.pool.min_idle = 1;
+                    options.pool.max = 1;
+                }
                 // Reconnect delays capped at 4 s (the default cap is 60 s), so that the
                 // healed phase may expect every agent back within its settle time.
                 options.reconnect.max = RECONNECT_MAX;

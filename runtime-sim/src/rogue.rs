@@ -14,8 +14,8 @@ use crate::cluster::pod_name;
 use crate::truth::{Delivery, Truth};
 use kas_proto::agent_api::agent_api_client::AgentApiClient;
 use kas_proto::frame::{Descriptor, Frame, frame::Kind};
-use kas_proto::pods::{ListRequest, ListResponse, Pod};
-use kas_runtime::agent::{AgentClient, PODS_LIST};
+use kas_proto::pods::{ListRequest, ListResponse, LogChunk, Pod};
+use kas_runtime::agent::{AgentClient, PODS_LIST, PODS_LOGS};
 use kas_runtime::frames;
 use prost::Message;
 use std::net::SocketAddr;
@@ -109,7 +109,7 @@ async fn serve(channel: Channel, token: &str, agent: i64, truth: &Truth) {
 async fn tunnel(channel: Channel, token: &str, connection: i64, agent: i64, truth: &Truth) {
     let (tx, rx) = mpsc::channel::<Frame>(8);
     let descriptor = frames::frame(Kind::Descriptor(Descriptor {
-        methods: vec![PODS_LIST.into()],
+        methods: vec![PODS_LIST.into(), PODS_LOGS.into()],
         connection_id: connection,
     }));
     if tx.send(descriptor).await.is_err() {
@@ -126,6 +126,8 @@ async fn tunnel(channel: Channel, token: &str, connection: i64, agent: i64, trut
     let mut inbound = resp.into_inner();
     let mut beat = tokio::time::interval(Duration::from_millis(500));
     let mut marker = None;
+    // Whether the call is a log stream (its answer is a chunk, not a pod list).
+    let mut streaming = false;
     // The unanswered call, while silent: released when the tunnel ends, however it ends.
     let mut _silent: Option<Unanswered> = None;
     loop {
@@ -139,7 +141,9 @@ async fn tunnel(channel: Channel, token: &str, connection: i64, agent: i64, trut
         };
         let Ok(Some(frame)) = frame else { return };
         match frame.kind {
+            Some(Kind::RequestStart(start)) => streaming = start.method == PODS_LOGS,
             Some(Kind::Message(m)) => {
+                // A log request's namespace is its field 1 too.
                 marker = ListRequest::decode(m.data.as_slice())
                     .ok()
                     .map(|r| r.namespace);
@@ -160,7 +164,16 @@ async fn tunnel(channel: Channel, token: &str, connection: i64, agent: i64, trut
                         ..Default::default()
                     }],
                 };
-                let answer = || frames::message(id, pods.encode_to_vec());
+                let chunk = LogChunk {
+                    data: pod_name(agent, 0).into_bytes(),
+                };
+                let answer = || {
+                    if streaming {
+                        frames::message(id, chunk.encode_to_vec())
+                    } else {
+                        frames::message(id, pods.encode_to_vec())
+                    }
+                };
                 let frames = match Misbehaviour::draw() {
                     Misbehaviour::ErrorFrame => {
                         let refusal = tonic::Status::unavailable(format!(

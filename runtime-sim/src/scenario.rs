@@ -2,7 +2,7 @@
 //! a fault-free final phase that checks convergence, liveness (calls waiting for an agent
 //! that connects are delivered, and how fast) and leaks.
 
-use crate::checker::{self, Stats};
+use crate::checker::{self, Stall, Stats};
 use crate::cluster::{AgentSpec, Cluster, ClusterSpec, pod_name};
 use crate::workload::{self, Call};
 use kas_core::AgentId;
@@ -173,8 +173,8 @@ fn random_ms(lo: u64, hi: u64) -> Duration {
 #[derive(Debug, Default)]
 struct FaultLog {
     count: usize,
-    /// Clock jumps: when, and how far.
-    jumps: Vec<(Instant, Duration)>,
+    /// Clock jumps and kas nodes cut off.
+    stalls: Vec<Stall>,
     /// A fault cut agents off from kas (a whole kas clogged, an agent killed): what an
     /// agent saw of kas then is no measure of when kas acted.
     agents_cut_off: bool,
@@ -230,6 +230,11 @@ async fn faults(cluster: &Cluster, kinds: &[Fault], until: Instant) -> FaultLog 
             }
             Fault::ClogNode => {
                 log.agents_cut_off = true;
+                log.stalls.push(Stall {
+                    kas: Some(kas),
+                    at: Instant::now(),
+                    lasting,
+                });
                 let id = cluster.kas_nodes[kas].id();
                 net.clog_node(id);
                 tokio::time::sleep(lasting).await;
@@ -239,7 +244,11 @@ async fn faults(cluster: &Cluster, kinds: &[Fault], until: Instant) -> FaultLog 
                 // The whole world stalls past the record TTL (a VM pause, say): records
                 // expire, heartbeats are missed, every timer fires at once.
                 let jump = TTL + random_ms(0, 2_000);
-                log.jumps.push((Instant::now(), jump));
+                log.stalls.push(Stall {
+                    kas: None,
+                    at: Instant::now(),
+                    lasting: jump,
+                });
                 madsim::time::advance(jump);
             }
             Fault::RestartRedis => {
@@ -483,10 +492,10 @@ pub async fn run(scenario: Scenario) -> Report {
         }
     }
     calls.extend(waited);
-    violations.extend(checker::check_calls(&calls, &truth, &[ABSENT], &log.jumps));
+    violations.extend(checker::check_calls(&calls, &truth, &[ABSENT], &log.stalls));
     if !log.agents_cut_off {
         let holds = cluster.truth.holds();
-        violations.extend(checker::check_holds(&calls, &holds, &log.jumps));
+        violations.extend(checker::check_holds(&calls, &holds, &log.stalls));
     }
 
     // Leaks: with every agent gone and records expired, nothing may remain.

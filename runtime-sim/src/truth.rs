@@ -1,11 +1,14 @@
 //! The ground truth: every call an agent replica served, as the agent saw it. Callers put
-//! a unique marker in the call (the pod list's namespace), so each delivery is matched to
-//! the call that caused it.
+//! a unique marker in the call (the pod list's or the log's namespace), so each delivery
+//! is matched to the call that caused it.
 
-use kas_proto::pods::{ListRequest, ListResponse, Pod};
-use kas_runtime::agent::{Modules, PODS_LIST};
+use kas_proto::pods::{ListRequest, ListResponse, LogChunk, LogsRequest, Pod};
+use kas_runtime::agent::{Modules, PODS_LIST, PODS_LOGS};
+use madsim::rand::{Rng, thread_rng};
 use std::sync::{Arc, Mutex};
+use std::time::Duration;
 use tokio::time::Instant;
+use tokio_stream::wrappers::ReceiverStream;
 
 /// One call served by an agent replica.
 #[derive(Clone, Debug)]
@@ -41,11 +44,37 @@ struct Log {
 pub struct Truth(Arc<Mutex<Log>>);
 
 impl Truth {
-    /// The Pods module of replica `replica` of `agent`: records each call, answers with
-    /// one pod named `pod`.
+    /// The Pods module of replica `replica` of `agent`: records each call; answers a list
+    /// with one pod named `pod` after 0-300 ms (a Kubernetes API read takes time, and busy
+    /// tunnels are where pinning and waiting go wrong), and a log with 1-3 chunks, each
+    /// the pod's name, 0-100 ms apart.
     pub fn module(&self, agent: i64, replica: usize, pod: &str) -> Modules {
         let (log, pod) = (self.clone(), pod.to_string());
         let mut modules = Modules::default();
+        let (logs_log, logs_pod) = (log.clone(), pod.clone());
+        modules.server_streaming(PODS_LOGS, move |req: LogsRequest| {
+            logs_log.record(Delivery {
+                marker: req.namespace,
+                agent,
+                replica,
+                at: Instant::now(),
+            });
+            let (tx, rx) = tokio::sync::mpsc::channel(4);
+            let chunk = LogChunk {
+                data: logs_pod.clone().into_bytes(),
+            };
+            let chunks = thread_rng().gen_range(1..=3);
+            tokio::spawn(async move {
+                for _ in 0..chunks {
+                    let gap = Duration::from_millis(thread_rng().gen_range(0..100));
+                    tokio::time::sleep(gap).await;
+                    if tx.send(Ok(chunk.clone())).await.is_err() {
+                        return;
+                    }
+                }
+            });
+            async move { Ok(ReceiverStream::new(rx)) }
+        });
         modules.unary(PODS_LIST, move |req: ListRequest| {
             log.record(Delivery {
                 marker: req.namespace,
@@ -59,7 +88,11 @@ impl Truth {
                 phase: "Running".into(),
                 node_name: String::new(),
             };
-            async move { Ok(ListResponse { pods: vec![pod] }) }
+            let took = Duration::from_millis(thread_rng().gen_range(0..300));
+            async move {
+                tokio::time::sleep(took).await;
+                Ok(ListResponse { pods: vec![pod] })
+            }
         });
         modules
     }

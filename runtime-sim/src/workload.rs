@@ -1,6 +1,7 @@
 //! GitLab's calls during a scenario: each call goes to a random kas for a random agent
 //! (connected, absent or late) with a random deadline, some pinned to one replica's
-//! connection, and its outcome is recorded.
+//! connection, a quarter of them log streams (server-streaming) rather than pod lists, and
+//! its outcome is recorded.
 
 use crate::cluster::kas_addr;
 use kas_runtime::api_client::ApiClient;
@@ -61,17 +62,21 @@ pub async fn pinned(
     } else {
         agent
     };
+    let streaming = thread_rng().gen_bool(0.25);
     let result = match ApiClient::connect(&kas_addr(kas, 8153).to_string(), secret, timeout).await {
         Err(e) => Err((tonic::Code::Unavailable, e)),
         Ok(api) => {
-            let answer = api.pods(routed_to, pin.map(|p| p.1), &marker).await;
+            let connection = pin.map(|p| p.1);
+            let answer = if streaming {
+                logs(&api, routed_to, connection, &marker).await
+            } else {
+                let pods = api.pods(routed_to, connection, &marker).await;
+                pods.map(|p| p.first().map(|p| p.name.clone()).unwrap_or_default())
+            };
             if bug == Bug::DeliverTwice && answer.is_ok() {
                 let _ = api.pods(routed_to, None, &marker).await;
             }
-            match answer {
-                Ok(pods) => Ok(pods.first().map(|p| p.name.clone()).unwrap_or_default()),
-                Err(s) => Err((s.code(), s.message().to_string())),
-            }
+            answer.map_err(|s| (s.code(), s.message().to_string()))
         }
     };
     Call {
@@ -84,6 +89,32 @@ pub async fn pinned(
         took: started.elapsed(),
         result,
     }
+}
+
+/// A log call (server-streaming): the pod that sent every chunk, or the chunks joined
+/// with `+` when they came from several (which the checker reports).
+async fn logs(
+    api: &ApiClient,
+    agent: i64,
+    connection: Option<i64>,
+    marker: &str,
+) -> Result<String, tonic::Status> {
+    let mut stream = api
+        .pod_logs(agent, connection, marker, "sim", "", 0)
+        .await?;
+    let mut pods: Vec<String> = Vec::new();
+    while let Some(chunk) = stream.message().await? {
+        let pod = String::from_utf8_lossy(&chunk.data).into_owned();
+        if !pods.contains(&pod) {
+            pods.push(pod);
+        }
+    }
+    if pods.is_empty() {
+        return Err(tonic::Status::internal(
+            "the log stream ended without a chunk",
+        ));
+    }
+    Ok(pods.join("+"))
 }
 
 /// The connections of `agent` that kas `kas` lists: (replica, connection id).

@@ -165,7 +165,7 @@ impl Forwarder {
         drop(frames_tx);
         let mut first = true;
         loop {
-            let frame = match inbound.message().await {
+            let frame = match buggify::read(inbound.message()).await {
                 // The serving kas numbers the call its own way.
                 Ok(Some(f)) => frames::with_request_id(f, id),
                 Ok(None) => {

@@ -184,7 +184,7 @@ impl Tunnel {
                     let _ = responses.send(Err(Status::deadline_exceeded(format!("agent {} did not answer by the deadline", call.agent)))).await;
                     return Err(End::Fault(Status::deadline_exceeded("call overran its deadline")));
                 }
-                frame = self.inbound.message() => frame,
+                frame = buggify::read(self.inbound.message()) => frame,
             };
             let frame = match frame {
                 Ok(Some(f)) => f,
