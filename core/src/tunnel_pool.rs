@@ -116,13 +116,22 @@ impl TunnelPool {
                     *s = State::Idle { since: now };
                 }
             }
-            PoolInput::Ended { slot, failed } => {
-                if self.slots.remove(&slot).is_some() && failed {
+            PoolInput::Ended { slot, failed } => match self.slots.remove(&slot) {
+                // It never opened: each failed open backs off further.
+                Some(State::Opening) if failed => {
                     let delay = self.config.retry.delay(self.failures, &mut self.rng);
                     self.failures = self.failures.saturating_add(1);
                     self.retry_at = Some(now + delay);
                 }
-            }
+                // It was up and ended with an error (kas closed it): reopen after the
+                // first step's delay, not a growing one, since tunnels that end together
+                // (kas stalled past their heartbeats) are one event, not one failure each.
+                Some(_) if failed => {
+                    let at = now + self.config.retry.delay(0, &mut self.rng);
+                    self.retry_at = Some(self.retry_at.map_or(at, |t| t.max(at)));
+                }
+                _ => {}
+            },
             PoolInput::Drain => self.draining = true,
         }
         self.rebalance(now);

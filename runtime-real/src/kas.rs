@@ -449,8 +449,9 @@ impl Kas {
         &self.health
     }
 
-    /// Shuts down gracefully (see the module docs).
-    pub async fn stop(mut self) {
+    /// Shuts down gracefully (see the module docs). True when this kas's registry records
+    /// were deleted; false when they are left to expire by TTL (Redis did not answer).
+    pub async fn stop(mut self) -> bool {
         tracing::info!("shutting down");
         let _ = self.closing.send(true);
         if tokio::time::timeout(self.grace, &mut self.calls_server)
@@ -463,10 +464,10 @@ impl Kas {
         let _ = self.leaving.send(true);
         let (done_tx, done) = oneshot::channel();
         self.engine.send(engine::Command::Shutdown(done_tx));
-        if tokio::time::timeout(Duration::from_secs(10), done)
+        let cleaned = tokio::time::timeout(Duration::from_secs(10), done)
             .await
-            .is_err()
-        {
+            .is_ok_and(|r| r.is_ok());
+        if !cleaned {
             tracing::warn!(
                 "could not delete this kas's registry records in 10s; they expire by TTL"
             );
@@ -485,6 +486,7 @@ impl Kas {
         }
         let _ = self.observability_server.await;
         tracing::info!("stopped");
+        cleaned
     }
 }
 

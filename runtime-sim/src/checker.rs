@@ -19,13 +19,18 @@
 use crate::cluster::{AgentSpec, pod_name};
 use crate::truth::{Delivery, Hold};
 use crate::workload::Call;
-use kas_runtime::kas::timing::TUNNEL_GRACE;
+use kas_runtime::kas::timing::{ANSWER_GRACE, TUNNEL_GRACE};
 use std::collections::BTreeMap;
 use std::time::Duration;
 use tokio::time::Instant;
 
-/// How much later than its timeout a call may end.
-pub const OUTCOME_BOUND: Duration = Duration::from_secs(1);
+/// Slack for the network and timers on top of kas's own graces.
+pub const SLACK: Duration = Duration::from_secs(1);
+
+/// How much later than its timeout a call may end: kas waits up to [`ANSWER_GRACE`] past a
+/// call's deadline for an answer already under way (its longest grace: the router fails
+/// an attempt `ROUTE_GRACE` past it), plus [`SLACK`].
+pub const OUTCOME_BOUND: Duration = ANSWER_GRACE.saturating_add(SLACK);
 
 /// Violations of invariants 1, 2 and 3 by `calls`, given `truth`; `absent` agents never
 /// connect; `stalls` are the times the world or one kas stood still.
@@ -138,8 +143,7 @@ pub fn check_holds(calls: &[Call], holds: &[Hold], stalls: &[Stall]) -> Vec<Stri
         };
         let until = h.until.unwrap_or_else(Instant::now);
         let held = until.saturating_duration_since(c.started);
-        let bound =
-            c.timeout + TUNNEL_GRACE + OUTCOME_BOUND + stalled(stalls, None, c.started, until);
+        let bound = c.timeout + TUNNEL_GRACE + SLACK + stalled(stalls, None, c.started, until);
         if held > bound {
             violations.push(format!(
                 "inv 2: {} (timeout {:?}) held its unanswered tunnel for {held:?}",
@@ -293,7 +297,7 @@ mod tests {
         );
         assert!(twice.iter().any(|v| v.starts_with("inv 3")), "{twice:?}");
         let mut late = call("c1", 1, Err(tonic::Code::DeadlineExceeded));
-        late.took = Duration::from_secs(5);
+        late.took = Duration::from_secs(6);
         let jump = Stall {
             kas: None,
             at: late.started + Duration::from_secs(1),

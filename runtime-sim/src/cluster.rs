@@ -23,6 +23,19 @@ use std::time::Duration;
 /// Where a kas node puts its [`Health`] when it starts.
 pub type HealthSlot = Arc<std::sync::Mutex<Option<Health>>>;
 
+/// Where a kas node says when its current run started and, once it stopped after a
+/// SIGTERM (`send_ctrl_c`), whether it deleted its registry records ([`Kas::stop`]'s answer).
+pub type StopSlot = Arc<std::sync::Mutex<KasRun>>;
+
+/// See [`StopSlot`].
+#[derive(Clone, Copy, Debug, Default)]
+pub struct KasRun {
+    /// kas's clock when this run started: the records it writes expire a TTL after.
+    pub started: kas_core::Time,
+    /// Set when it stopped gracefully.
+    pub cleaned: Option<bool>,
+}
+
 /// Longest delay between an agent's reconnection attempts in the simulation.
 pub const RECONNECT_MAX: Duration = Duration::from_secs(4);
 
@@ -69,6 +82,10 @@ pub struct Cluster {
     pub truth: Truth,
     /// Each kas's readiness and metrics, set when it has started (and again at restart).
     pub health: Vec<HealthSlot>,
+    /// Registry record lifetime.
+    pub ttl: Duration,
+    /// Each kas's report of its last graceful stop.
+    pub stopped: Vec<StopSlot>,
     /// The Redis node.
     pub redis_node: NodeHandle,
     /// The kas nodes, by index.
@@ -147,6 +164,7 @@ impl Cluster {
         let redis = RedisState::default();
         let truth = Truth::default();
         let health: Vec<HealthSlot> = (0..spec.kas).map(|_| HealthSlot::default()).collect();
+        let stopped: Vec<StopSlot> = (0..spec.kas).map(|_| StopSlot::default()).collect();
         let state = redis.clone();
         let redis_node = handle
             .create_node()
@@ -157,20 +175,34 @@ impl Cluster {
         let kas_nodes = (0..spec.kas)
             .map(|i| {
                 let config = kas_config(i, &dir, spec);
-                let slot = health[i].clone();
+                let (slot, stop_slot) = (health[i].clone(), stopped[i].clone());
                 handle
                     .create_node()
                     .name(format!("kas{i}"))
                     .ip(kas_addr(i, 0).ip())
                     .init(move || {
                         let (config, slot) = (config.clone(), slot.clone());
+                        let stop_slot = stop_slot.clone();
                         async move {
-                            let kas = Kas::start(config).await.expect("kas starts");
+                            let report = |cleaned| {
+                                stop_slot.lock().unwrap_or_else(|p| p.into_inner()).cleaned =
+                                    Some(cleaned)
+                            };
+                            *stop_slot.lock().unwrap_or_else(|p| p.into_inner()) = KasRun {
+                                started: kas_runtime::clock::now(),
+                                cleaned: None,
+                            };
+                            // Watched from the start, so that a SIGTERM never kills the node.
+                            let sigterm = madsim::signal::ctrl_c();
+                            tokio::pin!(sigterm);
+                            let kas = tokio::select! {
+                                kas = Kas::start(config) => kas.expect("kas starts"),
+                                _ = &mut sigterm => return report(false),
+                            };
                             *slot.lock().unwrap_or_else(|p| p.into_inner()) =
                                 Some(kas.health().clone());
-                            // Kept alive until the node is killed.
-                            std::future::pending::<()>().await;
-                            drop(kas);
+                            let _ = sigterm.await;
+                            report(kas.stop().await);
                         }
                     })
                     .build()
@@ -180,6 +212,8 @@ impl Cluster {
             redis,
             truth,
             health,
+            ttl: spec.ttl,
+            stopped,
             redis_node,
             kas_nodes,
             agent_nodes: Vec::new(),

@@ -57,6 +57,11 @@ impl Db {
         self.keyspace.keys(now)
     }
 
+    /// Live keys with their fields' names and stored bytes.
+    pub fn entries(&self, now: Instant) -> BTreeMap<String, Vec<(String, Vec<u8>)>> {
+        self.keyspace.entries(now)
+    }
+
     /// When the first message on `channel` was published (since the last restart).
     pub fn first_publication(&self, channel: &str) -> Option<Instant> {
         self.published

@@ -19,7 +19,7 @@ use tokio::time::Instant;
 pub enum Scenario {
     /// No faults.
     Steady,
-    /// kas replicas killed and restarted.
+    /// kas replicas killed, or stopped gracefully, and restarted.
     KasCrash,
     /// Links between kas, and between kas and Redis, clogged (one way or both), and whole
     /// kas nodes cut off.
@@ -83,11 +83,11 @@ pub struct Report {
 /// The agent no replica of which ever runs.
 const ABSENT: i64 = 99;
 /// The agent whose one replica connects at a random time during the faults.
-const LATE: i64 = 50;
+const LATE: i64 = 60;
 /// The agent that connects during the final phase, while calls wait for it.
-const LIVENESS: i64 = 51;
+const LIVENESS: i64 = 61;
 /// A misbehaving agent (see `rogue`): not expected to answer, only to be called once per call.
-const ROGUE: i64 = 52;
+const ROGUE: i64 = 62;
 /// In a run without faults, every call with at least this timeout for a connected agent
 /// must be answered: shorter ones may legitimately run out under the fault points' pauses
 /// (up to 0.5 s each, in the forward, the tunnel, the lookup and Redis).
@@ -131,19 +131,22 @@ fn shape(scenario: Scenario) -> Shape {
     }
 }
 
-/// The swarm's shape, drawn from the seed: 1-5 kas; 1-8 agents (a fifth of the runs
-/// 9-24) of 1-3 replicas each, which share one kas with a probability drawn for the run;
-/// a mean gap between calls of 20-500 ms (about 40 to 1,000 calls). Bounded so that the
-/// CI seed set stays within minutes.
+/// The swarm's shape, drawn from the seed: 1-5 kas; 1-8 agents (a fifth of the runs 9-24,
+/// a tenth 25-50) of 1-3 replicas each, which share one kas with a probability drawn for
+/// the run; a mean gap between calls of 20-500 ms (a fifth of the runs 5-500 ms: about 40
+/// to 4,000 calls in the faulty phase). Bounded so that the CI seed set stays within minutes.
 fn swarm_shape() -> Shape {
     let mut rng = thread_rng();
     let kas = rng.gen_range(1..=5);
-    let n = if rng.gen_bool(0.2) {
-        rng.gen_range(9..=24)
-    } else {
-        rng.gen_range(1..=8)
+    let n = match rng.gen_range(0..10) {
+        0 => rng.gen_range(25..=50),
+        1 | 2 => rng.gen_range(9..=24),
+        _ => rng.gen_range(1..=8),
     };
     let share = rng.r#gen::<f64>();
+    // Log-uniform up to 500 ms, from 20 ms, or in a fifth of the runs from 5 ms.
+    let fastest: f64 = if rng.gen_bool(0.2) { 0.005 } else { 0.02 };
+    let every = Duration::from_secs_f64(fastest * (0.5 / fastest).powf(rng.r#gen::<f64>()));
     let agents = (1..=n)
         .map(|agent| {
             let first = rng.gen_range(0..kas);
@@ -161,7 +164,7 @@ fn swarm_shape() -> Shape {
             pubsub_wakeups: true,
             ttl: TTL,
         },
-        every: Duration::from_secs_f64(0.02 * 25f64.powf(rng.r#gen::<f64>())),
+        every,
     }
 }
 
@@ -178,6 +181,8 @@ struct FaultLog {
     /// A fault cut agents off from kas (a whole kas clogged, an agent killed): what an
     /// agent saw of kas then is no measure of when kas acted.
     agents_cut_off: bool,
+    /// What the faults themselves saw go wrong (a graceful stop's leftovers).
+    violations: Vec<String>,
 }
 
 /// Injects faults of `kinds` until `until`. Everything is healed at the end.
@@ -198,6 +203,13 @@ async fn faults(cluster: &Cluster, kinds: &[Fault], until: Instant) -> FaultLog 
         tracing::info!(?fault, kas, ?lasting, "fault");
         match fault {
             Fault::KillKas => {
+                handle.kill(cluster.kas_nodes[kas].id());
+                tokio::time::sleep(lasting).await;
+                handle.restart(cluster.kas_nodes[kas].id());
+            }
+            Fault::StopKas => {
+                log.violations.extend(stop_gracefully(cluster, kas).await);
+                // The process exits: its sockets go with it.
                 handle.kill(cluster.kas_nodes[kas].id());
                 tokio::time::sleep(lasting).await;
                 handle.restart(cluster.kas_nodes[kas].id());
@@ -275,10 +287,51 @@ async fn faults(cluster: &Cluster, kinds: &[Fault], until: Instant) -> FaultLog 
     log
 }
 
+/// Sends kas `kas` a SIGTERM and waits for it to stop. A kas that says it deleted its
+/// registry records must have left none of this run's: no field named by its id (its
+/// instance record, its agents' tunnel records) that expires later than a record written
+/// at its start would (an earlier, killed run's records expire by themselves).
+async fn stop_gracefully(cluster: &Cluster, kas: usize) -> Vec<String> {
+    // The shutdown grace, 10 s to delete the records, 2 s for the agent listener, slack.
+    const STOP_WITHIN: Duration = Duration::from_secs(16);
+    let slot = &cluster.stopped[kas];
+    let read = || *slot.lock().unwrap_or_else(|p| p.into_inner());
+    Handle::current().send_ctrl_c(cluster.kas_nodes[kas].id());
+    let asked = Instant::now();
+    while read().cleaned.is_none() && asked.elapsed() < STOP_WITHIN {
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+    let id = crate::cluster::kas_addr(kas, 8155).to_string();
+    let run = read();
+    match run.cleaned {
+        None => vec![format!(
+            "kas{kas} had not stopped {STOP_WITHIN:?} after its SIGTERM"
+        )],
+        Some(false) => Vec::new(), // Redis did not answer: the records expire by TTL
+        Some(true) => {
+            let ours = |bytes: &[u8]| {
+                kas_core::expiring::decode(bytes)
+                    .is_ok_and(|(at, _)| at >= run.started + cluster.ttl)
+            };
+            let entries = cluster.redis.with_db(|db| db.entries(Instant::now()));
+            entries
+                .into_iter()
+                .filter(|(_, fields)| fields.iter().any(|(f, v)| *f == id && ours(v)))
+                .map(|(key, _)| {
+                    format!(
+                        "inv 6: kas{kas} stopped gracefully, but Redis still holds {key} field {id}"
+                    )
+                })
+                .collect()
+        }
+    }
+}
+
 /// A kind of fault.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 enum Fault {
     KillKas,
+    StopKas,
     Clog,
     ClogRedis,
     RestartRedis,
@@ -289,8 +342,9 @@ enum Fault {
 }
 
 impl Fault {
-    const ALL: [Fault; 8] = [
+    const ALL: [Fault; 9] = [
         Fault::KillKas,
+        Fault::StopKas,
         Fault::Clog,
         Fault::ClogRedis,
         Fault::RestartRedis,
@@ -305,7 +359,7 @@ fn fault_kinds(scenario: Scenario) -> Vec<Fault> {
     use Fault::*;
     match scenario {
         Scenario::Steady => vec![],
-        Scenario::KasCrash => vec![KillKas],
+        Scenario::KasCrash => vec![KillKas, StopKas],
         Scenario::Partition => vec![Clog, ClogRedis, ClogNode],
         Scenario::RedisRestart => vec![RestartRedis, SlowRedis],
         Scenario::ReconnectStorm => vec![],
@@ -372,7 +426,7 @@ pub async fn run(scenario: Scenario) -> Report {
     let mut calls: Vec<Call> = calls.await.expect("caller finished");
     // The fault points are faults too: off for the healed phase (timing points stay on).
     kas_runtime::buggify::heal();
-    let mut violations = Vec::new();
+    let mut violations = std::mem::take(&mut log.violations);
     if scenario == Scenario::Steady && !points.iter().any(|p| p.is_fault()) {
         // Calls in the first second may find kas not yet listening.
         let settled: Vec<Call> = calls

@@ -149,6 +149,41 @@ fn failed_opens_back_off_one_probe_at_a_time() {
 }
 
 #[test]
+fn open_tunnels_ending_together_reopen_after_the_first_step_not_a_grown_backoff() {
+    let mut p = pool();
+    p.handle_timeout(Time(0));
+    let slots = opens(&drain(&mut p));
+    for s in &slots {
+        p.handle_input(Time(0), PoolInput::Opened(*s));
+        p.handle_input(Time(0), PoolInput::Claimed(*s));
+    }
+    let more = opens(&drain(&mut p));
+    assert_eq!(more.len(), 2, "two busy: two more idle ones open");
+    for s in &more {
+        p.handle_input(Time(0), PoolInput::Opened(*s));
+    }
+    // kas stalls past every heartbeat and closes all four at once.
+    for s in slots.iter().chain(&more) {
+        p.handle_input(
+            Time(5_000),
+            PoolInput::Ended {
+                slot: *s,
+                failed: true,
+            },
+        );
+    }
+    assert!(drain(&mut p).is_empty(), "no reopen before the delay");
+    let at = p.poll_timeout().expect("a reopen is scheduled");
+    assert!(
+        (5_500..=6_000).contains(&at.0),
+        "reopened at {} ms: the first step is 0.5-1 s, not four failures' growth",
+        at.0
+    );
+    p.handle_timeout(at);
+    assert_eq!(opens(&drain(&mut p)).len(), 2, "the idle minimum, at once");
+}
+
+#[test]
 fn repeated_failures_never_open_faster_than_the_backoff() {
     let mut p = pool();
     let mut now = Time(0);

@@ -107,6 +107,18 @@ impl Keyspace {
         self.hashes.retain(|_, h| h.live(now));
     }
 
+    /// Live keys with their fields' names and stored bytes.
+    pub fn entries(&self, now: Instant) -> BTreeMap<String, Vec<(String, Vec<u8>)>> {
+        self.hashes
+            .iter()
+            .filter(|(_, h)| h.live(now))
+            .map(|(k, h)| {
+                let fields = h.fields.iter().map(|(f, v)| (f.clone(), v.clone()));
+                (k.clone(), fields.collect())
+            })
+            .collect()
+    }
+
     /// Live keys with their field names.
     pub fn keys(&self, now: Instant) -> BTreeMap<String, Vec<String>> {
         self.hashes
