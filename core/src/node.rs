@@ -742,7 +742,11 @@ impl<C: Clone> KasNode<C> {
         match out {
             RegistryOutput::Matched { request, tunnel } => {
                 let Some(state) = self.calls.get_mut(&request) else {
-                    // Ended while it waited: the tunnel is free again at once.
+                    // Every end of a waiting call takes it out of the registry's queue, so
+                    // this is a waiter left behind: free the tunnel, and say so.
+                    self.outputs.push_back(NodeOutput::Inconsistent(format!(
+                        "tunnel {tunnel} matched to call {request}, which had ended"
+                    )));
                     self.registry_in_drain(now, RegistryInput::Release { request });
                     return;
                 };

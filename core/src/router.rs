@@ -320,12 +320,17 @@ impl Router {
                 }
                 if let Some(a) = self.agents.get_mut(&agent) {
                     a.lookup_raced |= a.lookup_in_flight;
-                    if let Some(known) = &mut a.known {
-                        if connected {
+                    if connected {
+                        if let Some(known) = &mut a.known {
                             known.insert(kas.clone());
-                        } else {
-                            known.remove(&kas);
                         }
+                    } else {
+                        // Not trusted to remove what an earlier event or lookup said: one
+                        // delivered out of order would hide a kas that does hold tunnels,
+                        // and no later event would bring it back (a live record is not
+                        // announced again). The next call looks the agent up. A stale
+                        // "connected" costs one refused attempt, which forgets `known` too.
+                        a.known = None;
                     }
                 }
                 if connected {

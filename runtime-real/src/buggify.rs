@@ -25,6 +25,9 @@ pub enum Point {
     PubSubDuplicate,
     /// A pub-sub message is delivered late (and every later one after it, in order).
     PubSubDelay,
+    /// A pub-sub message is delivered after the one that follows it (or 500 ms late if
+    /// none does).
+    PubSubReorder,
     /// A `SUBSCRIBE` reaches Redis late: the window before its confirmation grows.
     SubscribeLate,
     /// A call's stream (a forward, or an agent's tunnel) is reset as its next frame is read.
@@ -37,13 +40,13 @@ impl Point {
     pub fn is_fault(self) -> bool {
         matches!(
             self,
-            Point::RedisFailure | Point::PubSubBreak | Point::StreamReset
+            Point::RedisFailure | Point::PubSubBreak | Point::PubSubReorder | Point::StreamReset
         )
     }
 }
 
 /// Every point, in a fixed order.
-pub const POINTS: [Point; 10] = [
+pub const POINTS: [Point; 11] = [
     Point::ForwardAfterHeaders,
     Point::LateLookup,
     Point::TunnelBeforeFirstFrame,
@@ -52,6 +55,7 @@ pub const POINTS: [Point; 10] = [
     Point::PubSubBreak,
     Point::PubSubDuplicate,
     Point::PubSubDelay,
+    Point::PubSubReorder,
     Point::SubscribeLate,
     Point::StreamReset,
 ];

@@ -185,8 +185,14 @@ struct FaultLog {
     violations: Vec<String>,
 }
 
-/// Injects faults of `kinds` until `until`. Everything is healed at the end.
-async fn faults(cluster: &Cluster, kinds: &[Fault], until: Instant) -> FaultLog {
+/// Injects faults of `kinds` until `until`. Everything is healed at the end. `agents`: who
+/// is connected where (a kas down past the TTL must stop being listed as holding them).
+async fn faults(
+    cluster: &Cluster,
+    agents: &[AgentSpec],
+    kinds: &[Fault],
+    until: Instant,
+) -> FaultLog {
     let handle = Handle::current();
     let net = NetSim::current();
     let mut log = FaultLog::default();
@@ -204,6 +210,11 @@ async fn faults(cluster: &Cluster, kinds: &[Fault], until: Instant) -> FaultLog 
         match fault {
             Fault::KillKas => {
                 handle.kill(cluster.kas_nodes[kas].id());
+                if thread_rng().gen_bool(0.3) {
+                    tokio::time::sleep(cluster.ttl + Duration::from_millis(500)).await;
+                    log.violations
+                        .extend(listed_while_dead(cluster, agents, kas).await);
+                }
                 tokio::time::sleep(lasting).await;
                 handle.restart(cluster.kas_nodes[kas].id());
             }
@@ -285,6 +296,48 @@ async fn faults(cluster: &Cluster, kinds: &[Fault], until: Instant) -> FaultLog 
         }
     }
     log
+}
+
+/// Lists, on every other kas, the agents with a replica on kas `dead`, which has been down
+/// for longer than the TTL: its records have expired, each field by its own time, even
+/// where another kas keeps the key alive (a replica of the same agent elsewhere), so none
+/// of its replicas may be listed. A kas that fails to answer is not judged.
+async fn listed_while_dead(cluster: &Cluster, agents: &[AgentSpec], dead: usize) -> Vec<String> {
+    let secret = cluster.gitlab_secret();
+    let probe: Vec<(usize, i64, Vec<String>)> = agents
+        .iter()
+        .filter(|a| a.replicas.contains(&dead))
+        .flat_map(|a| {
+            let pods = (0..a.replicas.len())
+                .filter(|&r| a.replicas[r] == dead)
+                .map(|r| pod_name(a.agent, r))
+                .collect::<Vec<_>>();
+            (0..cluster.kas_nodes.len())
+                .filter(move |&k| k != dead)
+                .map(move |k| (k, a.agent, pods.clone()))
+        })
+        .collect();
+    if probe.is_empty() {
+        return Vec::new();
+    }
+    cluster
+        .caller()
+        .spawn(async move {
+            let mut out = Vec::new();
+            for (k, agent, gone) in probe {
+                let Ok(listed) = workload::listed(&secret, k, agent).await else {
+                    continue;
+                };
+                for pod in listed.iter().filter(|p| gone.contains(p)) {
+                    out.push(format!(
+                        "inv 7: kas{dead} has been down for longer than the TTL, but kas{k} lists agent {agent}'s {pod} on it"
+                    ));
+                }
+            }
+            out
+        })
+        .await
+        .unwrap_or_default()
 }
 
 /// Sends kas `kas` a SIGTERM and waits for it to stop. A kas that says it deleted its
@@ -421,7 +474,7 @@ pub async fn run(scenario: Scenario) -> Report {
             log.count += 1;
         }
     } else {
-        log = faults(&cluster, &fault_kinds(scenario), until).await;
+        log = faults(&cluster, &agents, &fault_kinds(scenario), until).await;
     }
     let mut calls: Vec<Call> = calls.await.expect("caller finished");
     // The fault points are faults too: off for the healed phase (timing points stay on).
@@ -576,6 +629,9 @@ pub async fn run(scenario: Scenario) -> Report {
             "kas_routing_calls",
             "kas_tunnel_waiters",
             "kas_pubsub_subscriptions",
+            // Since its last start: the node's machines never disagreed, and the engine
+            // never fed it an input it refused.
+            "kas_driver_mistakes_total",
         ] {
             match observability::gauge(&metrics, gauge) {
                 Some(0.0) => {}

@@ -434,10 +434,19 @@ fn calls_soon_after_take_what_the_lingering_subscription_tells() {
         "no lookup"
     );
     finish(&mut r, 30, 2);
-    // Events keep it current while nobody calls.
+    // Events keep it current while nobody calls; a disconnect makes the next call look
+    // the agent up (it may have come out of order).
     event(&mut r, 40, 3, true);
     event(&mut r, 41, 2, false);
     start(&mut r, 50, 3, 500);
+    assert_eq!(drain(&mut r), vec![RouterOutput::Lookup(A)]);
+    r.handle_input(
+        Time(51),
+        RouterInput::LookupDone {
+            agent: A,
+            kas: vec![kas(3)],
+        },
+    );
     assert_eq!(drain(&mut r), vec![attempt(3, Target::Kas(kas(3)))]);
     finish(&mut r, 60, 3);
     // `linger` after the last call the subscription goes, and with it what it told.
@@ -448,6 +457,28 @@ fn calls_soon_after_take_what_the_lingering_subscription_tells() {
     assert_eq!(r.subscription_count(), 0);
     start(&mut r, 1100, 4, 1500);
     assert_eq!(drain(&mut r), vec![RouterOutput::Subscribe(A)]);
+}
+
+#[test]
+fn a_disconnect_delivered_after_a_later_connect_does_not_hide_the_kas() {
+    // kas 2 lost its tunnels and got them back; the events arrive the other way round.
+    let mut r = router_that_found(vec![kas(2)]);
+    event(&mut r, 10, 2, true);
+    event(&mut r, 11, 2, false);
+    start(&mut r, 20, 2, 2000);
+    assert_eq!(
+        drain(&mut r),
+        vec![RouterOutput::Lookup(A)],
+        "not 'nowhere'"
+    );
+    r.handle_input(
+        Time(21),
+        RouterInput::LookupDone {
+            agent: A,
+            kas: vec![kas(2)],
+        },
+    );
+    assert_eq!(drain(&mut r), vec![attempt(2, Target::Kas(kas(2)))]);
 }
 
 #[test]

@@ -7,6 +7,7 @@ use super::{PubSubCommand, PubSubEvent, StoreError};
 use crate::buggify::{self, Point};
 use crate::planted_bug::{Bug, planted};
 use kas_core::tracker::KeyWrite;
+use std::collections::VecDeque;
 use std::net::SocketAddr;
 use std::time::Duration;
 use tokio::net::{Endpoint, Receiver, Sender};
@@ -146,8 +147,10 @@ struct SimPubSub {
 struct SimSubscriber {
     tx: Sender,
     rx: Receiver,
-    /// A message to deliver again.
-    again: Option<(String, Vec<u8>)>,
+    /// Messages to hand over before reading more: a duplicate, a message held back.
+    queued: VecDeque<(String, Vec<u8>)>,
+    /// A message held back until the one after it (or the instant given) has arrived.
+    behind: Option<(Instant, String, Vec<u8>)>,
     /// A message held back until the instant given; nothing after it is read before.
     late: Option<(Instant, String, Vec<u8>)>,
 }
@@ -160,7 +163,8 @@ impl Transport for SimPubSub {
         Ok(SimSubscriber {
             tx,
             rx,
-            again: None,
+            queued: VecDeque::new(),
+            behind: None,
             late: None,
         })
     }
@@ -174,9 +178,25 @@ impl SimSubscriber {
     /// Hands a message over, keeping a copy to deliver again when duplication fires.
     fn deliver(&mut self, channel: String, payload: Vec<u8>) -> Pushed {
         if buggify::fires(Point::PubSubDuplicate) {
-            self.again = Some((channel.clone(), payload.clone()));
+            self.queued.push_back((channel.clone(), payload.clone()));
         }
         Pushed::Message(channel, payload)
+    }
+
+    /// The next reply from the server; a message held back is handed over instead if
+    /// nothing arrives before its instant.
+    async fn reply(&mut self) -> Result<Result<SimReply, Pushed>, StoreError> {
+        let Some((at, ..)) = &self.behind else {
+            return Ok(Ok(receive(&mut self.rx).await?));
+        };
+        let at = *at;
+        tokio::select! {
+            reply = receive(&mut self.rx) => Ok(Ok(reply?)),
+            () = tokio::time::sleep_until(at) => {
+                let (_, channel, payload) = self.behind.take().expect("held above");
+                Ok(Err(self.deliver(channel, payload)))
+            }
+        }
     }
 }
 
@@ -201,7 +221,7 @@ impl Connection for SimSubscriber {
     /// await of each path.
     async fn next(&mut self) -> Result<Pushed, StoreError> {
         loop {
-            if let Some((channel, payload)) = self.again.take() {
+            if let Some((channel, payload)) = self.queued.pop_front() {
                 return Ok(Pushed::Message(channel, payload));
             }
             if let Some((at, ..)) = &self.late {
@@ -209,7 +229,11 @@ impl Connection for SimSubscriber {
                 let (_, channel, payload) = self.late.take().expect("held above");
                 return Ok(self.deliver(channel, payload));
             }
-            return Ok(match receive(&mut self.rx).await? {
+            let reply = match self.reply().await? {
+                Ok(reply) => reply,
+                Err(held) => return Ok(held),
+            };
+            return Ok(match reply {
                 SimReply::Subscribed(ch) => Pushed::Subscribed(ch),
                 SimReply::Message(..) if planted() == Bug::DropWakeup => continue,
                 SimReply::Message(..) if buggify::fires(Point::PubSubBreak) => {
@@ -220,7 +244,16 @@ impl Connection for SimSubscriber {
                         self.late = Some((Instant::now() + d, channel, payload));
                         continue;
                     }
-                    self.deliver(channel, payload)
+                    if self.behind.is_none() && buggify::fires(Point::PubSubReorder) {
+                        let until = Instant::now() + Duration::from_millis(500);
+                        self.behind = Some((until, channel, payload));
+                        continue;
+                    }
+                    let out = self.deliver(channel, payload);
+                    if let Some((_, channel, payload)) = self.behind.take() {
+                        self.queued.push_back((channel, payload));
+                    }
+                    out
                 }
                 SimReply::Done => Pushed::Pong,
                 other => return Err(err(format!("unexpected push {other:?}"))),
