@@ -546,3 +546,43 @@ async fn a_connection_that_stops_answering_pings_is_closed() {
         started.elapsed()
     );
 }
+
+/// A tunnel kept busy by one short call after another for longer than
+/// `agent.heartbeat_timeout` (3 s here) reports its agent's frames and stays open: kas took
+/// such a tunnel for silent and closed it mid-call (found by the simulation, steady seed
+/// 153 of 5,000), since each call started its activity clock afresh.
+#[tokio::test(flavor = "multi_thread")]
+async fn a_tunnel_busy_with_back_to_back_calls_is_not_taken_for_silent() {
+    let s = Secrets::new();
+    let kas = KasProc::start(&s, "kas", None, 10_000, "").await;
+    let _agent =
+        TestAgent::connect_slow(kas.agent, 1, "agent1-pod", 1, Duration::from_millis(100)).await;
+    let gl = GitLab::new(&s, kas.api).await;
+    eventually(Duration::from_secs(10), "agent 1 listed", || async {
+        gl.connections(1).await.ok().filter(|c| c.len() == 1)
+    })
+    .await;
+    // Two callers, one tunnel: the next call is always waiting when one ends.
+    let until = std::time::Instant::now() + Duration::from_secs(5);
+    let caller = |name: &'static str| {
+        let gl = &gl;
+        async move {
+            let mut calls = 0;
+            while std::time::Instant::now() < until {
+                let pods = gl.pods(1, None, Duration::from_secs(3)).await;
+                assert_eq!(
+                    pods.map_err(|e| e.to_string()),
+                    Ok(vec!["agent1-pod".to_string()]),
+                    "{name}'s call {calls}"
+                );
+                calls += 1;
+            }
+            calls
+        }
+    };
+    let (a, b) = tokio::join!(caller("first"), caller("second"));
+    assert!(
+        a + b >= 20,
+        "{a} + {b} calls in 5 s: the tunnel was not kept busy"
+    );
+}

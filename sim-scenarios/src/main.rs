@@ -2,12 +2,12 @@
 //! seed's outcome, a table per scenario, and for a failure the command that replays it.
 //!
 //! Only in the madsim build:
-//! `RUSTFLAGS="--cfg madsim" CARGO_TARGET_DIR=target/sim cargo run --release -p kas-sim-scenarios -- --scenario all --seeds 1..1000`
+//! `RUSTFLAGS="--cfg madsim" CARGO_TARGET_DIR=target/sim cargo run --profile sim -p kas-sim-scenarios -- --scenario all --seeds 1..1000`
 
 #[cfg(not(madsim))]
 fn main() -> std::process::ExitCode {
     eprintln!(
-        "kas-sim-run runs only in the madsim build:\n  RUSTFLAGS=\"--cfg madsim\" CARGO_TARGET_DIR=target/sim cargo run --release -p kas-sim-scenarios -- --scenario all --seeds 1..100"
+        "kas-sim-run runs only in the madsim build:\n  RUSTFLAGS=\"--cfg madsim\" CARGO_TARGET_DIR=target/sim cargo run --profile sim -p kas-sim-scenarios -- --scenario all --seeds 1..100"
     );
     std::process::ExitCode::from(2)
 }
@@ -158,8 +158,8 @@ RUST_LOG=info shows the logs of the kas, agents and faults (for replaying one se
     }
 
     /// Runs one seed in a process of its own, so that it cannot depend on the runs before
-    /// it: killed nodes' leftovers and std's per-thread hash keys made a seed's outcome
-    /// depend on the seeds run before it in the same process. Returns the report and the
+    /// it (std's hash keys, drawn once per thread, made a seed's outcome depend on the seeds
+    /// run before it on the same thread). Returns the report and the
     /// tagged lines it was read from (what the determinism check compares); an `Err` is a
     /// crash, with the end of the child's output.
     fn run_seed(s: Scenario, seed: u64) -> Result<(scenario::Report, String), String> {
@@ -183,8 +183,7 @@ RUST_LOG=info shows the logs of the kas, agents and faults (for replaying one se
                 let tail: Vec<&str> = stderr.lines().rev().take(20).collect();
                 let tail: Vec<&str> = tail.into_iter().rev().collect();
                 Err(format!(
-                    "{} ({})\n    {}",
-                    "crashed",
+                    "crashed ({})\n    {}",
                     out.status,
                     tail.join("\n    ")
                 ))
@@ -325,7 +324,7 @@ RUST_LOG=info shows the logs of the kas, agents and faults (for replaying one se
                     };
                     println!("{} seed {seed}: FAILED\n    {why}", s.name());
                     println!(
-                        "    replay: RUSTFLAGS=\"--cfg madsim\" CARGO_TARGET_DIR=target/sim cargo run --release -p kas-sim-scenarios -- --scenario {} --seeds {seed}..{}",
+                        "    replay: RUSTFLAGS=\"--cfg madsim\" CARGO_TARGET_DIR=target/sim cargo run --profile sim -p kas-sim-scenarios -- --scenario {} --seeds {seed}..{}",
                         s.name(),
                         seed + 1
                     );

@@ -113,7 +113,7 @@ impl Tunnel {
                     None => return (End::Dropped, None),
                     Some(order) => {
                         let request = order.request;
-                        match self.carry(order).await {
+                        match self.carry(order, &mut last_report).await {
                             Ok(()) => self.engine.input(NodeInput::CallDone(request)),
                             Err(end) => return (end, Some(request)),
                         }
@@ -146,7 +146,13 @@ impl Tunnel {
     }
 
     /// Carries one call: request frames down, answer frames up, until the trailer.
-    async fn carry(&mut self, order: Box<TunnelOrder>) -> Result<(), End> {
+    /// `last_report` spans calls: a tunnel kept busy by one short call after another must
+    /// still report its agent's frames, or kas takes it for silent and closes it mid-call.
+    async fn carry(
+        &mut self,
+        order: Box<TunnelOrder>,
+        last_report: &mut Instant,
+    ) -> Result<(), End> {
         let TunnelOrder { request, call } = *order;
         let id = request.0;
         let down = call.frames(id, call.start.hops);
@@ -165,7 +171,6 @@ impl Tunnel {
             }
         }
         let give_up = Instant::now() + clock::until(call.deadline) + TUNNEL_GRACE;
-        let mut last_report = Instant::now();
         loop {
             let frame = tokio::select! {
                 biased;
@@ -214,7 +219,7 @@ impl Tunnel {
                     ))));
                 }
             };
-            self.report_activity(&mut last_report, false);
+            self.report_activity(last_report, false);
             if matches!(frame.kind, Some(Kind::Heartbeat(_))) {
                 continue;
             }
