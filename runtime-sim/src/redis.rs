@@ -52,12 +52,8 @@ struct Subscriber {
 }
 
 impl Db {
-    /// Live keys with their field names, as `--scan` and `HKEYS` would show them.
-    pub fn keys(&self, now: Instant) -> BTreeMap<String, Vec<String>> {
-        self.keyspace.keys(now)
-    }
-
-    /// Live keys with their fields' names and stored bytes.
+    /// Live keys with their fields' names and stored bytes, as `--scan` and `HGETALL` would
+    /// show them.
     pub fn entries(&self, now: Instant) -> BTreeMap<String, Vec<(String, Vec<u8>)>> {
         self.keyspace.entries(now)
     }

@@ -74,8 +74,6 @@ pub struct Report {
     pub faults: usize,
     /// Invariant violations; empty when the run passed.
     pub violations: Vec<String>,
-    /// Failed calls other than Unavailable and DeadlineExceeded, with their messages.
-    pub odd_errors: Vec<String>,
     /// Each wake-up latency measured (see [`Stats::wakeup_p50`]).
     pub wakeups: Vec<Duration>,
 }
@@ -641,29 +639,13 @@ pub async fn run(scenario: Scenario) -> Report {
     }
     violations.extend(checker::check_routed(routed, calls.len()));
     kas_runtime::buggify::disable();
-    let keys = cluster.redis.with_db(|db| db.keys(Instant::now()));
-    for (key, fields) in keys {
+    let entries = cluster.redis.with_db(|db| db.entries(Instant::now()));
+    for (key, fields) in entries {
         if key.contains("agent:") || key.contains("project:") {
-            violations.push(format!("inv 6: Redis still holds {key} {fields:?}"));
+            let names: Vec<&String> = fields.iter().map(|(f, _)| f).collect();
+            violations.push(format!("inv 6: Redis still holds {key} {names:?}"));
         }
     }
-    let odd_errors = calls
-        .iter()
-        .filter_map(|c| match &c.result {
-            Err((code, msg))
-                if !matches!(
-                    code,
-                    tonic::Code::Unavailable | tonic::Code::DeadlineExceeded
-                ) =>
-            {
-                Some(format!(
-                    "{} kas{} agent {}: {code:?} {msg}",
-                    c.marker, c.kas, c.agent
-                ))
-            }
-            _ => None,
-        })
-        .collect();
     if !violations.is_empty() {
         violations.push(format!("(buggify points on in this run: {points:?})"));
         violations.push(format!(
@@ -676,7 +658,6 @@ pub async fn run(scenario: Scenario) -> Report {
         ));
     }
     Report {
-        odd_errors,
         stats: Stats::of(&calls, wakeups.clone()),
         wakeups,
         faults: log.count,

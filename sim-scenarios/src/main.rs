@@ -121,7 +121,6 @@ RUST_LOG=info shows the logs of the kas, agents and faults (for replaying one se
             stats: Stats::default(),
             faults: 0,
             violations: Vec::new(),
-            odd_errors: Vec::new(),
             wakeups: Vec::new(),
         };
         let mut has_stats = false;

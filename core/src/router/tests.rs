@@ -440,13 +440,7 @@ fn calls_soon_after_take_what_the_lingering_subscription_tells() {
     event(&mut r, 41, 2, false);
     start(&mut r, 50, 3, 500);
     assert_eq!(drain(&mut r), vec![RouterOutput::Lookup(A)]);
-    r.handle_input(
-        Time(51),
-        RouterInput::LookupDone {
-            agent: A,
-            kas: vec![kas(3)],
-        },
-    );
+    answer_lookup(&mut r, 51, vec![kas(3)]);
     assert_eq!(drain(&mut r), vec![attempt(3, Target::Kas(kas(3)))]);
     finish(&mut r, 60, 3);
     // `linger` after the last call the subscription goes, and with it what it told.
@@ -471,13 +465,7 @@ fn a_disconnect_delivered_after_a_later_connect_does_not_hide_the_kas() {
         vec![RouterOutput::Lookup(A)],
         "not 'nowhere'"
     );
-    r.handle_input(
-        Time(21),
-        RouterInput::LookupDone {
-            agent: A,
-            kas: vec![kas(2)],
-        },
-    );
+    answer_lookup(&mut r, 21, vec![kas(2)]);
     assert_eq!(drain(&mut r), vec![attempt(2, Target::Kas(kas(2)))]);
 }
 

@@ -118,15 +118,6 @@ impl Keyspace {
             })
             .collect()
     }
-
-    /// Live keys with their field names.
-    pub fn keys(&self, now: Instant) -> BTreeMap<String, Vec<String>> {
-        self.hashes
-            .iter()
-            .filter(|(_, h)| h.live(now))
-            .map(|(k, h)| (k.clone(), h.fields.keys().cloned().collect()))
-            .collect()
-    }
 }
 
 /// Hashes with key expiry and a pub-sub bus, in this process.
