@@ -12,6 +12,11 @@ fn main() -> std::process::ExitCode {
     std::process::ExitCode::from(2)
 }
 
+/// Most of a run's time not spent simulating is spent in malloc and free.
+#[cfg(madsim)]
+#[global_allocator]
+static ALLOC: mimalloc::MiMalloc = mimalloc::MiMalloc;
+
 #[cfg(madsim)]
 fn main() -> std::process::ExitCode {
     sim::main()
@@ -256,10 +261,13 @@ RUST_LOG=info shows the logs of the kas, agents and faults (for replaying one se
     }
 
     pub fn main() -> ExitCode {
-        // Errors only, unless RUST_LOG asks for more (`RUST_LOG=info` to follow a replay).
-        // Set up on another thread: madsim seeds std's hash keys of the thread a run starts
-        // on only if nothing on it has drawn them yet, and the logger's maps would.
-        let _ = std::thread::spawn(madsim::runtime::init_logger).join();
+        // Logs only when RUST_LOG asks for them (`RUST_LOG=info` to follow a replay): with
+        // a logger, madsim enters a span at every poll of every task, a sixth of a run's
+        // time. Set up on another thread: madsim seeds std's hash keys of the thread a run
+        // starts on only if nothing on it has drawn them yet, and the logger's maps would.
+        if std::env::var_os("RUST_LOG").is_some() {
+            let _ = std::thread::spawn(madsim::runtime::init_logger).join();
+        }
         let argv: Vec<String> = std::env::args().collect();
         if let [_, flag, name, seed] = &argv[..]
             && flag == "--child"
