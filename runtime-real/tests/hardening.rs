@@ -4,7 +4,7 @@
 mod support;
 
 use kas_proto::frame::{Descriptor, Frame, frame::Kind};
-use kas_runtime::agent::{AgentClient, PODS_LIST};
+use kas_runtime::agent::{AgentClient, PODS_LIST, PODS_LOGS};
 use kas_runtime::frames;
 use std::sync::Arc;
 use std::sync::atomic::{AtomicUsize, Ordering};
@@ -36,7 +36,7 @@ impl RawAgent {
             while let Ok(Some(_)) = config.message().await {}
         })];
         for _ in 0..tunnels {
-            let (tx, mut inbound) = tunnel(kas, agent, connection.0, &[PODS_LIST])
+            let (tx, mut inbound) = tunnel(kas, agent, connection.0, &[PODS_LIST, PODS_LOGS])
                 .await
                 .expect("tunnel accepted");
             let received = received.clone();
@@ -585,4 +585,64 @@ async fn a_tunnel_busy_with_back_to_back_calls_is_not_taken_for_silent() {
         a + b >= 20,
         "{a} + {b} calls in 5 s: the tunnel was not kept busy"
     );
+}
+
+/// A caller that opens a log stream and stops reading it does not hold the agent's tunnel
+/// past the call's end, on the local route or the remote one: the answer's channels fill
+/// up, and a tunnel waited for room without a bound, so on the local route it stayed busy
+/// for as long as the caller kept its stream open (on the remote route the router's grace
+/// ended the forward). Now every wait for room ends with the deadline and its grace, and
+/// the tunnel, whose answer was not drained, is closed.
+#[tokio::test(flavor = "multi_thread")]
+async fn a_log_stream_left_unread_does_not_hold_the_tunnel() {
+    use kas_proto::pods::LogChunk;
+    use kas_runtime::kas::observability::gauge;
+    use prost::Message;
+    let redis = Redis::start().expect("redis-server starts (scripts/test installs it)");
+    let s = Secrets::new();
+    let holder = KasProc::start(&s, "kas0", Some(&redis), 10_000, "").await;
+    let router = KasProc::start(&s, "kas1", Some(&redis), 10_000, "").await;
+    // 32 MiB of log per call: more than every window and channel on the way can hold.
+    let _agent = RawAgent::start(&holder, 1, 2, |id| {
+        let chunk = LogChunk {
+            data: vec![b'x'; 512 << 10],
+        }
+        .encode_to_vec();
+        (0..64)
+            .map(|_| frames::message(id, chunk.clone()))
+            .chain([frames::trailer(id, &tonic::Status::ok(""))])
+            .collect()
+    })
+    .await;
+    let mut unread = Vec::new();
+    for kas in [&holder, &router] {
+        let gl = GitLab::new(&s, kas.api).await;
+        eventually(Duration::from_secs(10), "agent 1 listed", || async {
+            gl.connections(1).await.ok().filter(|c| c.len() == 1)
+        })
+        .await;
+        let mut stream = gl
+            .log_stream(1, "pod", Duration::from_secs(2))
+            .await
+            .expect("the stream opens");
+        let first = stream.message().await.expect("a first chunk");
+        assert_eq!(first.map(|c| c.data.len()), Some(512 << 10));
+        unread.push((gl, stream));
+    }
+    // Deadline 2 s, then TUNNEL_GRACE and ROUTE_GRACE (2 s each): well within 10 s.
+    for (name, kas) in [("kas0", &holder), ("kas1", &router)] {
+        eventually(
+            Duration::from_secs(10),
+            &format!("{name} ends the unread calls"),
+            || async { (gauge(&kas.metrics().await, "kas_calls") == Some(0.0)).then_some(()) },
+        )
+        .await;
+    }
+    eventually(
+        Duration::from_secs(5),
+        "kas0 closes both tunnels",
+        || async { (gauge(&holder.metrics().await, "kas_tunnels") == Some(0.0)).then_some(()) },
+    )
+    .await;
+    drop(unread);
 }

@@ -1,7 +1,7 @@
 //! One agent tunnel on the kas side: a task that owns the stream, echoes heartbeats while
 //! idle, and carries one call at a time when the engine hands it one.
 
-use super::call::Call;
+use super::call::{Call, Responses};
 use super::engine::EngineHandle;
 use super::limits::Slot;
 use super::timing::TUNNEL_GRACE;
@@ -159,24 +159,24 @@ impl Tunnel {
         let responses = call.responses;
         let mut caller_gone = false;
         buggify::pause(Point::TunnelBeforeFirstFrame).await;
+        let give_up = Instant::now() + clock::until(call.deadline) + TUNNEL_GRACE;
         for frame in down {
             if let Err(e) = self.sequence.check(Direction::ToAgent, &frame) {
                 let status = Status::internal(format!("malformed call: {e}"));
-                let _ = responses.send(Err(status.clone())).await;
+                hand(&responses, Err(status.clone()), give_up).await;
                 return Err(End::Fault(Status::internal("kas sent a malformed call")));
             }
             if self.outbound.send(Box::new(Ok(frame))).await.is_err() {
-                let _ = responses.send(Err(agent_gone())).await;
+                hand(&responses, Err(agent_gone()), give_up).await;
                 return Err(End::Gone);
             }
         }
-        let give_up = Instant::now() + clock::until(call.deadline) + TUNNEL_GRACE;
         loop {
             let frame = tokio::select! {
                 biased;
                 order = self.orders.recv() => match order {
                     None => {
-                        let _ = responses.send(Err(Status::unavailable("the agent's tunnel was closed during the call"))).await;
+                        hand(&responses, Err(Status::unavailable("the agent's tunnel was closed during the call")), give_up).await;
                         return Err(End::Dropped);
                     }
                     Some(other) => {
@@ -186,7 +186,7 @@ impl Tunnel {
                     }
                 },
                 () = tokio::time::sleep_until(give_up) => {
-                    let _ = responses.send(Err(Status::deadline_exceeded(format!("agent {} did not answer by the deadline", call.agent)))).await;
+                    hand(&responses, Err(Status::deadline_exceeded(format!("agent {} did not answer by the deadline", call.agent))), give_up).await;
                     return Err(End::Fault(Status::deadline_exceeded("call overran its deadline")));
                 }
                 frame = buggify::read(self.inbound.message()) => frame,
@@ -199,13 +199,13 @@ impl Tunnel {
                         call.agent,
                         s.message()
                     );
-                    let _ = responses.send(Err(Status::resource_exhausted(msg))).await;
+                    hand(&responses, Err(Status::resource_exhausted(msg)), give_up).await;
                     return Err(End::Fault(Status::resource_exhausted(
                         "message over agent.max_message_size",
                     )));
                 }
                 Ok(None) | Err(_) => {
-                    let _ = responses.send(Err(agent_gone())).await;
+                    hand(&responses, Err(agent_gone()), give_up).await;
                     return Err(End::Gone);
                 }
             };
@@ -213,7 +213,7 @@ impl Tunnel {
                 Ok(p) => p,
                 Err(e) => {
                     let msg = format!("agent {} broke the tunnel protocol: {e}", call.agent);
-                    let _ = responses.send(Err(Status::internal(msg))).await;
+                    hand(&responses, Err(Status::internal(msg)), give_up).await;
                     return Err(End::Fault(Status::invalid_argument(format!(
                         "tunnel protocol error: {e}"
                     ))));
@@ -223,7 +223,7 @@ impl Tunnel {
             if matches!(frame.kind, Some(Kind::Heartbeat(_))) {
                 continue;
             }
-            if !caller_gone && responses.send(Ok(frame)).await.is_err() {
+            if !caller_gone && !hand(&responses, Ok(frame), give_up).await {
                 caller_gone = true; // keep draining: the tunnel is reused after the trailer
             }
             if let Progress::Finished(_) = progress {
@@ -236,6 +236,18 @@ impl Tunnel {
 /// True for tonic's refusal of a message over the decoding limit.
 pub fn too_large(status: &Status) -> bool {
     status.code() == tonic::Code::OutOfRange && status.message().contains("too large")
+}
+
+/// Hands `item` to the caller, waiting for room until `by` at the latest; false if it was
+/// not taken. A caller that stops reading its answer (a log stream left unread) fills the
+/// answer's channel: waiting without a bound kept the tunnel busy for as long as the
+/// caller held its stream open.
+async fn hand(responses: &Responses, item: Result<Frame, Status>, by: Instant) -> bool {
+    let left = by.saturating_duration_since(Instant::now());
+    matches!(
+        tokio::time::timeout(left, responses.send(item)).await,
+        Ok(Ok(()))
+    )
 }
 
 fn agent_gone() -> Status {

@@ -309,6 +309,18 @@ impl GitLab {
         Ok((log, messages))
     }
 
+    /// The log stream of agent `agent`'s pod `pod` with deadline `timeout`, left to the
+    /// caller to read, or not.
+    pub async fn log_stream(
+        &self,
+        agent: i64,
+        pod: &str,
+        timeout: Duration,
+    ) -> Result<tonic::Streaming<kas_proto::pods::LogChunk>, tonic::Status> {
+        let api = self.api.with_timeout(timeout);
+        api.pod_logs(agent, None, "default", pod, "", 0).await
+    }
+
     /// The live connections of agent `agent`: (connection id, pod name), sorted.
     pub async fn connections(&self, agent: i64) -> Result<Vec<(i64, String)>, tonic::Status> {
         let mut v: Vec<(i64, String)> = self
