@@ -1,12 +1,14 @@
 //! GitLab's side of kas's public API: a client that signs every call with GitLab's secret.
 
 use crate::jwt::{self, Secret, Signer};
+use crate::tls::{self, KasUrl};
 use kas_proto::pods::{LogChunk, Pod};
 use kas_proto::public_api::kas_api_client::KasApiClient;
 use kas_proto::public_api::{
     ConnectedAgentsByIdRequest, ConnectedAgentsForProjectRequest, GetPodLogsRequest, GetPodsRequest,
 };
 use kas_proto::registry::ConnectedAgentInfo;
+use std::path::Path;
 use std::time::Duration;
 use tonic::transport::Channel;
 use tonic::{Status, Streaming};
@@ -20,15 +22,27 @@ pub struct ApiClient {
 }
 
 impl ApiClient {
-    /// Connects to kas's public API at `addr` (`host:port`). Each call carries `timeout`
-    /// as its deadline, which is also the connect timeout.
+    /// Connects to kas's public API at `addr` (`host:port`, `grpc://` or `grpcs://`, see
+    /// [`KasUrl`]). Each call carries `timeout` as its deadline, which is also the connect
+    /// timeout.
     pub async fn connect(addr: &str, secret: &Secret, timeout: Duration) -> Result<Self, String> {
-        let channel = tonic::transport::Endpoint::from_shared(format!("http://{addr}"))
-            .map_err(|e| format!("bad kas address {addr}: {e}"))?
+        Self::connect_with_ca(addr, None, secret, timeout).await
+    }
+
+    /// As [`ApiClient::connect`]; over TLS, kas's certificate must chain to the PEM CA
+    /// certificates in `ca_file` (the system's roots without one).
+    pub async fn connect_with_ca(
+        addr: &str,
+        ca_file: Option<&Path>,
+        secret: &Secret,
+        timeout: Duration,
+    ) -> Result<Self, String> {
+        let url = KasUrl::parse(addr)?;
+        let channel = tls::endpoint(&url, ca_file)?
             .connect_timeout(timeout)
             .connect()
             .await
-            .map_err(|e| format!("cannot reach kas at {addr}: {}", crate::errors::chain(&e)))?;
+            .map_err(|e| tls::explain_connect_error(&url, &e))?;
         Ok(ApiClient {
             // As large as kas lets an agent answer by default.
             client: KasApiClient::new(channel)

@@ -157,6 +157,25 @@ pub struct Listen {
     /// `ResourceExhausted`. Default 1000.
     #[serde(default)]
     pub connections_per_token_per_minute: Option<u32>,
+    /// PEM certificate chain (leaf first) this listener serves: TLS (1.2 and 1.3) is on
+    /// iff both this and `key_file` are set. Both files are re-read when they change.
+    #[serde(default)]
+    pub certificate_file: Option<PathBuf>,
+    /// PEM private key of `certificate_file`.
+    #[serde(default)]
+    pub key_file: Option<PathBuf>,
+    /// `private_api.listen` only: PEM CA certificates that the other kas's private
+    /// listener certificates must chain to, when they serve TLS (default: the system's
+    /// roots).
+    #[serde(default)]
+    pub ca_certificate_file: Option<PathBuf>,
+}
+
+impl Listen {
+    /// The certificate and key files when this listener serves TLS.
+    pub fn tls(&self) -> Option<(&std::path::Path, &std::path::Path)> {
+        Some((self.certificate_file.as_deref()?, self.key_file.as_deref()?))
+    }
 }
 
 impl Agent {
@@ -248,6 +267,9 @@ fn listen(port: u16) -> Listen {
         keepalive_interval: default_keepalive_interval(),
         keepalive_timeout: default_keepalive_timeout(),
         connections_per_token_per_minute: None,
+        certificate_file: None,
+        key_file: None,
+        ca_certificate_file: None,
     }
 }
 
@@ -429,6 +451,33 @@ impl Config {
             ("private_api.listen", &self.private_api.listen),
             ("observability.listen", &self.observability.listen),
         ] {
+            match (&c.certificate_file, &c.key_file) {
+                (Some(_), None) => p.push(format!(
+                    "{key}.key_file is required with {key}.certificate_file"
+                )),
+                (None, Some(_)) => p.push(format!(
+                    "{key}.certificate_file is required with {key}.key_file"
+                )),
+                #[cfg(not(madsim))]
+                (Some(cert), Some(k)) => {
+                    if let Err(e) = crate::tls::ServerCert::load(cert, k) {
+                        p.push(format!("{key}: {e}"));
+                    }
+                }
+                #[cfg(madsim)]
+                (Some(_), Some(_)) => p.push(format!("{key}: TLS is not simulated")),
+                (None, None) => {}
+            }
+            if let Some(ca) = &c.ca_certificate_file {
+                if key != "private_api.listen" {
+                    p.push(format!(
+                        "{key}.ca_certificate_file applies to private_api.listen only"
+                    ));
+                }
+                if let Err(e) = crate::tls::read_certificates(ca) {
+                    p.push(format!("{key}.ca_certificate_file: {e}"));
+                }
+            }
             if key != "agent.listen" && c.connections_per_token_per_minute.is_some() {
                 p.push(format!(
                     "{key}.connections_per_token_per_minute applies to agent.listen only"

@@ -27,6 +27,7 @@ use crate::clock;
 use crate::config::{Config, Listen};
 use crate::jwt::{self, Secret, Signer, Verifier};
 use crate::store::{MemoryStore, Store};
+use crate::tls::{ALPN_GRPC, ALPN_HTTP1};
 use kas_core::KasId;
 use kas_core::backoff::Backoff;
 use kas_core::keys::Keys;
@@ -104,18 +105,73 @@ fn server(listen: &Listen) -> Server {
         .http2_keepalive_timeout(Some(listen.keepalive_timeout))
 }
 
+/// How one listener takes its connections.
+struct Listening {
+    /// `listen.handshake_timeout`.
+    handshake: Duration,
+    /// Its name in logs and metrics.
+    #[cfg_attr(madsim, allow(dead_code))] // madsim's tonic accepts by itself
+    what: &'static str,
+    #[cfg_attr(madsim, allow(dead_code))]
+    metrics: metrics::Metrics,
+    /// Its TLS configuration when it serves TLS.
+    tls: Option<Arc<rustls::ServerConfig>>,
+}
+
+/// The TLS configuration of listener `what` (`key`) when `listen` sets a certificate; its
+/// files are watched for as long as the listener holds it.
+#[cfg(not(madsim))]
+fn tls_config(
+    listen: &Listen,
+    what: &'static str,
+    key: &str,
+    alpn: &[&[u8]],
+) -> Result<Option<Arc<rustls::ServerConfig>>, StartError> {
+    let Some((cert_file, key_file)) = listen.tls() else {
+        return Ok(None);
+    };
+    let setup = |e: String| StartError::Setup(format!("{key}: {e}"));
+    let cert = crate::tls::ServerCert::load(cert_file, key_file).map_err(setup)?;
+    tokio::spawn(crate::tls::watch(Arc::downgrade(&cert), what));
+    Ok(Some(Arc::new(
+        crate::tls::server_config(cert, alpn).map_err(setup)?,
+    )))
+}
+
+/// In the simulation no listener serves TLS (the configuration check refuses it).
+#[cfg(madsim)]
+fn tls_config(
+    _: &Listen,
+    _: &'static str,
+    _: &str,
+    _: &[&[u8]],
+) -> Result<Option<Arc<rustls::ServerConfig>>, StartError> {
+    Ok(None)
+}
+
 /// Serves `router` on `listener` until `signal` resolves; connections that send no HTTP/2
-/// preface within `listen.handshake_timeout` are closed.
+/// preface (or do not finish their TLS handshake) within `listen.handshake_timeout` are
+/// closed.
 #[cfg(not(madsim))]
 async fn serve(
     router: tonic::transport::server::Router,
     listener: TcpListener,
-    (handshake, what, metrics): (Duration, &'static str, metrics::Metrics),
+    l: Listening,
     signal: impl Future<Output = ()>,
 ) -> Result<(), tonic::transport::Error> {
-    let guard = listener::Guard::Http2Preface(handshake);
-    let incoming = listener::Acceptor::new(listener, guard, what, metrics).into_stream();
-    router.serve_with_incoming_shutdown(incoming, signal).await
+    let guard = listener::Guard::Http2Preface(l.handshake);
+    let acceptor = listener::Acceptor::new(listener, guard, l.what, l.metrics);
+    match l.tls {
+        None => {
+            router
+                .serve_with_incoming_shutdown(acceptor.into_stream(), signal)
+                .await
+        }
+        Some(tls) => {
+            let incoming = acceptor.tls(tls, l.handshake).into_stream();
+            router.serve_with_incoming_shutdown(incoming, signal).await
+        }
+    }
 }
 
 /// Serves `router` on `listener`'s address until `signal` resolves (madsim's tonic binds
@@ -125,7 +181,7 @@ async fn serve(
 async fn serve(
     router: tonic::transport::server::Router,
     listener: TcpListener,
-    _: (Duration, &'static str, metrics::Metrics),
+    _: Listening,
     signal: impl Future<Output = ()>,
 ) -> Result<(), tonic::transport::Error> {
     let addr = listener
@@ -315,7 +371,15 @@ impl Kas {
         let engine = engine::spawn(engine::EngineParts {
             node,
             store: store.clone(),
-            forwarder: forward::Forwarder::new(signer, metrics.clone(), a.max_message_size),
+            forwarder: forward::Forwarder::new(
+                signer,
+                metrics.clone(),
+                a.max_message_size,
+                forward::PrivateTls {
+                    tls: config.private_api.listen.tls().is_some(),
+                    ca_file: config.private_api.listen.ca_certificate_file.clone(),
+                },
+            ),
             metrics: metrics.clone(),
             store_ready: store_ready_tx,
         });
@@ -371,24 +435,41 @@ impl Kas {
         let stop_signal = |mut rx: watch::Receiver<bool>| async move {
             let _ = rx.wait_for(|c| *c).await;
         };
+        let listening = |listen: &Listen, what, key, alpn| -> Result<Listening, StartError> {
+            Ok(Listening {
+                handshake: listen.handshake_timeout,
+                what,
+                metrics: metrics.clone(),
+                tls: tls_config(listen, what, key, alpn)?,
+            })
+        };
+        let api_listening = listening(&config.api.listen, "api", "api.listen", ALPN_GRPC)?;
+        let private_listening = listening(
+            &config.private_api.listen,
+            "private_api",
+            "private_api.listen",
+            ALPN_GRPC,
+        )?;
+        let agent_listening = listening(&a.listen, "agent", "agent.listen", ALPN_GRPC)?;
+        let obs_listening = listening(
+            &config.observability.listen,
+            "observability",
+            "observability.listen",
+            ALPN_HTTP1,
+        )?;
         let api_server = serve(
             server(&config.api.listen).add_service(public),
             api_l,
-            (config.api.listen.handshake_timeout, "api", metrics.clone()),
+            api_listening,
             stop_signal(closing_rx.clone()),
         );
         let private_server = serve(
             server(&config.private_api.listen).add_service(private),
             private_l,
-            (
-                config.private_api.listen.handshake_timeout,
-                "private_api",
-                metrics.clone(),
-            ),
+            private_listening,
             stop_signal(closing_rx.clone()),
         );
         let agent_listen = a.listen.clone();
-        let agent_metrics = metrics.clone();
         let calls_server = tokio::spawn(async move {
             let (a, p) = tokio::join!(api_server, private_server);
             for r in [a, p] {
@@ -399,8 +480,7 @@ impl Kas {
         });
         let agents_server = tokio::spawn(async move {
             let router = server(&agent_listen).add_service(agents);
-            let limits = (agent_listen.handshake_timeout, "agent", agent_metrics);
-            let r = serve(router, agent_l, limits, async {
+            let r = serve(router, agent_l, agent_listening, async {
                 let _ = agents_rx.await;
             })
             .await;
@@ -415,7 +495,8 @@ impl Kas {
         };
         let observability_server = tokio::spawn(observability::serve(
             obs_l,
-            config.observability.listen.handshake_timeout,
+            obs_listening.handshake,
+            obs_listening.tls,
             health.clone(),
             async {
                 let _ = obs_rx.await;

@@ -22,3 +22,4 @@ pub mod rate;
 pub mod signals;
 pub mod store;
 pub mod tasks;
+pub mod tls;

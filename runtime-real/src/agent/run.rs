@@ -4,6 +4,7 @@
 use super::client::{AgentClient, TunnelHooks};
 use super::modules::Modules;
 use crate::clock;
+use crate::tls::{self, KasUrl};
 use futures::StreamExt;
 use futures::stream::FuturesUnordered;
 use kas_core::ConnectionId;
@@ -22,8 +23,10 @@ use tonic::{Code, Status};
 /// How an agent connects and keeps its tunnels.
 #[derive(Clone, Debug)]
 pub struct AgentOptions {
-    /// kas's agent listener, `host:port`.
+    /// kas's agent listener: `host:port`, `grpc://host:port` or `grpcs://host:port`.
     pub kas: String,
+    /// PEM CA certificates kas's certificate must chain to (the system's roots without).
+    pub ca_cert_file: Option<std::path::PathBuf>,
     /// The agent token.
     pub token: String,
     /// What kas is told about this replica (version, pod namespace and name).
@@ -47,6 +50,7 @@ impl AgentOptions {
     pub fn new(kas: impl Into<String>, token: impl Into<String>, meta: AgentMeta) -> Self {
         AgentOptions {
             kas: kas.into(),
+            ca_cert_file: None,
             token: token.into(),
             meta,
             pool: PoolConfig {
@@ -137,14 +141,13 @@ async fn serve(
     rng: &mut Rng,
 ) -> Served {
     let connect = async {
-        let channel = tonic::transport::Endpoint::from_shared(format!("http://{}", options.kas))
-            .map_err(|e| Status::invalid_argument(format!("bad kas address: {e}")))?
+        let url = KasUrl::parse(&options.kas).map_err(Status::invalid_argument)?;
+        let channel = tls::endpoint(&url, options.ca_cert_file.as_deref())
+            .map_err(Status::invalid_argument)?
             .connect_timeout(Duration::from_secs(5))
             .connect()
             .await
-            .map_err(|e| {
-                Status::unavailable(format!("cannot reach kas: {}", crate::errors::chain(&e)))
-            })?;
+            .map_err(|e| Status::unavailable(tls::explain_connect_error(&url, &e)))?;
         let client = AgentClient::new(channel, options.token.clone());
         let (connection, _, config) = client.connect(options.meta.clone()).await?;
         Ok::<_, Status>((client, connection, config))

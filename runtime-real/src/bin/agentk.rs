@@ -3,6 +3,7 @@
 use clap::Parser;
 use kas_proto::registry::AgentMeta;
 use kas_runtime::agent::{self, AgentOptions, Modules, PodSource};
+use kas_runtime::tls::KasUrl;
 use std::path::PathBuf;
 use std::process::ExitCode;
 use std::sync::Arc;
@@ -22,14 +23,19 @@ use std::time::Duration;
 #[derive(Parser)]
 #[command(version, about, long_about)]
 struct Args {
-    /// kas agent listener (`agent.listen.address`).
+    /// kas agent listener (`agent.listen.address`): `grpcs://host:port` when it serves TLS,
+    /// `grpc://host:port` or `host:port` when it does not.
     #[arg(
         long,
-        value_name = "HOST:PORT",
+        value_name = "URL",
         env = "AGENTK_KAS",
         default_value = "127.0.0.1:8150"
     )]
     kas: String,
+    /// PEM CA certificates kas's certificate must chain to, for a private CA (default: the
+    /// system's roots).
+    #[arg(long, value_name = "FILE", env = "AGENTK_CA_CERT_FILE")]
+    ca_cert_file: Option<PathBuf>,
     /// File holding the agent token.
     #[arg(long, value_name = "FILE", env = "AGENTK_TOKEN_FILE")]
     token_file: PathBuf,
@@ -134,7 +140,18 @@ fn options(args: &Args) -> Result<AgentOptions, String> {
         pod_namespace: args.pod_namespace.clone(),
         pod_name: args.pod_name.clone(),
     };
+    let url = KasUrl::parse(&args.kas).map_err(|e| format!("--kas {e}"))?;
+    if let Some(f) = &args.ca_cert_file {
+        kas_runtime::tls::read_certificates(f).map_err(|e| format!("--ca-cert-file {e}"))?;
+        if !url.tls {
+            return Err(format!(
+                "--ca-cert-file applies to TLS only, but --kas {} is plaintext (grpcs:// for TLS)",
+                args.kas
+            ));
+        }
+    }
     let mut o = AgentOptions::new(&args.kas, token, meta);
+    o.ca_cert_file = args.ca_cert_file.clone();
     o.pool.min_idle = args.min_idle_tunnels;
     o.pool.max = args.max_tunnels;
     o.pool.idle_timeout = args.idle_tunnel_timeout;

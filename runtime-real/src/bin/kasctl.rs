@@ -16,14 +16,19 @@ use tonic::{Code, Status};
 #[derive(Parser)]
 #[command(version, about, long_about)]
 struct Args {
-    /// kas public API address (`api.listen.address`).
+    /// kas public API (`api.listen.address`): `grpcs://host:port` when it serves TLS,
+    /// `grpc://host:port` or `host:port` when it does not.
     #[arg(
         long,
-        value_name = "HOST:PORT",
+        value_name = "URL",
         env = "KASCTL_KAS",
         default_value = "127.0.0.1:8153"
     )]
     kas: String,
+    /// PEM CA certificates kas's certificate must chain to, for a private CA (default: the
+    /// system's roots).
+    #[arg(long, value_name = "FILE", env = "KASCTL_CA_CERT_FILE")]
+    ca_cert_file: Option<PathBuf>,
     /// GitLab's kas secret (base64), the file kas has as `api.listen.authentication_secret_file`.
     #[arg(long, value_name = "FILE", env = "KASCTL_SECRET_FILE")]
     secret_file: PathBuf,
@@ -103,7 +108,13 @@ fn main() -> ExitCode {
 
 async fn run(args: &Args) -> Result<(), String> {
     let secret = Secret::load(&args.secret_file).map_err(|e| format!("--secret-file: {e}"))?;
-    let client = ApiClient::connect(&args.kas, &secret, args.timeout).await?;
+    let client = ApiClient::connect_with_ca(
+        &args.kas,
+        args.ca_cert_file.as_deref(),
+        &secret,
+        args.timeout,
+    )
+    .await?;
     let explain = |s: Status| explain(&args.kas, s);
     match args.command {
         Cmd::Agents { project, agent } => {
@@ -179,11 +190,24 @@ fn explain(kas: &str, s: Status) -> String {
             format!("{} (no agent connected within the deadline)", s.message())
         }
         Code::Unavailable => format!("kas at {kas} is unavailable: {}", s.message()),
+        // How a TLS listener answers a plaintext client: it closes the connection, which
+        // hyper reports as a reset, a broken pipe or a cancelled request, as the race goes.
+        _ if !kas.starts_with("grpcs://") && transport_failed(&s) => format!(
+            "lost the connection to kas at {kas}: {} (if that kas listener serves TLS, use grpcs://)",
+            kas_runtime::errors::chain(&s)
+        ),
         Code::DeadlineExceeded | Code::Cancelled => {
             format!("no answer within --timeout: {}", s.message())
         }
         _ => format!("{:?}: {}", s.code(), s.message()),
     }
+}
+
+/// True when the call failed in the transport (the connection), not in kas.
+fn transport_failed(s: &Status) -> bool {
+    use std::error::Error;
+    s.source()
+        .is_some_and(|e| e.is::<tonic::transport::Error>())
 }
 
 fn print_agents(agents: &[ConnectedAgentInfo], json: bool) {

@@ -19,11 +19,12 @@ use kas_core::{KasId, RequestId};
 use kas_proto::frame::frame::Kind;
 use kas_proto::private_api::kas_private_client::KasPrivateClient;
 
+use crate::tls::KasUrl;
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
 use tokio::time::Instant;
 use tonic::Status;
-use tonic::transport::{Channel, Endpoint};
+use tonic::transport::Channel;
 
 /// Opens (and reuses) connections to other kas and runs forwards.
 #[derive(Clone)]
@@ -34,6 +35,19 @@ pub struct Forwarder {
     metrics: Metrics,
     /// `agent.max_message_size`: the largest answer frame accepted from another kas.
     max_message_size: usize,
+    /// How other kas are dialled.
+    private_tls: PrivateTls,
+}
+
+/// Whether other kas's private listeners serve TLS (as this kas's does: replicas share one
+/// configuration), and the CA file their certificates chain to (the system's roots
+/// without one).
+#[derive(Clone, Debug)]
+pub struct PrivateTls {
+    /// TLS or plaintext.
+    pub tls: bool,
+    /// `private_api.listen.ca_certificate_file`.
+    pub ca_file: Option<std::path::PathBuf>,
 }
 
 /// A connection to a kas unused this long is dropped: kas replicas come and go with their
@@ -51,11 +65,17 @@ enum Forwarded {
 impl Forwarder {
     /// Forwards sign their requests with `signer` (the kas-only secret) and accept answer
     /// frames up to `max_message_size` bytes.
-    pub fn new(signer: Signer, metrics: Metrics, max_message_size: usize) -> Self {
+    pub fn new(
+        signer: Signer,
+        metrics: Metrics,
+        max_message_size: usize,
+        private_tls: PrivateTls,
+    ) -> Self {
         Forwarder {
             channels: Arc::default(),
             signer,
             metrics,
+            private_tls,
             max_message_size,
         }
     }
@@ -92,8 +112,13 @@ impl Forwarder {
             *used = now;
             return Ok(c.clone());
         }
-        let channel = Endpoint::from_shared(format!("http://{kas}"))
-            .map_err(|e| format!("bad kas address {kas}: {e}"))?
+        let url = KasUrl::parse(&kas.0)
+            .map(|url| KasUrl {
+                tls: self.private_tls.tls,
+                ..url
+            })
+            .map_err(|e| format!("bad kas address: {e}"))?;
+        let channel = crate::tls::endpoint(&url, self.private_tls.ca_file.as_deref())?
             .connect_timeout(Duration::from_secs(2))
             .tcp_nodelay(true)
             .connect_lazy();
@@ -244,7 +269,11 @@ mod tests {
         let secret = Secret::from_base64("c2VjcmV0LXNlY3JldC1zZWNyZXQtc2VjcmV0LXNlY3JldA==")
             .expect("a secret");
         let signer = Signer::new(&secret, "kas", "kas");
-        Forwarder::new(signer, Metrics::default(), 1 << 20)
+        let plain = PrivateTls {
+            tls: false,
+            ca_file: None,
+        };
+        Forwarder::new(signer, Metrics::default(), 1 << 20, plain)
     }
 
     fn held(f: &Forwarder) -> Vec<String> {

@@ -7,16 +7,23 @@
 //! `http2_keepalive_*`): a peer that stops answering them is closed. The HTTP/1.1
 //! observability listener has no pings, so there a connection silent while kas waits for
 //! a request is closed instead.
+//!
+//! A TLS listener runs its handshakes concurrently, each within `listen.handshake_timeout`
+//! (one slow client must not hold up the others), and guards the decrypted stream as
+//! above once the handshake is done.
 
 use super::metrics::Metrics;
 use std::io;
 use std::net::SocketAddr;
 use std::pin::Pin;
+use std::sync::{Arc, Mutex};
 use std::task::{Context, Poll};
 use std::time::Duration;
 use tokio::io::{AsyncRead, AsyncWrite, ReadBuf};
 use tokio::net::{TcpListener, TcpStream};
+use tokio::sync::{Semaphore, mpsc};
 use tokio::time::{Instant, Sleep};
+use tokio_rustls::server::TlsStream;
 
 /// The bytes of the HTTP/2 connection preface, which every gRPC client sends first.
 const HTTP2_PREFACE_LEN: usize = 24;
@@ -26,6 +33,32 @@ const ACCEPT_LOG_EVERY: Duration = Duration::from_secs(5);
 
 /// How long accepting pauses after an error, so that a full file table does not spin.
 const ACCEPT_BACKOFF: Duration = Duration::from_millis(100);
+
+/// TLS handshakes under way at once on one listener; further connections wait to start.
+const MAX_HANDSHAKES: usize = 1024;
+
+/// The first byte of every TLS connection (a handshake record).
+const TLS_HANDSHAKE_RECORD: u8 = 0x16;
+
+/// Logs one line per [`ACCEPT_LOG_EVERY`] and counts the rest.
+#[derive(Default)]
+struct LogLimit {
+    last: Option<Instant>,
+    unlogged: u64,
+}
+
+impl LogLimit {
+    /// `Some(lines not logged since the last)` when a line may be logged now.
+    fn allow(&mut self) -> Option<u64> {
+        let now = Instant::now();
+        if self.last.is_some_and(|at| now < at + ACCEPT_LOG_EVERY) {
+            self.unlogged += 1;
+            return None;
+        }
+        self.last = Some(now);
+        Some(std::mem::take(&mut self.unlogged))
+    }
+}
 
 /// What a connection must do to stay open.
 #[derive(Clone, Copy, Debug)]
@@ -42,8 +75,7 @@ pub struct Acceptor {
     guard: Guard,
     what: &'static str,
     metrics: Metrics,
-    last_log: Option<Instant>,
-    unlogged: u64,
+    log_limit: LogLimit,
 }
 
 impl Acceptor {
@@ -54,19 +86,23 @@ impl Acceptor {
             guard,
             what,
             metrics,
-            last_log: None,
-            unlogged: 0,
+            log_limit: LogLimit::default(),
         }
     }
 
     /// The next connection; errors are logged and retried.
     pub async fn next(&mut self) -> (Guarded, SocketAddr) {
+        let (stream, peer) = self.accept_tcp().await;
+        (Guarded::new(stream, self.guard), peer)
+    }
+
+    async fn accept_tcp(&mut self) -> (TcpStream, SocketAddr) {
         loop {
             match self.listener.accept().await {
                 Ok((stream, peer)) => {
                     // Without TCP_NODELAY small responses wait out the peer's delayed ACK.
                     let _ = stream.set_nodelay(true);
-                    return (Guarded::new(stream, self.guard), peer);
+                    return (stream, peer);
                 }
                 Err(e) => {
                     self.metrics.accept_error(self.what);
@@ -78,12 +114,9 @@ impl Acceptor {
     }
 
     fn log(&mut self, e: &io::Error) {
-        let now = Instant::now();
-        if self.last_log.is_some_and(|at| now < at + ACCEPT_LOG_EVERY) {
-            self.unlogged += 1;
+        let Some(unlogged) = self.log_limit.allow() else {
             return;
-        }
-        self.last_log = Some(now);
+        };
         let hint = if e.raw_os_error() == Some(24) {
             " (the open-file limit is reached: see kas_open_files_limit)"
         } else {
@@ -92,7 +125,7 @@ impl Acceptor {
         tracing::error!(
             listener = self.what,
             error = %e,
-            similar_errors_not_logged = std::mem::take(&mut self.unlogged),
+            similar_errors_not_logged = unlogged,
             "cannot accept connections{hint}"
         );
     }
@@ -103,6 +136,113 @@ impl Acceptor {
             let (io, _) = a.next().await;
             Some((Ok(io), a))
         })
+    }
+
+    /// The connections once their TLS handshake (with `config`, within `handshake`) is
+    /// done; those that fail it are counted, logged now and then, and closed.
+    pub fn tls(mut self, config: Arc<rustls::ServerConfig>, handshake: Duration) -> TlsIncoming {
+        let local = self.listener.local_addr();
+        let (tx, rx) = mpsc::channel(64);
+        let tls = tokio_rustls::TlsAcceptor::from(config);
+        let permits = Arc::new(Semaphore::new(MAX_HANDSHAKES));
+        let log_limit = Arc::new(Mutex::new(LogLimit::default()));
+        tokio::spawn(async move {
+            loop {
+                let Ok(permit) = permits.clone().acquire_owned().await else {
+                    return;
+                };
+                let (stream, peer) = tokio::select! {
+                    c = self.accept_tcp() => c,
+                    () = tx.closed() => return,
+                };
+                let (tls, tx, guard) = (tls.clone(), tx.clone(), self.guard);
+                let (what, metrics, log_limit) =
+                    (self.what, self.metrics.clone(), log_limit.clone());
+                tokio::spawn(async move {
+                    let _permit = permit;
+                    match tokio::time::timeout(handshake, handshake_tls(&tls, stream)).await {
+                        Ok(Ok(stream)) => {
+                            let _ = tx.send((Guarded::new(stream, guard), peer)).await;
+                        }
+                        failed => {
+                            metrics.tls_handshake_error(what);
+                            let why = match failed {
+                                Ok(Err(e)) => e.to_string(),
+                                _ => "no TLS handshake within listen.handshake_timeout".into(),
+                            };
+                            let allowed =
+                                log_limit.lock().unwrap_or_else(|p| p.into_inner()).allow();
+                            if let Some(unlogged) = allowed {
+                                tracing::info!(
+                                    listener = what,
+                                    %peer,
+                                    error = %why,
+                                    similar_errors_not_logged = unlogged,
+                                    "TLS handshake failed"
+                                );
+                            }
+                        }
+                    }
+                });
+            }
+        });
+        TlsIncoming { rx, local }
+    }
+}
+
+/// A TLS handshake; a client that speaks plaintext first is named as such.
+async fn handshake_tls(
+    tls: &tokio_rustls::TlsAcceptor,
+    stream: TcpStream,
+) -> io::Result<TlsStream<TcpStream>> {
+    let mut first = [0u8; 1];
+    if stream.peek(&mut first).await? == 1 && first[0] != TLS_HANDSHAKE_RECORD {
+        return Err(io::Error::new(
+            io::ErrorKind::InvalidData,
+            format!(
+                "the client spoke plaintext (first byte {:#04x}) to a TLS listener: it must use TLS (grpcs:// or https://)",
+                first[0]
+            ),
+        ));
+    }
+    tls.accept(stream).await
+}
+
+/// A TLS listener's connections, handshake done (see [`Acceptor::tls`]).
+pub struct TlsIncoming {
+    rx: mpsc::Receiver<(Guarded<TlsStream<TcpStream>>, SocketAddr)>,
+    local: io::Result<SocketAddr>,
+}
+
+impl TlsIncoming {
+    /// The connections as the stream tonic serves.
+    pub fn into_stream(
+        self,
+    ) -> impl futures::Stream<Item = io::Result<Guarded<TlsStream<TcpStream>>>> + Send {
+        futures::stream::unfold(self.rx, |mut rx| async move {
+            let (io, _) = rx.recv().await?;
+            Some((Ok(io), rx))
+        })
+    }
+}
+
+impl axum::serve::Listener for TlsIncoming {
+    type Io = Guarded<TlsStream<TcpStream>>;
+    type Addr = SocketAddr;
+
+    async fn accept(&mut self) -> (Self::Io, SocketAddr) {
+        match self.rx.recv().await {
+            Some(c) => c,
+            // The accepting task ends only when this receiver is gone.
+            None => std::future::pending().await,
+        }
+    }
+
+    fn local_addr(&self) -> io::Result<SocketAddr> {
+        self.local
+            .as_ref()
+            .map(|a| *a)
+            .map_err(|e| io::Error::new(e.kind(), e.to_string()))
     }
 }
 
@@ -119,17 +259,17 @@ impl axum::serve::Listener for Acceptor {
     }
 }
 
-/// A TCP connection closed with `TimedOut` when it breaks its [`Guard`].
-pub struct Guarded {
-    inner: TcpStream,
+/// A connection (TCP, or TLS over TCP) closed with `TimedOut` when it breaks its [`Guard`].
+pub struct Guarded<S = TcpStream> {
+    inner: S,
     /// Preface bytes still expected, and until when.
     preface: Option<(usize, Pin<Box<Sleep>>)>,
     /// The read-idle limit and its timer.
     idle: Option<(Duration, Pin<Box<Sleep>>)>,
 }
 
-impl Guarded {
-    fn new(inner: TcpStream, guard: Guard) -> Self {
+impl<S> Guarded<S> {
+    fn new(inner: S, guard: Guard) -> Self {
         let timer = |d: Duration| Box::pin(tokio::time::sleep(d));
         let (preface, idle) = match guard {
             Guard::Http2Preface(d) => (Some((HTTP2_PREFACE_LEN, timer(d))), None),
@@ -175,7 +315,7 @@ impl Guarded {
     }
 }
 
-impl AsyncRead for Guarded {
+impl<S: AsyncRead + Unpin> AsyncRead for Guarded<S> {
     fn poll_read(
         mut self: Pin<&mut Self>,
         cx: &mut Context<'_>,
@@ -197,7 +337,7 @@ impl AsyncRead for Guarded {
     }
 }
 
-impl AsyncWrite for Guarded {
+impl<S: AsyncWrite + Unpin> AsyncWrite for Guarded<S> {
     fn poll_write(
         mut self: Pin<&mut Self>,
         cx: &mut Context<'_>,
@@ -227,8 +367,8 @@ impl AsyncWrite for Guarded {
     }
 }
 
-impl tonic::transport::server::Connected for Guarded {
-    type ConnectInfo = tonic::transport::server::TcpConnectInfo;
+impl<S: tonic::transport::server::Connected> tonic::transport::server::Connected for Guarded<S> {
+    type ConnectInfo = S::ConnectInfo;
 
     fn connect_info(&self) -> Self::ConnectInfo {
         self.inner.connect_info()

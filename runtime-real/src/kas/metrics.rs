@@ -78,6 +78,7 @@ pub struct Metrics {
     store_errors: Family<OpLabels, Counter>,
     limit_refusals: Family<LimitLabels, Counter>,
     accept_errors: Family<ListenerLabels, Counter>,
+    tls_handshake_errors: Family<ListenerLabels, Counter>,
 }
 
 impl Default for Metrics {
@@ -96,6 +97,7 @@ impl Default for Metrics {
         let open_files_limit = Gauge::default();
         let limit_refusals = Family::<LimitLabels, Counter>::default();
         let accept_errors = Family::<ListenerLabels, Counter>::default();
+        let tls_handshake_errors = Family::<ListenerLabels, Counter>::default();
         let driver_mistakes = Counter::default();
         let timer_lag = Histogram::new(exponential_buckets(0.0001, 2.0, 20));
         registry.register(
@@ -122,6 +124,12 @@ impl Default for Metrics {
             "accept_errors",
             "Failed accepts (e.g. the open-file limit reached), by listener",
             accept_errors.clone(),
+        );
+        registry.register(
+            "tls_handshake_errors",
+            "Connections to a TLS listener closed before their TLS handshake completed \
+             (plaintext, an untrusted certificate, a timeout), by listener",
+            tls_handshake_errors.clone(),
         );
         registry.register(
             "connected_agents",
@@ -182,6 +190,7 @@ impl Default for Metrics {
             store_errors,
             limit_refusals,
             accept_errors,
+            tls_handshake_errors,
         }
     }
 }
@@ -232,6 +241,13 @@ impl Metrics {
     /// Counts a failed accept on `listener`.
     pub fn accept_error(&self, listener: &'static str) {
         self.accept_errors
+            .get_or_create(&ListenerLabels { listener })
+            .inc();
+    }
+
+    /// Counts a failed TLS handshake on `listener`.
+    pub fn tls_handshake_error(&self, listener: &'static str) {
+        self.tls_handshake_errors
             .get_or_create(&ListenerLabels { listener })
             .inc();
     }

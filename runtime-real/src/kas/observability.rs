@@ -46,6 +46,7 @@ pub fn gauge(metrics: &str, name: &str) -> Option<f64> {
 pub async fn serve(
     listener: tokio::net::TcpListener,
     read_timeout: std::time::Duration,
+    tls: Option<std::sync::Arc<rustls::ServerConfig>>,
     health: Health,
     signal: impl Future<Output = ()> + Send + 'static,
 ) {
@@ -72,10 +73,19 @@ pub async fn serve(
         )
         .with_state(health.clone());
     let guard = super::listener::Guard::ReadIdle(read_timeout);
-    let listener = super::listener::Acceptor::new(listener, guard, "observability", health.metrics);
-    let r = axum::serve(listener, routes)
-        .with_graceful_shutdown(signal)
-        .await;
+    let acceptor = super::listener::Acceptor::new(listener, guard, "observability", health.metrics);
+    let r = match tls {
+        None => {
+            axum::serve(acceptor, routes)
+                .with_graceful_shutdown(signal)
+                .await
+        }
+        Some(tls) => {
+            axum::serve(acceptor.tls(tls, read_timeout), routes)
+                .with_graceful_shutdown(signal)
+                .await
+        }
+    };
     if let Err(e) = r {
         tracing::error!(error = %e, "observability listener failed");
     }
@@ -87,6 +97,7 @@ pub async fn serve(
 pub async fn serve(
     listener: tokio::net::TcpListener,
     _read_timeout: std::time::Duration,
+    _tls: Option<std::sync::Arc<rustls::ServerConfig>>,
     _health: Health,
     signal: impl Future<Output = ()> + Send + 'static,
 ) {

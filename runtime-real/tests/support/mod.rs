@@ -9,7 +9,7 @@ use kas_runtime::agent::{AgentClient, Modules};
 use kas_runtime::api_client::ApiClient;
 use kas_runtime::jwt::{self, Secret, Signer};
 use std::net::SocketAddr;
-use std::path::PathBuf;
+use std::path::{Path, PathBuf};
 use std::process::{Child, Command, Stdio};
 use std::sync::Arc;
 use std::time::{Duration, Instant};
@@ -107,6 +107,8 @@ pub struct Extra<'a> {
     pub agent_listen: &'a str,
     /// Under `api.listen:` (four spaces).
     pub api_listen: &'a str,
+    /// Under `private_api.listen:` (four spaces).
+    pub private_listen: &'a str,
     /// Under `observability.listen:` (four spaces).
     pub observability_listen: &'a str,
     /// Under `redis:` (two spaces), when there is one.
@@ -175,13 +177,14 @@ impl KasProc {
             listen.unwrap_or_else(|| ["127.0.0.1:0".parse().unwrap(); 4]);
         let extra_redis = extra.redis;
         let mut config = format!(
-            "agent:\n  listen:\n    address: {agent}\n{}  tokens_file: {}\n{}{}api:\n  listen:\n    address: {api}\n{}    authentication_secret_file: {}\nprivate_api:\n  listen:\n    address: {private}\n    authentication_secret_file: {}\nobservability:\n  listen:\n    address: {observability}\n{}shutdown_grace: 2s\n",
+            "agent:\n  listen:\n    address: {agent}\n{}  tokens_file: {}\n{}{}api:\n  listen:\n    address: {api}\n{}    authentication_secret_file: {}\nprivate_api:\n  listen:\n    address: {private}\n{}    authentication_secret_file: {}\nobservability:\n  listen:\n    address: {observability}\n{}shutdown_grace: 2s\n",
             extra.agent_listen,
             secrets.path("tokens.yaml").display(),
             agent_section(ttl_ms),
             extra.agent,
             extra.api_listen,
             secrets.path("gitlab.secret").display(),
+            extra.private_listen,
             secrets.path("kas.secret").display(),
             extra.observability_listen,
         );
@@ -275,6 +278,14 @@ impl GitLab {
                 .await
                 .expect("connect"),
         }
+    }
+
+    /// A client of kas's public API at `url` (`grpcs://` for TLS), trusting the CA
+    /// certificates in `ca` (the system's roots without).
+    pub async fn at(secrets: &Secrets, url: &str, ca: Option<&Path>) -> Result<GitLab, String> {
+        let api =
+            ApiClient::connect_with_ca(url, ca, &secrets.gitlab, Duration::from_secs(5)).await?;
+        Ok(GitLab { api })
     }
 
     /// The pod names agent `agent` (its replica `connection`) lists.
@@ -456,6 +467,18 @@ impl AgentkProc {
         pods: &str,
         extra: &[&str],
     ) -> AgentkProc {
+        Self::start_at(secrets, &kas_agent.to_string(), token, pod, pods, extra)
+    }
+
+    /// Like `start`, with `--kas kas` (a URL: `grpcs://` for TLS).
+    pub fn start_at(
+        secrets: &Secrets,
+        kas: &str,
+        token: &str,
+        pod: &str,
+        pods: &str,
+        extra: &[&str],
+    ) -> AgentkProc {
         let token_file = secrets.path(&format!("{pod}.token"));
         std::fs::write(&token_file, token).unwrap();
         let fixture = secrets.path(&format!("{pod}.pods.yaml"));
@@ -463,7 +486,7 @@ impl AgentkProc {
         let log = secrets.path(&format!("{pod}.agentk.log"));
         let child = Command::new(env!("CARGO_BIN_EXE_agentk"))
             .arg("--kas")
-            .arg(kas_agent.to_string())
+            .arg(kas)
             .arg("--token-file")
             .arg(&token_file)
             .arg("--pods-fixture")
@@ -518,4 +541,63 @@ impl Drop for AgentkProc {
             let _ = c.wait();
         }
     }
+}
+
+/// A throwaway CA and the certificates it issues, as PEM files in a directory.
+pub struct Pki {
+    dir: PathBuf,
+    name: String,
+    issuer: rcgen::Issuer<'static, rcgen::KeyPair>,
+}
+
+impl Pki {
+    /// A CA named `name`; its certificate is `DIR/NAME-ca.pem`.
+    pub fn new(dir: &Path, name: &str) -> Pki {
+        let key = rcgen::KeyPair::generate().unwrap();
+        let mut params = rcgen::CertificateParams::new(Vec::<String>::new()).unwrap();
+        params.is_ca = rcgen::IsCa::Ca(rcgen::BasicConstraints::Unconstrained);
+        params
+            .distinguished_name
+            .push(rcgen::DnType::CommonName, format!("{name} test CA"));
+        let cert = params.self_signed(&key).unwrap();
+        std::fs::write(dir.join(format!("{name}-ca.pem")), cert.pem()).unwrap();
+        Pki {
+            dir: dir.to_path_buf(),
+            name: name.into(),
+            issuer: rcgen::Issuer::new(params, key),
+        }
+    }
+
+    pub fn ca(&self) -> PathBuf {
+        self.dir.join(format!("{}-ca.pem", self.name))
+    }
+
+    /// A certificate for 127.0.0.1 and localhost, written as `DIR/FILE.crt` and
+    /// `DIR/FILE.key`; their paths.
+    pub fn issue(&self, file: &str) -> (PathBuf, PathBuf) {
+        let key = rcgen::KeyPair::generate().unwrap();
+        let params =
+            rcgen::CertificateParams::new(vec!["127.0.0.1".to_string(), "localhost".into()])
+                .unwrap();
+        let cert = params.signed_by(&key, &self.issuer).unwrap();
+        let (c, k) = (
+            self.dir.join(format!("{file}.crt")),
+            self.dir.join(format!("{file}.key")),
+        );
+        // Written beside and renamed, as a Secret's files are swapped.
+        std::fs::write(c.with_extension("crt.new"), cert.pem()).unwrap();
+        std::fs::write(k.with_extension("key.new"), key.serialize_pem()).unwrap();
+        std::fs::rename(c.with_extension("crt.new"), &c).unwrap();
+        std::fs::rename(k.with_extension("key.new"), &k).unwrap();
+        (c, k)
+    }
+}
+
+/// The `listen:` lines that make a listener serve `cert` and `key`.
+pub fn tls_lines(cert: &Path, key: &Path) -> String {
+    format!(
+        "    certificate_file: {}\n    key_file: {}\n",
+        cert.display(),
+        key.display()
+    )
 }

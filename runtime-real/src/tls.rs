@@ -1,0 +1,325 @@
+//! TLS for kas's listeners and for the clients of kas (rustls with ring; TLS 1.2 and 1.3
+//! only). A listener's certificate and key are re-read when their files change, since
+//! cert-manager rewrites a mounted Secret in place: new connections get the new pair, open
+//! ones (agents' tunnels) are left alone.
+
+use rustls::crypto::CryptoProvider;
+use rustls::pki_types::pem::PemObject;
+use rustls::pki_types::{CertificateDer, PrivateKeyDer};
+use rustls::server::{ClientHello, ResolvesServerCert};
+use rustls::sign::CertifiedKey;
+use rustls::{ServerConfig, version};
+use std::path::{Path, PathBuf};
+use std::sync::{Arc, Mutex, RwLock, Weak};
+use std::time::Duration;
+
+/// How often a listener's certificate files are checked for a change.
+pub const CERT_POLL: Duration = Duration::from_secs(5);
+
+/// ALPN for gRPC listeners (HTTP/2 only).
+pub const ALPN_GRPC: &[&[u8]] = &[b"h2"];
+/// ALPN for the observability listener (HTTP/1.1 only).
+pub const ALPN_HTTP1: &[&[u8]] = &[b"http/1.1"];
+
+fn provider() -> Arc<CryptoProvider> {
+    Arc::new(rustls::crypto::ring::default_provider())
+}
+
+/// The certificates in PEM file `path`, or why there are none.
+pub fn read_certificates(path: &Path) -> Result<Vec<CertificateDer<'static>>, String> {
+    let pem = std::fs::read(path).map_err(|e| format!("{}: {e}", path.display()))?;
+    certificates(&pem, path)
+}
+
+fn certificates(pem: &[u8], path: &Path) -> Result<Vec<CertificateDer<'static>>, String> {
+    let certs = CertificateDer::pem_slice_iter(pem)
+        .collect::<Result<Vec<_>, _>>()
+        .map_err(|e| format!("{}: not a PEM certificate: {e}", path.display()))?;
+    if certs.is_empty() {
+        return Err(format!("{}: no PEM certificate in it", path.display()));
+    }
+    Ok(certs)
+}
+
+/// A listener's certificate and key, served from memory and re-read from their files by
+/// [`watch`].
+#[derive(Debug)]
+pub struct ServerCert {
+    cert_file: PathBuf,
+    key_file: PathBuf,
+    current: RwLock<Arc<CertifiedKey>>,
+    /// The files' bytes as last read, to tell a change.
+    read: Mutex<(Vec<u8>, Vec<u8>)>,
+}
+
+impl ServerCert {
+    /// Reads `cert_file` (PEM chain, leaf first) and `key_file` (PEM private key).
+    pub fn load(cert_file: &Path, key_file: &Path) -> Result<Arc<ServerCert>, String> {
+        let (cert, key) = read_pair(cert_file, key_file)?;
+        let current = certified_key(&cert, &key, cert_file, key_file)?;
+        Ok(Arc::new(ServerCert {
+            cert_file: cert_file.to_path_buf(),
+            key_file: key_file.to_path_buf(),
+            current: RwLock::new(Arc::new(current)),
+            read: Mutex::new((cert, key)),
+        }))
+    }
+
+    /// Re-reads the files: `Ok(true)` when a changed pair is now served. A pair that does
+    /// not load (a half-written file, a key that does not match) leaves the old one served.
+    pub fn reload(&self) -> Result<bool, String> {
+        let (cert, key) = read_pair(&self.cert_file, &self.key_file)?;
+        let mut read = self.read.lock().unwrap_or_else(|p| p.into_inner());
+        if read.0 == cert && read.1 == key {
+            return Ok(false);
+        }
+        let fresh = certified_key(&cert, &key, &self.cert_file, &self.key_file)?;
+        *self.current.write().unwrap_or_else(|p| p.into_inner()) = Arc::new(fresh);
+        *read = (cert, key);
+        Ok(true)
+    }
+}
+
+impl ResolvesServerCert for ServerCert {
+    fn resolve(&self, _: ClientHello<'_>) -> Option<Arc<CertifiedKey>> {
+        Some(
+            self.current
+                .read()
+                .unwrap_or_else(|p| p.into_inner())
+                .clone(),
+        )
+    }
+}
+
+fn read_pair(cert_file: &Path, key_file: &Path) -> Result<(Vec<u8>, Vec<u8>), String> {
+    let read = |p: &Path| std::fs::read(p).map_err(|e| format!("{}: {e}", p.display()));
+    Ok((read(cert_file)?, read(key_file)?))
+}
+
+fn certified_key(
+    cert: &[u8],
+    key: &[u8],
+    cert_file: &Path,
+    key_file: &Path,
+) -> Result<CertifiedKey, String> {
+    let chain = certificates(cert, cert_file)?;
+    let key = PrivateKeyDer::from_pem_slice(key)
+        .map_err(|e| format!("{}: not a PEM private key: {e}", key_file.display()))?;
+    CertifiedKey::from_der(chain, key, &provider())
+        .map_err(|e| format!("{} and {}: {e}", cert_file.display(), key_file.display()))
+}
+
+/// Re-reads `cert`'s files every [`CERT_POLL`] until the listener drops it; `what` names
+/// the listener in logs.
+pub async fn watch(cert: Weak<ServerCert>, what: &'static str) {
+    loop {
+        tokio::time::sleep(CERT_POLL).await;
+        let Some(cert) = cert.upgrade() else { return };
+        match cert.reload() {
+            Ok(true) => tracing::info!(listener = what, "certificate reloaded"),
+            Ok(false) => {}
+            Err(e) => tracing::error!(
+                listener = what,
+                error = %e,
+                "cannot reload the certificate; the previous one is still served"
+            ),
+        }
+    }
+}
+
+/// A server configuration serving `cert`, TLS 1.2 and 1.3, ALPN `alpn`.
+pub fn server_config(cert: Arc<ServerCert>, alpn: &[&[u8]]) -> Result<ServerConfig, String> {
+    let mut config = ServerConfig::builder_with_provider(provider())
+        .with_protocol_versions(&[&version::TLS13, &version::TLS12])
+        .map_err(|e| e.to_string())?
+        .with_no_client_auth()
+        .with_cert_resolver(cert);
+    config.alpn_protocols = alpn.iter().map(|p| p.to_vec()).collect();
+    Ok(config)
+}
+
+/// A kas address as its clients take it: `grpcs://host:port` (TLS), `grpc://host:port` or
+/// a bare `host:port` (plaintext).
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct KasUrl {
+    /// TLS or not.
+    pub tls: bool,
+    /// `host:port`.
+    pub authority: String,
+    /// The host, as its certificate must name it.
+    pub host: String,
+}
+
+impl KasUrl {
+    /// Parses `s`, naming what is wrong with it.
+    pub fn parse(s: &str) -> Result<KasUrl, String> {
+        let (tls, rest) = match s.split_once("://") {
+            None => (false, s),
+            Some(("grpc", rest)) => (false, rest),
+            Some(("grpcs", rest)) => (true, rest),
+            Some(("ws" | "wss", _)) => {
+                return Err(format!(
+                    "{s}: gRPC through WebSocket (ws://, wss://) is not supported yet; use grpc:// or grpcs://"
+                ));
+            }
+            Some((scheme, _)) => {
+                return Err(format!(
+                    "{s}: unknown scheme {scheme}://, expected grpc:// or grpcs://"
+                ));
+            }
+        };
+        let uri: tonic::transport::Uri = format!("http://{rest}")
+            .parse()
+            .map_err(|e| format!("{s}: not host:port: {e}"))?;
+        let (Some(host), Some(_), "/") = (uri.host(), uri.port_u16(), uri.path()) else {
+            return Err(format!("{s}: expected host:port (with a port, no path)"));
+        };
+        Ok(KasUrl {
+            tls,
+            authority: rest.to_string(),
+            host: host
+                .trim_start_matches('[')
+                .trim_end_matches(']')
+                .to_string(),
+        })
+    }
+}
+
+impl std::fmt::Display for KasUrl {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        let scheme = if self.tls { "grpcs" } else { "grpc" };
+        write!(f, "{scheme}://{}", self.authority)
+    }
+}
+
+/// A channel endpoint for `url`; with TLS, kas's certificate must chain to the PEM CA
+/// certificates in `ca_file`, or to the system's roots without one.
+pub fn endpoint(
+    url: &KasUrl,
+    ca_file: Option<&Path>,
+) -> Result<tonic::transport::Endpoint, String> {
+    let scheme = if url.tls { "https" } else { "http" };
+    let endpoint = tonic::transport::Endpoint::from_shared(format!("{scheme}://{}", url.authority))
+        .map_err(|e| format!("{url}: {e}"))?;
+    if !url.tls {
+        return Ok(endpoint);
+    }
+    client_tls(endpoint, url, ca_file)
+}
+
+#[cfg(not(madsim))]
+fn client_tls(
+    endpoint: tonic::transport::Endpoint,
+    url: &KasUrl,
+    ca_file: Option<&Path>,
+) -> Result<tonic::transport::Endpoint, String> {
+    use tonic::transport::{Certificate, ClientTlsConfig};
+    let config = ClientTlsConfig::new().domain_name(url.host.clone());
+    let config = match ca_file {
+        Some(f) => {
+            read_certificates(f)?;
+            let pem = std::fs::read(f).map_err(|e| format!("{}: {e}", f.display()))?;
+            config.ca_certificate(Certificate::from_pem(pem))
+        }
+        None => config.with_native_roots(),
+    };
+    endpoint
+        .tls_config(config)
+        .map_err(|e| format!("{url}: {e}"))
+}
+
+/// In the simulation every connection is plaintext.
+#[cfg(madsim)]
+fn client_tls(
+    _: tonic::transport::Endpoint,
+    url: &KasUrl,
+    _: Option<&Path>,
+) -> Result<tonic::transport::Endpoint, String> {
+    Err(format!("{url}: TLS is not simulated"))
+}
+
+/// A failed connection to kas at `url` in the operator's terms: a certificate that does
+/// not verify is named as such, with rustls's reason.
+pub fn explain_connect_error(url: &KasUrl, e: &dyn std::error::Error) -> String {
+    let chain = crate::errors::chain(e);
+    match chain.split_once("invalid peer certificate: ") {
+        Some((_, reason)) => format!(
+            "the certificate of kas at {} does not verify: {reason} (a private CA is trusted with --ca-cert-file)",
+            url.authority
+        ),
+        None if url.tls && chain.contains("InvalidContentType") => format!(
+            "kas at {} did not answer with TLS: {chain} (for a plaintext listener use grpc://)",
+            url.authority
+        ),
+        None => format!("cannot reach kas at {}: {chain}", url.authority),
+    }
+}
+
+#[cfg(all(test, not(madsim)))]
+mod tests {
+    use super::*;
+
+    fn pair(dir: &Path, name: &str) -> (PathBuf, PathBuf) {
+        let key = rcgen::KeyPair::generate().unwrap();
+        let cert = rcgen::CertificateParams::new(vec![name.to_string()])
+            .unwrap()
+            .self_signed(&key)
+            .unwrap();
+        let (c, k) = (
+            dir.join(format!("{name}.crt")),
+            dir.join(format!("{name}.key")),
+        );
+        std::fs::write(&c, cert.pem()).unwrap();
+        std::fs::write(&k, key.serialize_pem()).unwrap();
+        (c, k)
+    }
+
+    fn served(cert: &ServerCert) -> Vec<u8> {
+        cert.current.read().unwrap().cert[0].to_vec()
+    }
+
+    #[test]
+    fn kas_urls_name_what_is_wrong() {
+        let plain = KasUrl::parse("127.0.0.1:8150").unwrap();
+        assert_eq!((plain.tls, plain.host.as_str()), (false, "127.0.0.1"));
+        assert_eq!(plain.to_string(), "grpc://127.0.0.1:8150");
+        let tls = KasUrl::parse("grpcs://kas.example.com:443").unwrap();
+        assert_eq!((tls.tls, tls.host.as_str()), (true, "kas.example.com"));
+        assert_eq!(KasUrl::parse("grpcs://[::1]:8150").unwrap().host, "::1");
+        for (bad, says) in [
+            ("https://kas:443", "unknown scheme https://"),
+            ("wss://kas:443", "not supported yet"),
+            ("grpc://kas", "with a port"),
+            ("grpc://kas:1/x", "no path"),
+        ] {
+            let err = KasUrl::parse(bad).unwrap_err();
+            assert!(err.contains(says), "{bad}: {err}");
+        }
+    }
+
+    #[test]
+    fn a_changed_pair_is_served_and_a_broken_one_keeps_the_old() {
+        let dir = std::env::temp_dir().join(format!("kas-tls-{}", std::process::id()));
+        std::fs::create_dir_all(&dir).unwrap();
+        let (c, k) = pair(&dir, "one.example");
+        let cert = ServerCert::load(&c, &k).unwrap();
+        let first = served(&cert);
+        assert_eq!(cert.reload(), Ok(false), "unchanged files");
+        let (c2, k2) = pair(&dir, "two.example");
+        std::fs::copy(&c2, &c).unwrap();
+        // The certificate changed but not the key yet: refused, naming both files.
+        let err = cert.reload().unwrap_err();
+        assert!(
+            err.contains("one.example.crt") && err.contains("one.example.key"),
+            "{err}"
+        );
+        assert_eq!(served(&cert), first);
+        std::fs::copy(&k2, &k).unwrap();
+        assert_eq!(cert.reload(), Ok(true));
+        assert_ne!(served(&cert), first);
+        std::fs::write(&c, "not pem").unwrap();
+        let err = cert.reload().unwrap_err();
+        assert!(err.contains("no PEM certificate"), "{err}");
+        std::fs::remove_dir_all(&dir).unwrap();
+    }
+}
