@@ -11,6 +11,7 @@ use crate::api_client::ApiClient;
 use crate::config::Config;
 use crate::jwt::Secret;
 use crate::kas::Kas;
+use crate::tls::LocalCa;
 use kas_proto::registry::AgentMeta;
 use redis_server::RedisServer;
 use std::fmt::Write as _;
@@ -59,6 +60,8 @@ pub struct LocalDeployment {
     replicas: Vec<Replica>,
     stop_agents: watch::Sender<bool>,
     agents: JoinSet<()>,
+    /// The throwaway CA's certificate, when everything runs over TLS.
+    ca: Option<PathBuf>,
 }
 
 /// What stopping found.
@@ -70,8 +73,10 @@ pub struct Stopped {
 
 impl LocalDeployment {
     /// Starts the deployment with its files (secrets, tokens, configs, fixture pods) in
-    /// `dir`, with Redis when `with_redis`, and returns once every kas lists every replica.
-    pub async fn start(dir: &Path, with_redis: bool) -> Result<LocalDeployment, String> {
+    /// `dir`, with Redis when `with_redis`, every listener and every connection over TLS
+    /// when `tls` (a throwaway CA and a certificate for 127.0.0.1 in `dir`), and returns
+    /// once every kas lists every replica.
+    pub async fn start(dir: &Path, with_redis: bool, tls: bool) -> Result<LocalDeployment, String> {
         let write = |name: &str, text: String| {
             let path = dir.join(name);
             std::fs::write(&path, text)
@@ -108,6 +113,22 @@ impl LocalDeployment {
             write(&format!("pods-agent{n}.yaml"), pods)?;
         }
         let tokens_file = write("tokens.yaml", tokens_yaml)?;
+        // Every listener serves the same certificate; the private one also trusts the CA.
+        let (ca, listen_tls, private_tls) = if tls {
+            let local_ca = LocalCa::new("kas-local throwaway CA")?;
+            let (cert, key) = local_ca.issue()?;
+            let ca = write("ca.pem", local_ca.pem.clone())?;
+            let (cert, key) = (write("kas.crt", cert)?, write("kas.key", key)?);
+            let files = format!(
+                ", certificate_file: '{}', key_file: '{}'",
+                cert.display(),
+                key.display()
+            );
+            let private = format!("{files}, ca_certificate_file: '{}'", ca.display());
+            (Some(ca), files, private)
+        } else {
+            (None, String::new(), String::new())
+        };
 
         let redis = if with_redis {
             Some(RedisServer::start()?)
@@ -118,7 +139,7 @@ impl LocalDeployment {
         let mut kas = Vec::new();
         for i in 0..kas_count {
             let mut yaml = format!(
-                "agent:\n  listen: {{address: '127.0.0.1:0'}}\n  tokens_file: '{}'\napi:\n  listen: {{address: '127.0.0.1:0', authentication_secret_file: '{}'}}\nprivate_api:\n  listen: {{address: '127.0.0.1:0', authentication_secret_file: '{}'}}\nobservability:\n  listen: {{address: '127.0.0.1:0'}}\nshutdown_grace: 2s\n",
+                "agent:\n  listen: {{address: '127.0.0.1:0'{listen_tls}}}\n  tokens_file: '{}'\napi:\n  listen: {{address: '127.0.0.1:0', authentication_secret_file: '{}'{listen_tls}}}\nprivate_api:\n  listen: {{address: '127.0.0.1:0', authentication_secret_file: '{}'{private_tls}}}\nobservability:\n  listen: {{address: '127.0.0.1:0'{listen_tls}}}\nshutdown_grace: 2s\n",
                 tokens_file.display(),
                 gitlab_file.display(),
                 kas_file.display(),
@@ -167,8 +188,9 @@ impl LocalDeployment {
                 pod_name: r.pod.clone(),
             };
             let token = tokens[usize::try_from(r.agent - 1).unwrap_or(0)].clone();
-            let mut options =
-                AgentOptions::new(kas[r.kas].addresses.agent.to_string(), token, meta);
+            let url = url(ca.is_some(), kas[r.kas].addresses.agent);
+            let mut options = AgentOptions::new(url, token, meta);
+            options.ca_cert_file = ca.clone();
             options.seed = rand::random();
             let modules = Arc::new(Modules::default().with_pods(source));
             agents.spawn(agent::run(options, modules, shutdown.clone()));
@@ -180,6 +202,7 @@ impl LocalDeployment {
             replicas,
             stop_agents,
             agents,
+            ca,
         };
         deployment.wait_until_listed(&gitlab).await?;
         Ok(deployment)
@@ -188,10 +211,14 @@ impl LocalDeployment {
     /// Waits until every kas lists every replica, or fails after 20 s.
     async fn wait_until_listed(&self, gitlab: &Secret) -> Result<(), String> {
         let end = Instant::now() + Duration::from_secs(20);
-        for (i, k) in self.kas.iter().enumerate() {
-            let api =
-                ApiClient::connect(&k.addresses.api.to_string(), gitlab, Duration::from_secs(5))
-                    .await?;
+        for i in 0..self.kas.len() {
+            let api = ApiClient::connect_with_ca(
+                &self.api_url(i),
+                self.ca.as_deref(),
+                gitlab,
+                Duration::from_secs(5),
+            )
+            .await?;
             loop {
                 let listed = api.agents_for_project(PROJECT).await.map(|a| a.len());
                 if listed.as_ref().is_ok_and(|n| *n == self.replicas.len()) {
@@ -219,6 +246,16 @@ impl LocalDeployment {
         &self.replicas
     }
 
+    /// The public API of kas `i`, as kasctl takes it (`grpcs://` with TLS).
+    pub fn api_url(&self, i: usize) -> String {
+        url(self.ca.is_some(), self.kas[i].addresses.api)
+    }
+
+    /// The throwaway CA's certificate, for `--ca-cert-file`, when everything runs over TLS.
+    pub fn ca_file(&self) -> Option<&Path> {
+        self.ca.as_deref()
+    }
+
     /// GitLab's secret, for `kasctl --secret-file`.
     pub fn gitlab_secret_file(&self) -> PathBuf {
         self.dir.join("gitlab.secret")
@@ -243,12 +280,20 @@ impl LocalDeployment {
                 );
             }
         }
+        let metrics = if self.ca.is_some() { "https" } else { "http" };
         for (i, k) in self.kas.iter().enumerate() {
             let a = &k.addresses;
             let _ = writeln!(
                 s,
-                "  kas{i}      agent {}  api {}  private {}  metrics http://{}/metrics",
+                "  kas{i}      agent {}  api {}  private {}  metrics {metrics}://{}/metrics",
                 a.agent, a.api, a.private_api, a.observability
+            );
+        }
+        if let Some(ca) = &self.ca {
+            let _ = writeln!(
+                s,
+                "  TLS on every listener and connection: certificate {dir}/kas.crt for 127.0.0.1, issued by the throwaway CA {}",
+                ca.display()
             );
         }
         for r in &self.replicas {
@@ -261,29 +306,34 @@ impl LocalDeployment {
                 fixture_pods(r.agent).join(", ")
             );
         }
-        let api = |i: usize| self.kas[i % self.kas.len()].addresses.api;
+        let n = self.kas.len();
+        let ca = match &self.ca {
+            Some(ca) => format!(" --ca-cert-file {}", ca.display()),
+            None => String::new(),
+        };
+        let kasctl = |i: usize| format!("{kasctl} --kas {}{ca}", self.api_url(i % n));
         let _ = writeln!(s, "\nTry (any kas routes to any agent):");
         let _ = writeln!(
             s,
             "  export KASCTL_SECRET_FILE={}",
             self.gitlab_secret_file().display()
         );
-        let _ = writeln!(s, "  {kasctl} --kas {} agents --project {PROJECT}", api(0));
-        let _ = writeln!(s, "  {kasctl} --kas {} pods --agent 1", api(2));
+        let _ = writeln!(s, "  {} agents --project {PROJECT}", kasctl(0));
+        let _ = writeln!(s, "  {} pods --agent 1", kasctl(2));
         let _ = writeln!(
             s,
-            "  {kasctl} --kas {} pods --agent 2 --connection <CONNECTION from 'agents'>",
-            api(0)
+            "  {} pods --agent 2 --connection <CONNECTION from 'agents'>",
+            kasctl(0)
         );
         let _ = writeln!(
             s,
-            "  {kasctl} --kas {} --timeout 2s pods --agent 9     # not connected",
-            api(1)
+            "  {} --timeout 2s pods --agent 9     # not connected",
+            kasctl(1)
         );
         let _ = writeln!(
             s,
-            "\nAnother replica of agent 2: agentk --kas {} --token-file {dir}/agent2.token --pods-fixture {dir}/pods-agent2.yaml",
-            self.kas[0].addresses.agent
+            "\nAnother replica of agent 2: agentk --kas {}{ca} --token-file {dir}/agent2.token --pods-fixture {dir}/pods-agent2.yaml",
+            url(self.ca.is_some(), self.kas[0].addresses.agent)
         );
         s
     }
@@ -300,6 +350,15 @@ impl LocalDeployment {
             keys
         });
         Stopped { redis_keys_left }
+    }
+}
+
+/// `addr` as a client dials it: `grpcs://` over TLS, bare otherwise.
+fn url(tls: bool, addr: std::net::SocketAddr) -> String {
+    if tls {
+        format!("grpcs://{addr}")
+    } else {
+        addr.to_string()
     }
 }
 

@@ -255,22 +255,56 @@ pub fn explain_connect_error(url: &KasUrl, e: &dyn std::error::Error) -> String 
     }
 }
 
+/// A throwaway certificate authority, for `kas-local --tls` and tests: its certificate, and
+/// the certificates it issues for 127.0.0.1 and localhost.
+#[cfg(not(madsim))]
+pub struct LocalCa {
+    issuer: rcgen::Issuer<'static, rcgen::KeyPair>,
+    /// Its certificate (PEM).
+    pub pem: String,
+}
+
+#[cfg(not(madsim))]
+impl LocalCa {
+    /// A new CA named `name`.
+    pub fn new(name: &str) -> Result<LocalCa, String> {
+        let key = rcgen::KeyPair::generate().map_err(|e| e.to_string())?;
+        let mut params =
+            rcgen::CertificateParams::new(Vec::<String>::new()).map_err(|e| e.to_string())?;
+        params.is_ca = rcgen::IsCa::Ca(rcgen::BasicConstraints::Unconstrained);
+        params
+            .distinguished_name
+            .push(rcgen::DnType::CommonName, name);
+        let pem = params.self_signed(&key).map_err(|e| e.to_string())?.pem();
+        Ok(LocalCa {
+            issuer: rcgen::Issuer::new(params, key),
+            pem,
+        })
+    }
+
+    /// A new certificate for 127.0.0.1 and localhost: (certificate, private key), PEM.
+    pub fn issue(&self) -> Result<(String, String), String> {
+        let key = rcgen::KeyPair::generate().map_err(|e| e.to_string())?;
+        let names = vec!["127.0.0.1".to_string(), "localhost".into()];
+        let cert = rcgen::CertificateParams::new(names)
+            .and_then(|p| p.signed_by(&key, &self.issuer))
+            .map_err(|e| e.to_string())?;
+        Ok((cert.pem(), key.serialize_pem()))
+    }
+}
+
 #[cfg(all(test, not(madsim)))]
 mod tests {
     use super::*;
 
     fn pair(dir: &Path, name: &str) -> (PathBuf, PathBuf) {
-        let key = rcgen::KeyPair::generate().unwrap();
-        let cert = rcgen::CertificateParams::new(vec![name.to_string()])
-            .unwrap()
-            .self_signed(&key)
-            .unwrap();
+        let (cert, key) = LocalCa::new(name).unwrap().issue().unwrap();
         let (c, k) = (
             dir.join(format!("{name}.crt")),
             dir.join(format!("{name}.key")),
         );
-        std::fs::write(&c, cert.pem()).unwrap();
-        std::fs::write(&k, key.serialize_pem()).unwrap();
+        std::fs::write(&c, cert).unwrap();
+        std::fs::write(&k, key).unwrap();
         (c, k)
     }
 

@@ -37,15 +37,24 @@ fn field(row: &Value, key: &str) -> String {
     row[key].as_str().unwrap_or_default().to_string()
 }
 
-/// `kasctl pods` for both agents through every kas gives that agent's fixture pods.
+/// `kasctl pods` for both agents through every kas gives that agent's fixture pods (with
+/// `--ca-cert-file` when the deployment runs over TLS).
 async fn every_kas_routes_to_every_agent(d: &LocalDeployment) {
     let secret = d.gitlab_secret_file();
-    for (i, k) in d.kas().iter().enumerate() {
-        let api = k.addresses.api.to_string();
+    let ca = d.ca_file().map(|p| p.display().to_string());
+    for i in 0..d.kas().len() {
+        let api = d.api_url(i);
         for agent in [1, 2] {
-            let rows = kasctl_json(&secret, &api, &["pods", "--agent", &agent.to_string()]).await;
+            let agent = agent.to_string();
+            let mut args = match &ca {
+                Some(ca) => vec!["--ca-cert-file", ca],
+                None => vec![],
+            };
+            args.extend(["pods", "--agent", &agent]);
+            let rows = kasctl_json(&secret, &api, &args).await;
             let names: Vec<String> = rows.iter().map(|r| field(r, "name")).collect();
-            assert_eq!(names, fixture_pods(agent), "agent {agent} via kas{i}");
+            let expected = fixture_pods(agent.parse().unwrap());
+            assert_eq!(names, expected, "agent {agent} via kas{i}");
         }
     }
 }
@@ -57,7 +66,7 @@ async fn local_deployment_with_redis_routes_through_each_kas() {
         "redis-server must be installed (scripts/test installs it)"
     );
     let dir = tempfile::tempdir().unwrap();
-    let d = LocalDeployment::start(dir.path(), true)
+    let d = LocalDeployment::start(dir.path(), true, false)
         .await
         .expect("deployment starts");
     assert_eq!(d.kas().len(), 3);
@@ -159,7 +168,7 @@ async fn local_deployment_with_redis_routes_through_each_kas() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
 async fn local_deployment_without_redis_is_one_kas_in_memory() {
     let dir = tempfile::tempdir().unwrap();
-    let d = LocalDeployment::start(dir.path(), false)
+    let d = LocalDeployment::start(dir.path(), false, false)
         .await
         .expect("deployment starts");
     assert_eq!(d.kas().len(), 1);
@@ -171,4 +180,33 @@ async fn local_deployment_without_redis_is_one_kas_in_memory() {
     assert!(description.contains("in-memory registry"), "{description}");
     assert!(description.contains("kasctl --kas"), "{description}");
     assert_eq!(d.stop().await.redis_keys_left, None);
+}
+
+/// `kas-local --tls`: every listener and connection over TLS with a throwaway CA; kasctl
+/// reaches both agents through every kas with the printed `--ca-cert-file`, and refuses
+/// kas's certificate without it.
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn local_deployment_over_tls_routes_with_the_printed_ca() {
+    let dir = tempfile::tempdir().unwrap();
+    let d = LocalDeployment::start(dir.path(), true, true)
+        .await
+        .expect("deployment starts");
+    let ca = d.ca_file().expect("a CA").display().to_string();
+    every_kas_routes_to_every_agent(&d).await;
+    let description = d.describe("kasctl");
+    assert!(
+        description.contains(&format!(
+            "kasctl --kas {} --ca-cert-file {ca} ",
+            d.api_url(0)
+        )) && description.contains("agentk --kas grpcs://"),
+        "{description}"
+    );
+    let (ok, _, err) = kasctl(
+        &d.gitlab_secret_file(),
+        &d.api_url(1),
+        &["agents", "--agent", "1"],
+    )
+    .await;
+    assert!(!ok && err.contains("does not verify"), "{err}");
+    assert_eq!(d.stop().await.redis_keys_left, Some(vec![]));
 }

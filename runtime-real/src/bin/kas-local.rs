@@ -22,6 +22,11 @@ struct Args {
     /// One kas on the in-memory registry even when redis-server is installed.
     #[arg(long)]
     in_memory: bool,
+    /// Everything over TLS: a throwaway CA and a certificate for 127.0.0.1 are made in DIR,
+    /// every listener serves it, agents and kas dial grpcs:// trusting that CA, and the
+    /// printed commands pass --ca-cert-file.
+    #[arg(long)]
+    tls: bool,
     /// Log filter for the log file `DIR/kas-local.log` (RUST_LOG syntax).
     #[arg(long, value_name = "FILTER", default_value = "info")]
     log: String,
@@ -72,7 +77,7 @@ fn run(args: &Args, dir: &std::path::Path) -> ExitCode {
         }
     };
     runtime.block_on(async {
-        let deployment = match LocalDeployment::start(dir, with_redis).await {
+        let deployment = match LocalDeployment::start(dir, with_redis, args.tls).await {
             Ok(d) => d,
             Err(e) => {
                 eprintln!("kas-local: {e} (log: {})", log_path.display());

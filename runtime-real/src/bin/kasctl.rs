@@ -194,7 +194,7 @@ fn explain(kas: &str, s: Status) -> String {
         // hyper reports as a reset, a broken pipe or a cancelled request, as the race goes.
         _ if !kas.starts_with("grpcs://") && transport_failed(&s) => format!(
             "lost the connection to kas at {kas}: {} (if that kas listener serves TLS, use grpcs://)",
-            kas_runtime::errors::chain(&s)
+            std::error::Error::source(&s).map_or_else(String::new, kas_runtime::errors::chain)
         ),
         Code::DeadlineExceeded | Code::Cancelled => {
             format!("no answer within --timeout: {}", s.message())

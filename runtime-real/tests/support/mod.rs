@@ -547,24 +547,18 @@ impl Drop for AgentkProc {
 pub struct Pki {
     dir: PathBuf,
     name: String,
-    issuer: rcgen::Issuer<'static, rcgen::KeyPair>,
+    ca: kas_runtime::tls::LocalCa,
 }
 
 impl Pki {
     /// A CA named `name`; its certificate is `DIR/NAME-ca.pem`.
     pub fn new(dir: &Path, name: &str) -> Pki {
-        let key = rcgen::KeyPair::generate().unwrap();
-        let mut params = rcgen::CertificateParams::new(Vec::<String>::new()).unwrap();
-        params.is_ca = rcgen::IsCa::Ca(rcgen::BasicConstraints::Unconstrained);
-        params
-            .distinguished_name
-            .push(rcgen::DnType::CommonName, format!("{name} test CA"));
-        let cert = params.self_signed(&key).unwrap();
-        std::fs::write(dir.join(format!("{name}-ca.pem")), cert.pem()).unwrap();
+        let ca = kas_runtime::tls::LocalCa::new(&format!("{name} test CA")).unwrap();
+        std::fs::write(dir.join(format!("{name}-ca.pem")), &ca.pem).unwrap();
         Pki {
             dir: dir.to_path_buf(),
             name: name.into(),
-            issuer: rcgen::Issuer::new(params, key),
+            ca,
         }
     }
 
@@ -575,18 +569,14 @@ impl Pki {
     /// A certificate for 127.0.0.1 and localhost, written as `DIR/FILE.crt` and
     /// `DIR/FILE.key`; their paths.
     pub fn issue(&self, file: &str) -> (PathBuf, PathBuf) {
-        let key = rcgen::KeyPair::generate().unwrap();
-        let params =
-            rcgen::CertificateParams::new(vec!["127.0.0.1".to_string(), "localhost".into()])
-                .unwrap();
-        let cert = params.signed_by(&key, &self.issuer).unwrap();
+        let (cert, key) = self.ca.issue().unwrap();
         let (c, k) = (
             self.dir.join(format!("{file}.crt")),
             self.dir.join(format!("{file}.key")),
         );
         // Written beside and renamed, as a Secret's files are swapped.
-        std::fs::write(c.with_extension("crt.new"), cert.pem()).unwrap();
-        std::fs::write(k.with_extension("key.new"), key.serialize_pem()).unwrap();
+        std::fs::write(c.with_extension("crt.new"), cert).unwrap();
+        std::fs::write(k.with_extension("key.new"), key).unwrap();
         std::fs::rename(c.with_extension("crt.new"), &c).unwrap();
         std::fs::rename(k.with_extension("key.new"), &k).unwrap();
         (c, k)
