@@ -213,6 +213,13 @@ pub struct Redis {
     /// File holding the Redis password (AUTH), if any.
     #[serde(default)]
     pub password_file: Option<PathBuf>,
+    /// Redis 6+ ACL user that `password_file`'s password belongs to (default: Redis's
+    /// `default` user).
+    #[serde(default)]
+    pub username: Option<String>,
+    /// TLS to Redis.
+    #[serde(default)]
+    pub tls: RedisTls,
     /// Timeout of one Redis command or connection attempt.
     #[serde(default = "default_redis_timeout", with = "humantime_serde")]
     pub timeout: Duration,
@@ -225,6 +232,24 @@ pub struct Redis {
     /// lookup. `0s` unsubscribes at once.
     #[serde(default = "default_subscription_linger", with = "humantime_serde")]
     pub subscription_linger: Duration,
+}
+
+/// `redis.tls:`
+#[derive(Clone, Debug, Default, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct RedisTls {
+    /// Connect with TLS (`rediss://`).
+    #[serde(default)]
+    pub enabled: bool,
+    /// PEM CA certificates Redis's certificate must chain to (default: the system's roots).
+    #[serde(default)]
+    pub ca_certificate_file: Option<PathBuf>,
+    /// PEM client certificate, for a Redis that checks clients' (`tls-auth-clients yes`).
+    #[serde(default)]
+    pub certificate_file: Option<PathBuf>,
+    /// PEM private key of `certificate_file`.
+    #[serde(default)]
+    pub key_file: Option<PathBuf>,
 }
 
 /// `agent.max_message_size`'s default: the pods of a 20,000-pod cluster at Kubernetes'
@@ -584,6 +609,31 @@ impl Config {
                 && let Err(e) = std::fs::read_to_string(f)
             {
                 p.push(format!("redis.password_file {}: {e}", f.display()));
+            }
+            if r.username.as_deref().is_some_and(str::is_empty) {
+                p.push("redis.username must not be empty when set".into());
+            }
+            let t = &r.tls;
+            let files = [
+                ("ca_certificate_file", &t.ca_certificate_file),
+                ("certificate_file", &t.certificate_file),
+                ("key_file", &t.key_file),
+            ];
+            for (key, file) in files {
+                match file {
+                    Some(_) if !t.enabled => p.push(format!(
+                        "redis.tls.{key} is set but redis.tls.enabled is false"
+                    )),
+                    Some(f) if key != "key_file" => {
+                        if let Err(e) = crate::tls::read_certificates(f) {
+                            p.push(format!("redis.tls.{key}: {e}"));
+                        }
+                    }
+                    _ => {}
+                }
+            }
+            if t.certificate_file.is_some() != t.key_file.is_some() {
+                p.push("redis.tls.certificate_file and redis.tls.key_file go together".into());
             }
         }
         if p.is_empty() { Ok(()) } else { Err(p) }

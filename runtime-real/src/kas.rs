@@ -280,19 +280,21 @@ impl Kas {
                     ),
                 };
                 #[cfg(not(madsim))]
-                let s = crate::store::RedisStore::new(
-                    &r.server.address,
-                    password.as_deref(),
-                    r.timeout,
-                )
-                .map(Store::Redis);
+                let s = {
+                    let auth = crate::store::RedisAuth {
+                        username: r.username.clone(),
+                        password,
+                    };
+                    crate::store::RedisStore::new(&r.server.address, &auth, &r.tls, r.timeout)
+                        .map(Store::Redis)
+                };
                 // In the simulation the address is the simulated Redis node's.
                 #[cfg(madsim)]
                 let s = {
                     let _ = password;
                     crate::store::SimStore::new(&r.server.address, r.timeout).map(Store::Sim)
                 };
-                let s = s.map_err(|e| StartError::Setup(format!("redis.server.address: {e}")))?;
+                let s = s.map_err(|e| StartError::Setup(format!("redis: {e}")))?;
                 (s, Keys::new(r.key_prefix.clone()))
             }
         };

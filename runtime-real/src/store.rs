@@ -14,7 +14,7 @@ mod redis;
 pub mod sim;
 
 pub use self::memory::{Keyspace, MemoryStore};
-pub use self::redis::RedisStore;
+pub use self::redis::{RedisAuth, RedisStore};
 #[cfg(madsim)]
 pub use self::sim::SimStore;
 

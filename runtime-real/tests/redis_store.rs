@@ -67,7 +67,13 @@ fn calls(redis: &Redis, command: &str) -> u64 {
 async fn batch_writes_are_one_command_and_announce_only_recreated_records() {
     let redis = Redis::start().expect("redis-server starts");
     let store = Store::Redis(
-        RedisStore::new(&redis.address(), None, Duration::from_secs(2)).expect("store"),
+        RedisStore::new(
+            &redis.address(),
+            &Default::default(),
+            &Default::default(),
+            Duration::from_secs(2),
+        )
+        .expect("store"),
     );
     let (pubsub, mut events) = store.pubsub();
     assert!(matches!(next(&mut events).await, PubSubEvent::Up));
@@ -135,7 +141,13 @@ async fn batch_writes_are_one_command_and_announce_only_recreated_records() {
 async fn pubsub_reports_down_and_up_across_a_redis_restart() {
     let mut redis = Redis::start().expect("redis-server starts");
     let store = Store::Redis(
-        RedisStore::new(&redis.address(), None, Duration::from_millis(500)).expect("store"),
+        RedisStore::new(
+            &redis.address(),
+            &Default::default(),
+            &Default::default(),
+            Duration::from_millis(500),
+        )
+        .expect("store"),
     );
     let (pubsub, mut events) = store.pubsub();
     assert!(matches!(next(&mut events).await, PubSubEvent::Up));
@@ -155,7 +167,13 @@ async fn gc_script_deletes_expired_and_undecodable_fields_only() {
     use kas_core::{Time, expiring};
     let redis = Redis::start().expect("redis-server starts");
     let store = Store::Redis(
-        RedisStore::new(&redis.address(), None, Duration::from_secs(2)).expect("store"),
+        RedisStore::new(
+            &redis.address(),
+            &Default::default(),
+            &Default::default(),
+            Duration::from_secs(2),
+        )
+        .expect("store"),
     );
     let now = Time(1_700_000_000_000);
     let live = expiring::encode(b"payload", Time(now.0 + 1));

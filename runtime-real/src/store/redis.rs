@@ -3,6 +3,7 @@
 
 use super::pubsub::{self, Connection, Pushed, Transport};
 use super::{PubSubCommand, PubSubEvent, StoreError};
+use crate::config::RedisTls;
 use ::redis::aio::{ConnectionManager, ConnectionManagerConfig};
 use ::redis::{Client, Script, Value};
 use futures::StreamExt;
@@ -101,7 +102,8 @@ return #KEYS
 /// A Redis server shared by the kas replicas.
 #[derive(Clone)]
 pub struct RedisStore {
-    client: Client,
+    /// Shared: with TLS settings a client is a few hundred bytes.
+    client: Arc<Client>,
     conn: ConnectionManager,
     timeout: Duration,
     collect_garbage: Arc<Script>,
@@ -112,34 +114,96 @@ fn err(e: impl std::fmt::Display) -> StoreError {
     StoreError(e.to_string())
 }
 
+/// A Redis error naming what failed: authenticating, TLS, or connecting.
+fn redis_error(e: ::redis::RedisError) -> StoreError {
+    let text = crate::errors::chain(&e);
+    let lower = text.to_lowercase();
+    let what = if e.kind() == ::redis::ErrorKind::AuthenticationFailed
+        || lower.contains("wrongpass")
+        || lower.contains("noauth")
+    {
+        "authentication failed (redis.username, redis.password_file): "
+    } else if ["certificate", "invalidcontenttype", "tls", "handshake"]
+        .iter()
+        .any(|w| lower.contains(w))
+    {
+        "TLS failed (redis.tls): "
+    } else if e.is_connection_refusal() || e.is_io_error() || e.is_timeout() {
+        "connect: "
+    } else {
+        ""
+    };
+    StoreError(format!("{what}{text}"))
+}
+
+/// Who kas is to Redis: `redis.username` and the password in `redis.password_file`.
+#[derive(Clone, Debug, Default)]
+pub struct RedisAuth {
+    /// The ACL user (Redis's `default` without one).
+    pub username: Option<String>,
+    /// Its password.
+    pub password: Option<String>,
+}
+
 impl RedisStore {
     /// Connects lazily to `address` (`host:port`, or a `redis://` URL); commands and
     /// connection attempts time out after `timeout`.
     pub fn new(
         address: &str,
-        password: Option<&str>,
+        auth: &RedisAuth,
+        tls: &RedisTls,
         timeout: Duration,
     ) -> Result<Self, StoreError> {
-        let url = if address.starts_with("redis://") || address.starts_with("rediss://") {
-            address.to_string()
-        } else {
-            format!("redis://{address}")
+        let scheme = if tls.enabled { "rediss" } else { "redis" };
+        let url = match address.split_once("://") {
+            None => format!("{scheme}://{address}"),
+            Some(("redis", _)) if !tls.enabled => address.to_string(),
+            Some(("rediss", _)) if tls.enabled => address.to_string(),
+            Some(_) => {
+                return Err(StoreError(format!(
+                    "redis.server.address {address}: use host:port, or {scheme}:// as redis.tls.enabled says"
+                )));
+            }
         };
         let mut info =
             ::redis::IntoConnectionInfo::into_connection_info(url.as_str()).map_err(err)?;
-        if let Some(p) = password {
-            let redis = info.redis_settings().clone().set_password(p);
-            info = info.set_redis_settings(redis);
+        let mut settings = info.redis_settings().clone();
+        if let Some(u) = &auth.username {
+            settings = settings.set_username(u);
         }
-        let client = Client::open(info).map_err(err)?;
+        if let Some(p) = &auth.password {
+            settings = settings.set_password(p);
+        }
+        info = info.set_redis_settings(settings);
+        let client = if tls.enabled {
+            let read = |f: &std::path::Path| {
+                std::fs::read(f).map_err(|e| StoreError(format!("{}: {e}", f.display())))
+            };
+            let client_tls = match (&tls.certificate_file, &tls.key_file) {
+                (Some(c), Some(k)) => Some(::redis::ClientTlsConfig {
+                    client_cert: read(c)?,
+                    client_key: read(k)?,
+                }),
+                _ => None,
+            };
+            let root_cert = tls.ca_certificate_file.as_deref().map(read).transpose()?;
+            let certs = ::redis::TlsCertificates {
+                client_tls,
+                root_cert,
+            };
+            Client::build_with_tls(info, certs).map_err(err)?
+        } else {
+            Client::open(info).map_err(err)?
+        };
         let config = ConnectionManagerConfig::new()
             .set_connection_timeout(Some(timeout))
             .set_response_timeout(Some(timeout))
             .set_number_of_retries(1)
             .set_max_delay(Duration::from_secs(2));
-        let conn = ConnectionManager::new_lazy_with_config(client.clone(), config).map_err(err)?;
+        let conn =
+            ConnectionManager::new_lazy_with_config(client.clone(), config).map_err(redis_error)?;
         Ok(RedisStore {
-            client,
+            client: Arc::new(client),
             conn,
             timeout,
             collect_garbage: Arc::new(Script::new(COLLECT_GARBAGE)),
@@ -172,10 +236,10 @@ impl RedisStore {
             }
         }
         let mut conn = self.conn.clone();
-        let keys: usize = inv
-            .invoke_async(&mut conn)
-            .await
-            .map_err(|e| StoreError(format!("batch write of {} keys: {e}", writes.len())))?;
+        let keys: usize = inv.invoke_async(&mut conn).await.map_err(|e| {
+            let e = redis_error(e);
+            StoreError(format!("batch write of {} keys: {}", writes.len(), e.0))
+        })?;
         if keys != writes.len() {
             return Err(StoreError(format!(
                 "batch write applied {keys} of {} keys",
@@ -191,7 +255,7 @@ impl RedisStore {
             .arg(key)
             .query_async(&mut conn)
             .await
-            .map_err(err)
+            .map_err(redis_error)
     }
 
     /// Deletes the expired fields of `keys` at `now` with one `EVALSHA`.
@@ -202,7 +266,7 @@ impl RedisStore {
             inv.key(k);
         }
         inv.arg(now.as_millis());
-        inv.invoke_async(&mut conn).await.map_err(err)
+        inv.invoke_async(&mut conn).await.map_err(redis_error)
     }
 
     pub(super) async fn ping(&self) -> Result<(), StoreError> {
@@ -210,7 +274,7 @@ impl RedisStore {
         ::redis::cmd("PING")
             .query_async::<()>(&mut conn)
             .await
-            .map_err(err)
+            .map_err(redis_error)
     }
 
     pub(super) fn spawn_pubsub(
@@ -228,7 +292,7 @@ impl RedisStore {
 
 /// Opens pub-sub connections to Redis.
 struct RedisPubSub {
-    client: Client,
+    client: Arc<Client>,
     timeout: Duration,
 }
 
@@ -245,7 +309,12 @@ impl Transport for RedisPubSub {
     type Conn = RedisSubscriber;
 
     async fn connect(&self) -> Result<RedisSubscriber, StoreError> {
-        let (sink, stream) = self.client.get_async_pubsub().await.map_err(err)?.split();
+        let (sink, stream) = self
+            .client
+            .get_async_pubsub()
+            .await
+            .map_err(redis_error)?
+            .split();
         Ok(RedisSubscriber {
             sink,
             stream,
@@ -258,7 +327,7 @@ impl Transport for RedisPubSub {
 impl Connection for RedisSubscriber {
     async fn subscribe(&mut self, channels: Vec<String>) -> Result<(), StoreError> {
         let asked = tokio::time::timeout(self.timeout, self.sink.subscribe(&channels)).await;
-        asked.map_err(err)?.map_err(err)?;
+        asked.map_err(err)?.map_err(redis_error)?;
         self.answered
             .extend(channels.into_iter().map(Pushed::Subscribed));
         Ok(())
@@ -266,12 +335,12 @@ impl Connection for RedisSubscriber {
 
     async fn unsubscribe(&mut self, channel: String) -> Result<(), StoreError> {
         let asked = tokio::time::timeout(self.timeout, self.sink.unsubscribe(&channel)).await;
-        asked.map_err(err)?.map_err(err)
+        asked.map_err(err)?.map_err(redis_error)
     }
 
     async fn ping(&mut self) -> Result<(), StoreError> {
         let pong = tokio::time::timeout(self.timeout, self.sink.ping::<Value>()).await;
-        pong.map_err(err)?.map_err(err)?;
+        pong.map_err(err)?.map_err(redis_error)?;
         self.answered.push_back(Pushed::Pong);
         Ok(())
     }

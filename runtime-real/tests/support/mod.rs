@@ -113,6 +113,8 @@ pub struct Extra<'a> {
     pub observability_listen: &'a str,
     /// Under `redis:` (two spaces), when there is one.
     pub redis: &'a str,
+    /// A Redis of the test's own at this address, instead of `redis`.
+    pub redis_at: Option<&'a str>,
     /// Run kas with this open-file limit (soft and hard).
     pub open_files: Option<u64>,
 }
@@ -188,10 +190,13 @@ impl KasProc {
             secrets.path("kas.secret").display(),
             extra.observability_listen,
         );
-        if let Some(r) = redis {
+        let redis_address = extra
+            .redis_at
+            .map(str::to_string)
+            .or(redis.map(Redis::address));
+        if let Some(address) = redis_address {
             config += &format!(
-                "redis:\n  server:\n    address: {}\n  key_prefix: kas\n  timeout: 1s\n{extra_redis}",
-                r.address()
+                "redis:\n  server:\n    address: {address}\n  key_prefix: kas\n  timeout: 1s\n{extra_redis}"
             );
         }
         let path = secrets.path(&format!("{name}.yaml"));
