@@ -148,3 +148,42 @@ fn limits_have_defaults_and_bad_ones_are_named() {
         "{zero:?}"
     );
 }
+
+#[test]
+fn tls_keys_are_checked_and_named() {
+    let f = Files::new();
+    let d = f.dir.path();
+    let ca = crate::tls::LocalCa::new("test CA").unwrap();
+    let (cert, key) = ca.issue().unwrap();
+    std::fs::write(d.join("c.pem"), cert).unwrap();
+    std::fs::write(d.join("k.pem"), key).unwrap();
+    std::fs::write(d.join("ca.pem"), &ca.pem).unwrap();
+    let d = d.display();
+    let good = f.yaml(&format!(
+        "observability:\n  listen:\n    address: 127.0.0.1:8151\n    certificate_file: {d}/c.pem\n    key_file: {d}/k.pem\nredis:\n  server:\n    address: r:6380\n  username: kas\n  tls:\n    enabled: true\n    ca_certificate_file: {d}/ca.pem\n"
+    ));
+    let c = Config::parse(&good, "t.yaml").unwrap();
+    assert!(c.observability.listen.tls().is_some() && c.api.listen.tls().is_none());
+    let r = c.redis.unwrap();
+    assert_eq!((r.username.as_deref(), r.tls.enabled), (Some("kas"), true));
+
+    // The agent listener's files swapped: neither loads as what it should be.
+    let bad = problems(
+        &f.yaml(&format!(
+            "observability:\n  listen:\n    address: 127.0.0.1:8151\n    certificate_file: {d}/c.pem\n    ca_certificate_file: {d}/ca.pem\nredis:\n  server:\n    address: r:6380\n  tls:\n    ca_certificate_file: {d}/nowhere.pem\n    key_file: {d}/k.pem\n"
+        ))
+        .replace(
+            "agent:\n",
+            &format!("agent:\n  listen:\n    address: 127.0.0.1:8150\n    certificate_file: {d}/k.pem\n    key_file: {d}/c.pem\n"),
+        ),
+    );
+    for says in [
+        "observability.listen.key_file is required with observability.listen.certificate_file",
+        "observability.listen.ca_certificate_file applies to private_api.listen only",
+        "agent.listen: ",
+        "redis.tls.ca_certificate_file is set but redis.tls.enabled is false",
+        "redis.tls.certificate_file and redis.tls.key_file go together",
+    ] {
+        assert!(bad.iter().any(|p| p.contains(says)), "{says}: {bad:?}");
+    }
+}
