@@ -33,7 +33,14 @@ fn check_kas_config(text: &str) -> Config {
     for f in ["gitlab-kas-secret", "private-api-secret"] {
         std::fs::write(dir.path().join(f), "S2FzS2Fz".repeat(8)).unwrap();
     }
-    let text = text.replace("/etc/kas/", &format!("{}/", dir.path().display()));
+    // The TLS Secret's files, as cert-manager mounts them.
+    let ca = kas_runtime::tls::LocalCa::new("deploy test CA").unwrap();
+    let (cert, key) = ca.issue().unwrap();
+    std::fs::write(dir.path().join("tls.crt"), cert).unwrap();
+    std::fs::write(dir.path().join("tls.key"), key).unwrap();
+    let text = text
+        .replace("/etc/kas/", &format!("{}/", dir.path().display()))
+        .replace("/etc/kas-tls/", &format!("{}/", dir.path().display()));
     let path = dir.path().join("kas.yaml");
     std::fs::write(&path, text).unwrap();
     let pod_ip = "10.0.0.12:8155".parse().unwrap();
@@ -50,7 +57,16 @@ fn kas_manifest_config_is_valid_and_uses_redis() {
         .expect("kas.yaml in the ConfigMap");
     let config = check_kas_config(text);
     assert!(config.redis.is_some(), "three replicas need Redis");
+    assert!(config.agent.listen.tls().is_some() && config.api.listen.tls().is_some());
     let deployment = kind(&docs, "Deployment");
+    let secret = kind(&docs, "Certificate")["spec"]["secretName"].clone();
+    let volumes = deployment["spec"]["template"]["spec"]["volumes"]
+        .as_sequence()
+        .unwrap();
+    assert!(
+        volumes.iter().any(|v| v["secret"]["secretName"] == secret),
+        "the Certificate's Secret is mounted"
+    );
     assert_eq!(deployment["spec"]["replicas"], 3);
     let env = &deployment["spec"]["template"]["spec"]["containers"][0]["env"];
     let own = env
@@ -116,6 +132,14 @@ fn agentk_manifest_wires_downward_api_rbac_token_and_known_flags() {
         .unwrap();
     let mount = container["volumeMounts"][0]["mountPath"].as_str().unwrap();
     assert_eq!(token_file, format!("{mount}/token"));
+
+    let kas = env
+        .iter()
+        .find(|e| e["name"] == "AGENTK_KAS")
+        .and_then(|e| e["value"].as_str())
+        .expect("AGENTK_KAS");
+    let url = kas_runtime::tls::KasUrl::parse(kas).unwrap_or_else(|e| panic!("{e}"));
+    assert!(url.tls, "agentk dials kas over TLS: {kas}");
 
     // Every flag in the manifest is one agentk accepts.
     let help = std::process::Command::new(env!("CARGO_BIN_EXE_agentk"))
