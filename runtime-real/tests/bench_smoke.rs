@@ -10,7 +10,7 @@ fn kas_bench_runs_every_part_and_writes_its_json() {
     let out = Command::new(env!("CARGO_BIN_EXE_kas-bench"))
         .args(["--agents", "100", "--point", "300ms", "--wakeups", "3"])
         .args(["--waiting", "20", "--waiting-window", "1s", "--ttl", "2s"])
-        .args(["--log-mib", "2", "--log-reads", "1"])
+        .args(["--log-mib", "2", "--log-reads", "1", "--tls"])
         .arg("--json")
         .arg(&json)
         .output()
@@ -24,7 +24,7 @@ fn kas_bench_runs_every_part_and_writes_its_json() {
     let v: Value = serde_json::from_str(&std::fs::read_to_string(&json).unwrap()).unwrap();
     let _ = std::fs::remove_file(&json);
     let unary = v["unary"].as_array().unwrap();
-    assert_eq!(unary.len(), 9, "3 paths x 3 concurrencies");
+    assert_eq!(unary.len(), 15, "5 paths (2 over TLS) x 3 concurrencies");
     for row in unary {
         assert!(row["calls"].as_u64().unwrap() > 0, "{row}");
         assert_eq!(row["errors"], 0, "{row}");
@@ -34,7 +34,16 @@ fn kas_bench_runs_every_part_and_writes_its_json() {
         .iter()
         .map(|r| r["path"].as_str().unwrap())
         .collect();
-    assert_eq!(paths, ["direct", "local route", "remote route"]);
+    assert_eq!(
+        paths,
+        [
+            "direct",
+            "local route",
+            "remote route",
+            "local route, TLS",
+            "remote route, TLS"
+        ]
+    );
     for row in streaming {
         // Each read is checked to deliver the whole log; a failed read fails the bench.
         assert_eq!(row["bytes"], 2 << 20, "{row}");

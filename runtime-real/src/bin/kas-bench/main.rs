@@ -30,6 +30,7 @@ use std::time::Duration;
 ///    and remote route (another kas, which forwards), each as a ratio to direct.
 /// 2. Streaming throughput: a pod log of --log-mib MiB in 64 KiB messages, read whole on
 ///    the same three paths, as a ratio to direct.
+///    With --tls, parts 1 and 2 also measure both routes over TLS on every hop.
 /// 3. Wake-up latency: a call waits on kas B, its agent connects to kas A; from the
 ///    tunnel's registration to delivery, with pub-sub and with polling only.
 ///    And the Redis commands per waiting call per second, both ways.
@@ -76,6 +77,10 @@ struct Args {
     /// Where to write the results as JSON.
     #[arg(long, value_name = "FILE", default_value = "kas-bench.json")]
     json: PathBuf,
+    /// Also measure the routed paths of parts 1 and 2 over TLS on every hop (GitLab ->
+    /// kas, kas -> kas, kas -> agent), in the same tables as plaintext.
+    #[arg(long)]
+    tls: bool,
 }
 
 /// A part of the bench.
@@ -139,7 +144,7 @@ async fn waiting_parts(
     args: &Args,
 ) -> Result<(wakeup::Wakeups, Commands), String> {
     let (a, b) = pair(world, options).await?;
-    let gitlab_b = gitlab(world, &b).await?;
+    let gitlab_b = gitlab(world, &b, false).await?;
     let redis = world.redis.address();
     let woken = wakeup::measure(&redis, &gitlab_b, &a, first, samples).await?;
     let waiting = scale::waiting_calls(
@@ -153,13 +158,15 @@ async fn waiting_parts(
     Ok((woken, waiting))
 }
 
-async fn gitlab(world: &World, kas: &KasProcess) -> Result<ApiClient, String> {
-    ApiClient::connect(
-        &kas.addresses.api.to_string(),
-        &world.gitlab,
-        Duration::from_secs(10),
-    )
-    .await
+/// GitLab's client of `kas`, over TLS (trusting the world's CA) when `tls`.
+async fn gitlab(world: &World, kas: &KasProcess, tls: bool) -> Result<ApiClient, String> {
+    let addr = kas.addresses.api;
+    let (url, ca) = if tls {
+        (format!("grpcs://{addr}"), Some(world.ca.as_path()))
+    } else {
+        (addr.to_string(), None)
+    };
+    ApiClient::connect_with_ca(&url, ca, &world.gitlab, Duration::from_secs(10)).await
 }
 
 async fn run(args: &Args) -> Result<Value, String> {
@@ -191,6 +198,7 @@ async fn run(args: &Args) -> Result<Value, String> {
     let pubsub = KasOptions {
         pubsub: true,
         ttl: args.ttl,
+        tls: false,
     };
     let mut results = json!({"machine": {"cores": cores, "open_file_limit": files}});
     if args.parts.contains(&Part::Unary) || args.parts.contains(&Part::Streaming) {
@@ -214,7 +222,50 @@ async fn run(args: &Args) -> Result<Value, String> {
     Ok(results)
 }
 
-/// Parts 1 and 2, with agent 1 on kas A (a warm tunnel pool) and a direct Pods server.
+/// An agent (a warm pool of 16 tunnels) on kas `kas`, dialled over TLS when `tls`; stops
+/// when the sender is dropped or sent true.
+async fn warm_agent(
+    world: &World,
+    kas: &KasProcess,
+    agent: i64,
+    tls: bool,
+) -> Result<
+    (
+        tokio::sync::watch::Sender<bool>,
+        tokio::task::JoinHandle<()>,
+    ),
+    String,
+> {
+    let addr = kas.addresses.agent;
+    let url = if tls {
+        format!("grpcs://{addr}")
+    } else {
+        addr.to_string()
+    };
+    let mut options = kas_runtime::agent::AgentOptions::new(
+        url,
+        setup::token(agent),
+        kas_proto::registry::AgentMeta {
+            version: "bench".into(),
+            pod_name: "bench-agent".into(),
+            ..Default::default()
+        },
+    );
+    options.ca_cert_file = tls.then(|| world.ca.clone());
+    options.pool.min_idle = 16;
+    options.pool.max = 256;
+    let (stop, shutdown) = tokio::sync::watch::channel(false);
+    let task = tokio::spawn(kas_runtime::agent::run(
+        options,
+        setup::modules(|| {}),
+        shutdown,
+    ));
+    await_gauge(kas, "kas_tunnels", 16.0, Duration::from_secs(20)).await?;
+    Ok((stop, task))
+}
+
+/// Parts 1 and 2: agent 1 on kas A (a warm tunnel pool), a direct Pods server, and with
+/// --tls agent 2 on kas TA of a pair serving TLS.
 async fn routed_parts(
     world: &mut World,
     pubsub: KasOptions,
@@ -222,59 +273,67 @@ async fn routed_parts(
     results: &mut Value,
 ) -> Result<(), String> {
     let (a, b) = pair(world, pubsub).await?;
-    let mut options = kas_runtime::agent::AgentOptions::new(
-        a.addresses.agent.to_string(),
-        setup::token(1),
-        kas_proto::registry::AgentMeta {
-            version: "bench".into(),
-            pod_name: "bench-agent".into(),
-            ..Default::default()
-        },
-    );
-    options.pool.min_idle = 16;
-    options.pool.max = 256;
-    let (stop_agent, shutdown) = tokio::sync::watch::channel(false);
-    let agent_task = tokio::spawn(kas_runtime::agent::run(
-        options,
-        setup::modules(|| {}),
-        shutdown,
-    ));
-    await_gauge(&a, "kas_tunnels", 16.0, Duration::from_secs(20)).await?;
+    let mut agents = vec![warm_agent(world, &a, 1, false).await?];
     let direct = unary::direct_client(unary::serve_direct().await?).await?;
-    let (gitlab_a, gitlab_b) = (gitlab(world, &a).await?, gitlab(world, &b).await?);
+    let (gitlab_a, gitlab_b) = (
+        gitlab(world, &a, false).await?,
+        gitlab(world, &b, false).await?,
+    );
+    let mut routes = vec![
+        ("local route", gitlab_a, 1),
+        ("remote route", gitlab_b.clone(), 1),
+    ];
+    let tls_pair = if args.tls {
+        let (ta, tb) = pair(
+            world,
+            KasOptions {
+                tls: true,
+                ..pubsub
+            },
+        )
+        .await?;
+        agents.push(warm_agent(world, &ta, 2, true).await?);
+        routes.push(("local route, TLS", gitlab(world, &ta, true).await?, 2));
+        routes.push(("remote route, TLS", gitlab(world, &tb, true).await?, 2));
+        Some((ta, tb))
+    } else {
+        None
+    };
     if args.parts.contains(&Part::Unary) {
-        let paths = [
-            ("direct", unary::direct(direct.clone())),
-            ("local route", unary::routed(gitlab_a.clone(), 1)),
-            ("remote route", unary::routed(gitlab_b.clone(), 1)),
-        ];
+        let mut paths = vec![("direct", unary::direct(direct.clone()))];
+        for (name, gl, agent) in &routes {
+            paths.push((*name, unary::routed(gl.clone(), *agent)));
+        }
         results["unary"] = unary_part(&paths, args).await;
-        let remote = paths[2].1.clone();
-        results["deadlines"] = deadlines::part(remote, gitlab_b.clone(), args.point).await;
+        results["deadlines"] = deadlines::part(
+            unary::routed(gitlab_b.clone(), 1),
+            gitlab_b.clone(),
+            args.point,
+        )
+        .await;
     }
     if args.parts.contains(&Part::Streaming) {
         // A read may take long on a slow build: calls get a minute.
         let minute = Duration::from_secs(60);
-        let paths = [
-            ("direct", streaming::Path::Direct(direct)),
-            (
-                "local route",
-                streaming::Path::Routed(gitlab_a.with_timeout(minute), 1),
-            ),
-            (
-                "remote route",
-                streaming::Path::Routed(gitlab_b.with_timeout(minute), 1),
-            ),
-        ];
+        let mut paths = vec![("direct", streaming::Path::Direct(direct))];
+        for (name, gl, agent) in &routes {
+            paths.push((
+                *name,
+                streaming::Path::Routed(gl.with_timeout(minute), *agent),
+            ));
+        }
         results["streaming"] = streaming_part(&paths, args).await?;
     }
-    let _ = stop_agent.send(true);
-    let _ = tokio::time::timeout(Duration::from_secs(15), agent_task).await;
+    for (stop, task) in agents {
+        let _ = stop.send(true);
+        let _ = tokio::time::timeout(Duration::from_secs(15), task).await;
+    }
+    drop(tls_pair);
     Ok(())
 }
 
 /// Part 1: each path at concurrency 1, 16 and 64.
-async fn unary_part(paths: &[(&str, unary::CallFn); 3], args: &Args) -> Value {
+async fn unary_part(paths: &[(&str, unary::CallFn)], args: &Args) -> Value {
     let warmup = args.point / 3;
     println!(
         "\n## Unary calls (a 10-pod list, {} bytes)\n",
@@ -316,10 +375,7 @@ async fn unary_part(paths: &[(&str, unary::CallFn); 3], args: &Args) -> Value {
 }
 
 /// Part 2: the log read whole, --log-reads times per path.
-async fn streaming_part(
-    paths: &[(&str, streaming::Path); 3],
-    args: &Args,
-) -> Result<Value, String> {
+async fn streaming_part(paths: &[(&str, streaming::Path)], args: &Args) -> Result<Value, String> {
     let bytes = args.log_mib << 20;
     println!(
         "\n## Streaming: a {} MiB pod log in 64 KiB messages (median of {} reads)\n",

@@ -19,11 +19,15 @@ pub struct KasOptions {
     pub pubsub: bool,
     /// Registry record lifetime; refreshed every half of it.
     pub ttl: Duration,
+    /// TLS on the agent, api and private listeners (the world's throwaway certificate).
+    pub tls: bool,
 }
 
 /// Files, Redis and secrets shared by every kas the bench starts.
 pub struct World {
     pub dir: PathBuf,
+    /// The throwaway CA that issued the certificate of TLS kas (`World::tls_lines`).
+    pub ca: PathBuf,
     pub redis: RedisServer,
     pub gitlab: Secret,
     kas_exe: PathBuf,
@@ -62,6 +66,11 @@ impl World {
             );
         }
         write(&dir, "tokens.yaml", &tokens)?;
+        let local_ca = kas_runtime::tls::LocalCa::new("kas-bench throwaway CA")?;
+        let (cert, key) = local_ca.issue()?;
+        let ca = write(&dir, "ca.pem", &local_ca.pem)?;
+        write(&dir, "kas.crt", &cert)?;
+        write(&dir, "kas.key", &key)?;
         let kas_exe = std::env::current_exe()
             .map_err(|e| format!("where is kas-bench? {e}"))?
             .with_file_name("kas");
@@ -74,6 +83,7 @@ impl World {
         Ok(World {
             redis: RedisServer::start()?,
             dir,
+            ca,
             gitlab,
             kas_exe,
             started: 0,
@@ -85,12 +95,19 @@ impl World {
         self.started += 1;
         let name = format!("kas{}", self.started);
         let ttl = options.ttl.as_millis();
+        let d = self.dir.display();
+        let (tls, private_tls) = if options.tls {
+            let files = format!(", certificate_file: '{d}/kas.crt', key_file: '{d}/kas.key'");
+            let private = format!("{files}, ca_certificate_file: '{d}/ca.pem'");
+            (files, private)
+        } else {
+            (String::new(), String::new())
+        };
         let config = format!(
-            "agent:\n  listen: {{address: '127.0.0.1:0'}}\n  tokens_file: '{d}/tokens.yaml'\n  redis_conn_info_ttl: {ttl}ms\n  redis_conn_info_refresh: {}ms\n  redis_conn_info_gc: {ttl}ms\napi:\n  listen: {{address: '127.0.0.1:0', authentication_secret_file: '{d}/gitlab.secret'}}\n  max_timeout: 120s\nprivate_api:\n  listen: {{address: '127.0.0.1:0', authentication_secret_file: '{d}/kas.secret'}}\nobservability:\n  listen: {{address: '127.0.0.1:0'}}\nredis:\n  server: {{address: '{}'}}\n  key_prefix: kas\n  pubsub_wakeups: {}\nshutdown_grace: 1s\n",
+            "agent:\n  listen: {{address: '127.0.0.1:0'{tls}}}\n  tokens_file: '{d}/tokens.yaml'\n  redis_conn_info_ttl: {ttl}ms\n  redis_conn_info_refresh: {}ms\n  redis_conn_info_gc: {ttl}ms\napi:\n  listen: {{address: '127.0.0.1:0', authentication_secret_file: '{d}/gitlab.secret'{tls}}}\n  max_timeout: 120s\nprivate_api:\n  listen: {{address: '127.0.0.1:0', authentication_secret_file: '{d}/kas.secret'{private_tls}}}\nobservability:\n  listen: {{address: '127.0.0.1:0'}}\nredis:\n  server: {{address: '{}'}}\n  key_prefix: kas\n  pubsub_wakeups: {}\nshutdown_grace: 1s\n",
             ttl / 2,
             self.redis.address(),
             options.pubsub,
-            d = self.dir.display(),
         );
         let path = write(&self.dir, &format!("{name}.yaml"), &config)?;
         KasProcess::spawn(
