@@ -38,11 +38,7 @@ impl ApiClient {
         timeout: Duration,
     ) -> Result<Self, String> {
         let url = KasUrl::parse(addr)?;
-        let channel = tls::endpoint(&url, ca_file)?
-            .connect_timeout(timeout)
-            .connect()
-            .await
-            .map_err(|e| tls::explain_connect_error(&url, &e))?;
+        let channel = tls::connect(&url, ca_file, timeout).await?;
         Ok(ApiClient {
             // As large as kas lets an agent answer by default.
             client: KasApiClient::new(channel)

@@ -169,6 +169,11 @@ pub struct Listen {
     /// roots).
     #[serde(default)]
     pub ca_certificate_file: Option<PathBuf>,
+    /// `agent.listen` only: also accept agents whose gRPC comes inside a WebSocket
+    /// (agentk's `wss://`/`ws://`, through proxies that pass only HTTP/1.1). Plain gRPC
+    /// is still accepted on the same port.
+    #[serde(default)]
+    pub websocket: bool,
 }
 
 impl Listen {
@@ -295,6 +300,7 @@ fn listen(port: u16) -> Listen {
         certificate_file: None,
         key_file: None,
         ca_certificate_file: None,
+        websocket: false,
     }
 }
 
@@ -502,6 +508,13 @@ impl Config {
                 if let Err(e) = crate::tls::read_certificates(ca) {
                     p.push(format!("{key}.ca_certificate_file: {e}"));
                 }
+            }
+            if key != "agent.listen" && c.websocket {
+                p.push(format!("{key}.websocket applies to agent.listen only"));
+            }
+            #[cfg(madsim)]
+            if c.websocket {
+                p.push(format!("{key}.websocket: WebSocket is not simulated"));
             }
             if key != "agent.listen" && c.connections_per_token_per_minute.is_some() {
                 p.push(format!(

@@ -27,7 +27,7 @@ use crate::clock;
 use crate::config::{Config, Listen};
 use crate::jwt::{self, Secret, Signer, Verifier};
 use crate::store::{MemoryStore, Store};
-use crate::tls::{ALPN_GRPC, ALPN_HTTP1};
+use crate::tls::{ALPN_GRPC, ALPN_GRPC_OR_HTTP1, ALPN_HTTP1};
 use kas_core::KasId;
 use kas_core::backoff::Backoff;
 use kas_core::keys::Keys;
@@ -116,6 +116,9 @@ struct Listening {
     metrics: metrics::Metrics,
     /// Its TLS configuration when it serves TLS.
     tls: Option<Arc<rustls::ServerConfig>>,
+    /// Whether it also takes gRPC inside WebSocket connections.
+    #[cfg_attr(madsim, allow(dead_code))] // refused by the configuration check
+    websocket: bool,
 }
 
 /// The TLS configuration of listener `what` (`key`) when `listen` sets a certificate; its
@@ -161,17 +164,19 @@ async fn serve(
 ) -> Result<(), tonic::transport::Error> {
     let guard = listener::Guard::Http2Preface(l.handshake);
     let acceptor = listener::Acceptor::new(listener, guard, l.what, l.metrics);
-    match l.tls {
-        None => {
-            router
-                .serve_with_incoming_shutdown(acceptor.into_stream(), signal)
-                .await
-        }
-        Some(tls) => {
-            let incoming = acceptor.tls(tls, l.handshake).into_stream();
-            router.serve_with_incoming_shutdown(incoming, signal).await
-        }
+    if l.tls.is_none() && !l.websocket {
+        return router
+            .serve_with_incoming_shutdown(acceptor.into_stream(), signal)
+            .await;
     }
+    let incoming = acceptor.handshaking(listener::Handshakes {
+        tls: l.tls,
+        websocket: l.websocket,
+        timeout: l.handshake,
+    });
+    router
+        .serve_with_incoming_shutdown(incoming.into_stream(), signal)
+        .await
 }
 
 /// Serves `router` on `listener`'s address until `signal` resolves (madsim's tonic binds
@@ -443,6 +448,7 @@ impl Kas {
                 what,
                 metrics: metrics.clone(),
                 tls: tls_config(listen, what, key, alpn)?,
+                websocket: listen.websocket,
             })
         };
         let api_listening = listening(&config.api.listen, "api", "api.listen", ALPN_GRPC)?;
@@ -452,7 +458,13 @@ impl Kas {
             "private_api.listen",
             ALPN_GRPC,
         )?;
-        let agent_listening = listening(&a.listen, "agent", "agent.listen", ALPN_GRPC)?;
+        // Behind a proxy that passes only HTTP/1.1, agents come in WebSocket upgrades.
+        let agent_alpn = if a.listen.websocket {
+            ALPN_GRPC_OR_HTTP1
+        } else {
+            ALPN_GRPC
+        };
+        let agent_listening = listening(&a.listen, "agent", "agent.listen", agent_alpn)?;
         let obs_listening = listening(
             &config.observability.listen,
             "observability",

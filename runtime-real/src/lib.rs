@@ -23,3 +23,5 @@ pub mod signals;
 pub mod store;
 pub mod tasks;
 pub mod tls;
+#[cfg(not(madsim))]
+pub mod ws;

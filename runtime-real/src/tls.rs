@@ -18,6 +18,8 @@ pub const CERT_POLL: Duration = Duration::from_secs(5);
 
 /// ALPN for gRPC listeners (HTTP/2 only).
 pub const ALPN_GRPC: &[&[u8]] = &[b"h2"];
+/// ALPN for an agent listener that also takes WebSocket upgrades.
+pub const ALPN_GRPC_OR_HTTP1: &[&[u8]] = &[b"h2", b"http/1.1"];
 /// ALPN for the observability listener (HTTP/1.1 only).
 pub const ALPN_HTTP1: &[&[u8]] = &[b"http/1.1"];
 
@@ -139,11 +141,14 @@ pub fn server_config(cert: Arc<ServerCert>, alpn: &[&[u8]]) -> Result<ServerConf
 }
 
 /// A kas address as its clients take it: `grpcs://host:port` (TLS), `grpc://host:port` or
-/// a bare `host:port` (plaintext).
+/// a bare `host:port` (plaintext), `wss://host:port` or `ws://host:port` (gRPC inside a
+/// WebSocket, with or without TLS, for proxies that pass only HTTP/1.1).
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub struct KasUrl {
     /// TLS or not.
     pub tls: bool,
+    /// gRPC inside a WebSocket.
+    pub websocket: bool,
     /// `host:port`.
     pub authority: String,
     /// The host, as its certificate must name it.
@@ -153,18 +158,15 @@ pub struct KasUrl {
 impl KasUrl {
     /// Parses `s`, naming what is wrong with it.
     pub fn parse(s: &str) -> Result<KasUrl, String> {
-        let (tls, rest) = match s.split_once("://") {
-            None => (false, s),
-            Some(("grpc", rest)) => (false, rest),
-            Some(("grpcs", rest)) => (true, rest),
-            Some(("ws" | "wss", _)) => {
-                return Err(format!(
-                    "{s}: gRPC through WebSocket (ws://, wss://) is not supported yet; use grpc:// or grpcs://"
-                ));
-            }
+        let (tls, websocket, rest) = match s.split_once("://") {
+            None => (false, false, s),
+            Some(("grpc", rest)) => (false, false, rest),
+            Some(("grpcs", rest)) => (true, false, rest),
+            Some(("ws", rest)) => (false, true, rest),
+            Some(("wss", rest)) => (true, true, rest),
             Some((scheme, _)) => {
                 return Err(format!(
-                    "{s}: unknown scheme {scheme}://, expected grpc:// or grpcs://"
+                    "{s}: unknown scheme {scheme}://, expected grpc://, grpcs://, ws:// or wss://"
                 ));
             }
         };
@@ -176,6 +178,7 @@ impl KasUrl {
         };
         Ok(KasUrl {
             tls,
+            websocket,
             authority: rest.to_string(),
             host: host
                 .trim_start_matches('[')
@@ -187,9 +190,108 @@ impl KasUrl {
 
 impl std::fmt::Display for KasUrl {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        let scheme = if self.tls { "grpcs" } else { "grpc" };
+        let scheme = match (self.websocket, self.tls) {
+            (false, false) => "grpc",
+            (false, true) => "grpcs",
+            (true, false) => "ws",
+            (true, true) => "wss",
+        };
         write!(f, "{scheme}://{}", self.authority)
     }
+}
+
+/// A channel to kas at `url`, connected within `timeout`: over TLS for `grpcs://` and
+/// `wss://` (verified against `ca_file`, or the system's roots), inside a WebSocket for
+/// `ws://` and `wss://`. Errors are in the operator's terms ([`explain_connect_error`]).
+pub async fn connect(
+    url: &KasUrl,
+    ca_file: Option<&Path>,
+    timeout: Duration,
+) -> Result<tonic::transport::Channel, String> {
+    let connected = if url.websocket {
+        // TLS, if any, is the WebSocket's: HTTP/2 runs in the clear inside it.
+        let inner = KasUrl {
+            tls: false,
+            websocket: false,
+            ..url.clone()
+        };
+        websocket_channel(endpoint(&inner, None)?, url, ca_file, timeout).await?
+    } else {
+        endpoint(url, ca_file)?
+            .connect_timeout(timeout)
+            .connect()
+            .await
+    };
+    connected.map_err(|e| explain_connect_error(url, &e))
+}
+
+/// Connects `endpoint` through a WebSocket to `url`.
+#[cfg(not(madsim))]
+async fn websocket_channel(
+    endpoint: tonic::transport::Endpoint,
+    url: &KasUrl,
+    ca_file: Option<&Path>,
+    timeout: Duration,
+) -> Result<Result<tonic::transport::Channel, tonic::transport::Error>, String> {
+    let tls = match url.tls {
+        true => Some(client_config(ca_file, &[b"http/1.1"])?),
+        false => None,
+    };
+    let (url, timeout) = (url.clone(), timeout);
+    let connector = tower::service_fn(move |_: tonic::transport::Uri| {
+        let (url, tls) = (url.clone(), tls.clone());
+        async move {
+            tokio::time::timeout(timeout, crate::ws::dial(&url, tls))
+                .await
+                .map_err(|_| {
+                    std::io::Error::new(std::io::ErrorKind::TimedOut, "connect timed out")
+                })?
+                .map(hyper_util::rt::TokioIo::new)
+        }
+    });
+    Ok(endpoint.connect_with_connector(connector).await)
+}
+
+/// In the simulation there is no WebSocket.
+#[cfg(madsim)]
+async fn websocket_channel(
+    _: tonic::transport::Endpoint,
+    url: &KasUrl,
+    _: Option<&Path>,
+    _: Duration,
+) -> Result<Result<tonic::transport::Channel, tonic::transport::Error>, String> {
+    Err(format!("{url}: WebSocket is not simulated"))
+}
+
+/// A client configuration trusting the PEM CA certificates in `ca_file` (the system's
+/// roots without one), offering ALPN `alpn`.
+#[cfg(not(madsim))]
+pub fn client_config(
+    ca_file: Option<&Path>,
+    alpn: &[&[u8]],
+) -> Result<Arc<rustls::ClientConfig>, String> {
+    let mut roots = rustls::RootCertStore::empty();
+    match ca_file {
+        Some(f) => {
+            for cert in read_certificates(f)? {
+                roots
+                    .add(cert)
+                    .map_err(|e| format!("{}: {e}", f.display()))?;
+            }
+        }
+        None => {
+            for cert in rustls_native_certs::load_native_certs().certs {
+                let _ = roots.add(cert);
+            }
+        }
+    }
+    let mut config = rustls::ClientConfig::builder_with_provider(provider())
+        .with_protocol_versions(&[&version::TLS13, &version::TLS12])
+        .map_err(|e| e.to_string())?
+        .with_root_certificates(roots)
+        .with_no_client_auth();
+    config.alpn_protocols = alpn.iter().map(|p| p.to_vec()).collect();
+    Ok(Arc::new(config))
 }
 
 /// A channel endpoint for `url`; with TLS, kas's certificate must chain to the PEM CA
@@ -320,9 +422,11 @@ mod tests {
         let tls = KasUrl::parse("grpcs://kas.example.com:443").unwrap();
         assert_eq!((tls.tls, tls.host.as_str()), (true, "kas.example.com"));
         assert_eq!(KasUrl::parse("grpcs://[::1]:8150").unwrap().host, "::1");
+        let ws = KasUrl::parse("wss://kas.example.com:443").unwrap();
+        assert_eq!((ws.tls, ws.websocket), (true, true));
+        assert_eq!(ws.to_string(), "wss://kas.example.com:443");
         for (bad, says) in [
             ("https://kas:443", "unknown scheme https://"),
-            ("wss://kas:443", "not supported yet"),
             ("grpc://kas", "with a port"),
             ("grpc://kas:1/x", "no path"),
         ] {

@@ -240,11 +240,11 @@ async fn grpc_listeners_speak_tls_1_2_and_1_3_with_alpn_h2_only() {
     );
 }
 
-/// `kas_tls_handshake_errors_total` of the api listener.
+/// `kas_handshake_errors_total` of the api listener.
 async fn handshake_errors(kas: &KasProc) -> u64 {
     let m = kas.metrics().await;
     m.lines()
-        .find_map(|l| l.strip_prefix("kas_tls_handshake_errors_total{listener=\"api\"} "))
+        .find_map(|l| l.strip_prefix("kas_handshake_errors_total{listener=\"api\"} "))
         .and_then(|n| n.parse().ok())
         .unwrap_or(0)
 }

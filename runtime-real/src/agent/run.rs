@@ -20,6 +20,9 @@ use tokio::sync::{mpsc, oneshot, watch};
 use tokio::task::JoinHandle;
 use tonic::{Code, Status};
 
+/// How long one attempt to connect to kas (TCP, TLS, WebSocket, HTTP/2) may take.
+const CONNECT_TIMEOUT: Duration = Duration::from_secs(5);
+
 /// How an agent connects and keeps its tunnels.
 #[derive(Clone, Debug)]
 pub struct AgentOptions {
@@ -142,12 +145,9 @@ async fn serve(
 ) -> Served {
     let connect = async {
         let url = KasUrl::parse(&options.kas).map_err(Status::invalid_argument)?;
-        let channel = tls::endpoint(&url, options.ca_cert_file.as_deref())
-            .map_err(Status::invalid_argument)?
-            .connect_timeout(Duration::from_secs(5))
-            .connect()
+        let channel = tls::connect(&url, options.ca_cert_file.as_deref(), CONNECT_TIMEOUT)
             .await
-            .map_err(|e| Status::unavailable(tls::explain_connect_error(&url, &e)))?;
+            .map_err(Status::unavailable)?;
         let client = AgentClient::new(channel, options.token.clone());
         let (connection, _, config) = client.connect(options.meta.clone()).await?;
         Ok::<_, Status>((client, connection, config))

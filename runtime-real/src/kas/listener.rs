@@ -13,6 +13,7 @@
 //! above once the handshake is done.
 
 use super::metrics::Metrics;
+use crate::ws::Io;
 use std::io;
 use std::net::SocketAddr;
 use std::pin::Pin;
@@ -138,14 +139,15 @@ impl Acceptor {
         })
     }
 
-    /// The connections once their TLS handshake (with `config`, within `handshake`) is
-    /// done; those that fail it are counted, logged now and then, and closed.
-    pub fn tls(mut self, config: Arc<rustls::ServerConfig>, handshake: Duration) -> TlsIncoming {
+    /// The connections once their handshakes (see [`Handshakes`]) are done, within
+    /// `handshakes.timeout`; those that fail are counted, logged now and then, and closed.
+    pub fn handshaking(mut self, handshakes: Handshakes) -> Incoming {
         let local = self.listener.local_addr();
         let (tx, rx) = mpsc::channel(64);
-        let tls = tokio_rustls::TlsAcceptor::from(config);
+        let tls = handshakes.tls.clone().map(tokio_rustls::TlsAcceptor::from);
         let permits = Arc::new(Semaphore::new(MAX_HANDSHAKES));
         let log_limit = Arc::new(Mutex::new(LogLimit::default()));
+        let local_addr = local.as_ref().ok().copied();
         tokio::spawn(async move {
             loop {
                 let Ok(permit) = permits.clone().acquire_owned().await else {
@@ -158,17 +160,29 @@ impl Acceptor {
                 let (tls, tx, guard) = (tls.clone(), tx.clone(), self.guard);
                 let (what, metrics, log_limit) =
                     (self.what, self.metrics.clone(), log_limit.clone());
+                let websocket = handshakes.websocket;
+                let timeout = handshakes.timeout;
                 tokio::spawn(async move {
                     let _permit = permit;
-                    match tokio::time::timeout(handshake, handshake_tls(&tls, stream)).await {
-                        Ok(Ok(stream)) => {
-                            let _ = tx.send((Guarded::new(stream, guard), peer)).await;
+                    let done =
+                        tokio::time::timeout(timeout, handshake(stream, tls.as_ref(), websocket))
+                            .await;
+                    match done {
+                        Ok(Ok(io)) => {
+                            let conn = Accepted {
+                                io,
+                                info: tonic::transport::server::TcpConnectInfo {
+                                    local_addr,
+                                    remote_addr: Some(peer),
+                                },
+                            };
+                            let _ = tx.send((Guarded::new(conn, guard), peer)).await;
                         }
                         failed => {
-                            metrics.tls_handshake_error(what);
+                            metrics.handshake_error(what);
                             let why = match failed {
                                 Ok(Err(e)) => e.to_string(),
-                                _ => "no TLS handshake within listen.handshake_timeout".into(),
+                                _ => "no handshake within listen.handshake_timeout".into(),
                             };
                             let allowed =
                                 log_limit.lock().unwrap_or_else(|p| p.into_inner()).allow();
@@ -178,7 +192,7 @@ impl Acceptor {
                                     %peer,
                                     error = %why,
                                     similar_errors_not_logged = unlogged,
-                                    "TLS handshake failed"
+                                    "handshake failed"
                                 );
                             }
                         }
@@ -186,8 +200,62 @@ impl Acceptor {
                 });
             }
         });
-        TlsIncoming { rx, local }
+        Incoming { rx, local }
     }
+}
+
+impl axum::serve::Listener for Acceptor {
+    type Io = Guarded;
+    type Addr = SocketAddr;
+
+    async fn accept(&mut self) -> (Guarded, SocketAddr) {
+        self.next().await
+    }
+
+    fn local_addr(&self) -> io::Result<SocketAddr> {
+        self.listener.local_addr()
+    }
+}
+
+/// What a listener does with a connection before serving it.
+#[derive(Clone)]
+pub struct Handshakes {
+    /// TLS with this configuration.
+    pub tls: Option<Arc<rustls::ServerConfig>>,
+    /// Accept gRPC inside a WebSocket too (`listen.websocket`): a connection that starts
+    /// with an HTTP/1.1 request rather than the HTTP/2 preface is upgraded, and its
+    /// WebSocket carries the HTTP/2 connection.
+    pub websocket: bool,
+    /// `listen.handshake_timeout`, for all of it.
+    pub timeout: Duration,
+}
+
+/// TLS (when configured), then the WebSocket upgrade (when enabled and asked for).
+async fn handshake(
+    stream: TcpStream,
+    tls: Option<&tokio_rustls::TlsAcceptor>,
+    websocket: bool,
+) -> io::Result<Box<dyn Io>> {
+    let io: Box<dyn Io> = match tls {
+        Some(tls) => Box::new(handshake_tls(tls, stream).await?),
+        None => Box::new(stream),
+    };
+    if !websocket {
+        return Ok(io);
+    }
+    let mut io = Rewind::new(io);
+    if io.starts_with(b"PRI ").await? {
+        return Ok(Box::new(io));
+    }
+    let ws = tokio_tungstenite::accept_async_with_config(io, Some(crate::ws::config()))
+        .await
+        .map_err(|e| {
+            io::Error::new(
+                io::ErrorKind::InvalidData,
+                format!("neither HTTP/2 nor a WebSocket upgrade: {e}"),
+            )
+        })?;
+    Ok(Box::new(crate::ws::WsBytes::new(ws)))
 }
 
 /// A TLS handshake; a client that speaks plaintext first is named as such.
@@ -208,17 +276,122 @@ async fn handshake_tls(
     tls.accept(stream).await
 }
 
-/// A TLS listener's connections, handshake done (see [`Acceptor::tls`]).
-pub struct TlsIncoming {
-    rx: mpsc::Receiver<(Guarded<TlsStream<TcpStream>>, SocketAddr)>,
+/// A stream whose first bytes were read to tell what it speaks, and are read again.
+struct Rewind {
+    inner: Box<dyn Io>,
+    head: Vec<u8>,
+}
+
+impl Rewind {
+    fn new(inner: Box<dyn Io>) -> Self {
+        Rewind {
+            inner,
+            head: Vec::new(),
+        }
+    }
+
+    /// True when the stream starts with `prefix` (read, and kept to be read again).
+    async fn starts_with(&mut self, prefix: &[u8]) -> io::Result<bool> {
+        use tokio::io::AsyncReadExt;
+        while self.head.len() < prefix.len() {
+            let mut b = [0u8; 8];
+            let want = prefix.len() - self.head.len();
+            let n = self.inner.read(&mut b[..want]).await?;
+            if n == 0 {
+                return Err(io::ErrorKind::UnexpectedEof.into());
+            }
+            self.head.extend_from_slice(&b[..n]);
+        }
+        Ok(self.head == prefix)
+    }
+}
+
+impl AsyncRead for Rewind {
+    fn poll_read(
+        mut self: Pin<&mut Self>,
+        cx: &mut Context<'_>,
+        buf: &mut ReadBuf<'_>,
+    ) -> Poll<io::Result<()>> {
+        if !self.head.is_empty() {
+            let n = buf.remaining().min(self.head.len());
+            let rest = self.head.split_off(n);
+            buf.put_slice(&self.head);
+            self.head = rest;
+            return Poll::Ready(Ok(()));
+        }
+        Pin::new(&mut self.inner).poll_read(cx, buf)
+    }
+}
+
+impl AsyncWrite for Rewind {
+    fn poll_write(
+        mut self: Pin<&mut Self>,
+        cx: &mut Context<'_>,
+        buf: &[u8],
+    ) -> Poll<io::Result<usize>> {
+        Pin::new(&mut self.inner).poll_write(cx, buf)
+    }
+
+    fn poll_flush(mut self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<io::Result<()>> {
+        Pin::new(&mut self.inner).poll_flush(cx)
+    }
+
+    fn poll_shutdown(mut self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<io::Result<()>> {
+        Pin::new(&mut self.inner).poll_shutdown(cx)
+    }
+}
+
+/// A connection after its handshakes, with its addresses.
+pub struct Accepted {
+    io: Box<dyn Io>,
+    info: tonic::transport::server::TcpConnectInfo,
+}
+
+impl AsyncRead for Accepted {
+    fn poll_read(
+        mut self: Pin<&mut Self>,
+        cx: &mut Context<'_>,
+        buf: &mut ReadBuf<'_>,
+    ) -> Poll<io::Result<()>> {
+        Pin::new(&mut self.io).poll_read(cx, buf)
+    }
+}
+
+impl AsyncWrite for Accepted {
+    fn poll_write(
+        mut self: Pin<&mut Self>,
+        cx: &mut Context<'_>,
+        buf: &[u8],
+    ) -> Poll<io::Result<usize>> {
+        Pin::new(&mut self.io).poll_write(cx, buf)
+    }
+
+    fn poll_flush(mut self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<io::Result<()>> {
+        Pin::new(&mut self.io).poll_flush(cx)
+    }
+
+    fn poll_shutdown(mut self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<io::Result<()>> {
+        Pin::new(&mut self.io).poll_shutdown(cx)
+    }
+}
+
+impl tonic::transport::server::Connected for Accepted {
+    type ConnectInfo = tonic::transport::server::TcpConnectInfo;
+
+    fn connect_info(&self) -> Self::ConnectInfo {
+        self.info.clone()
+    }
+}
+
+/// A listener's connections, handshakes done (see [`Acceptor::handshaking`]).
+pub struct Incoming {
+    rx: mpsc::Receiver<(Guarded<Accepted>, SocketAddr)>,
     local: io::Result<SocketAddr>,
 }
 
-impl TlsIncoming {
+impl Incoming {
     /// The connections as the stream tonic serves.
-    pub fn into_stream(
-        self,
-    ) -> impl futures::Stream<Item = io::Result<Guarded<TlsStream<TcpStream>>>> + Send {
+    pub fn into_stream(self) -> impl futures::Stream<Item = io::Result<Guarded<Accepted>>> + Send {
         futures::stream::unfold(self.rx, |mut rx| async move {
             let (io, _) = rx.recv().await?;
             Some((Ok(io), rx))
@@ -226,8 +399,8 @@ impl TlsIncoming {
     }
 }
 
-impl axum::serve::Listener for TlsIncoming {
-    type Io = Guarded<TlsStream<TcpStream>>;
+impl axum::serve::Listener for Incoming {
+    type Io = Guarded<Accepted>;
     type Addr = SocketAddr;
 
     async fn accept(&mut self) -> (Self::Io, SocketAddr) {
@@ -243,19 +416,6 @@ impl axum::serve::Listener for TlsIncoming {
             .as_ref()
             .map(|a| *a)
             .map_err(|e| io::Error::new(e.kind(), e.to_string()))
-    }
-}
-
-impl axum::serve::Listener for Acceptor {
-    type Io = Guarded;
-    type Addr = SocketAddr;
-
-    async fn accept(&mut self) -> (Guarded, SocketAddr) {
-        self.next().await
-    }
-
-    fn local_addr(&self) -> io::Result<SocketAddr> {
-        self.listener.local_addr()
     }
 }
 

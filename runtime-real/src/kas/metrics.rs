@@ -78,7 +78,7 @@ pub struct Metrics {
     store_errors: Family<OpLabels, Counter>,
     limit_refusals: Family<LimitLabels, Counter>,
     accept_errors: Family<ListenerLabels, Counter>,
-    tls_handshake_errors: Family<ListenerLabels, Counter>,
+    handshake_errors: Family<ListenerLabels, Counter>,
 }
 
 impl Default for Metrics {
@@ -97,7 +97,7 @@ impl Default for Metrics {
         let open_files_limit = Gauge::default();
         let limit_refusals = Family::<LimitLabels, Counter>::default();
         let accept_errors = Family::<ListenerLabels, Counter>::default();
-        let tls_handshake_errors = Family::<ListenerLabels, Counter>::default();
+        let handshake_errors = Family::<ListenerLabels, Counter>::default();
         let driver_mistakes = Counter::default();
         let timer_lag = Histogram::new(exponential_buckets(0.0001, 2.0, 20));
         registry.register(
@@ -126,10 +126,10 @@ impl Default for Metrics {
             accept_errors.clone(),
         );
         registry.register(
-            "tls_handshake_errors",
-            "Connections to a TLS listener closed before their TLS handshake completed \
-             (plaintext, an untrusted certificate, a timeout), by listener",
-            tls_handshake_errors.clone(),
+            "handshake_errors",
+            "Connections closed before their TLS or WebSocket handshake completed \
+             (plaintext to a TLS listener, an untrusted certificate, a timeout), by listener",
+            handshake_errors.clone(),
         );
         registry.register(
             "connected_agents",
@@ -190,7 +190,7 @@ impl Default for Metrics {
             store_errors,
             limit_refusals,
             accept_errors,
-            tls_handshake_errors,
+            handshake_errors,
         }
     }
 }
@@ -245,9 +245,9 @@ impl Metrics {
             .inc();
     }
 
-    /// Counts a failed TLS handshake on `listener`.
-    pub fn tls_handshake_error(&self, listener: &'static str) {
-        self.tls_handshake_errors
+    /// Counts a failed TLS or WebSocket handshake on `listener`.
+    pub fn handshake_error(&self, listener: &'static str) {
+        self.handshake_errors
             .get_or_create(&ListenerLabels { listener })
             .inc();
     }

@@ -81,7 +81,12 @@ pub async fn serve(
                 .await
         }
         Some(tls) => {
-            axum::serve(acceptor.tls(tls, read_timeout), routes)
+            let incoming = acceptor.handshaking(super::listener::Handshakes {
+                tls: Some(tls),
+                websocket: false,
+                timeout: read_timeout,
+            });
+            axum::serve(incoming, routes)
                 .with_graceful_shutdown(signal)
                 .await
         }
