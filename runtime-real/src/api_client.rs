@@ -38,7 +38,7 @@ impl ApiClient {
         timeout: Duration,
     ) -> Result<Self, String> {
         let url = KasUrl::parse(addr)?;
-        let channel = tls::connect(&url, ca_file, timeout).await?;
+        let channel = tls::connect(&url, ca_file, None, timeout).await?;
         Ok(ApiClient {
             // As large as kas lets an agent answer by default.
             client: KasApiClient::new(channel)

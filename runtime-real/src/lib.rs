@@ -17,6 +17,7 @@ pub mod local;
 pub mod logging;
 #[cfg(madsim)]
 pub mod planted_bug;
+pub mod proxy;
 pub mod rate;
 #[cfg(not(madsim))]
 pub mod signals;

@@ -3,6 +3,7 @@
 //! cert-manager rewrites a mounted Secret in place: new connections get the new pair, open
 //! ones (agents' tunnels) are left alone.
 
+use crate::proxy::Proxy;
 use rustls::crypto::CryptoProvider;
 use rustls::pki_types::pem::PemObject;
 use rustls::pki_types::{CertificateDer, PrivateKeyDer};
@@ -200,67 +201,88 @@ impl std::fmt::Display for KasUrl {
     }
 }
 
-/// A channel to kas at `url`, connected within `timeout`: over TLS for `grpcs://` and
-/// `wss://` (verified against `ca_file`, or the system's roots), inside a WebSocket for
-/// `ws://` and `wss://`. Errors are in the operator's terms ([`explain_connect_error`]).
+/// A channel to kas at `url`, connected within `timeout`: through `proxy` (an HTTP
+/// `CONNECT` tunnel) when given, over TLS for `grpcs://` and `wss://` (verified against
+/// `ca_file`, or the system's roots), inside a WebSocket for `ws://` and `wss://`. Errors
+/// are in the operator's terms ([`explain_connect_error`]).
 pub async fn connect(
     url: &KasUrl,
     ca_file: Option<&Path>,
+    proxy: Option<&Proxy>,
     timeout: Duration,
 ) -> Result<tonic::transport::Channel, String> {
-    let connected = if url.websocket {
+    let connected = if !url.websocket && proxy.is_none() {
+        endpoint(url, ca_file)?
+            .connect_timeout(timeout)
+            .connect()
+            .await
+    } else {
+        dialled(url, ca_file, proxy, timeout).await?
+    };
+    connected.map_err(|e| explain_connect_error(url, &e))
+}
+
+/// Connects through a dialer of our own: the proxy's tunnel, then (for a WebSocket) TLS
+/// and the upgrade; for gRPC, tonic's TLS goes over the tunnel.
+#[cfg(not(madsim))]
+async fn dialled(
+    url: &KasUrl,
+    ca_file: Option<&Path>,
+    proxy: Option<&Proxy>,
+    timeout: Duration,
+) -> Result<Result<tonic::transport::Channel, tonic::transport::Error>, String> {
+    let endpoint = if url.websocket {
         // TLS, if any, is the WebSocket's: HTTP/2 runs in the clear inside it.
         let inner = KasUrl {
             tls: false,
             websocket: false,
             ..url.clone()
         };
-        websocket_channel(endpoint(&inner, None)?, url, ca_file, timeout).await?
+        endpoint(&inner, None)?
     } else {
         endpoint(url, ca_file)?
-            .connect_timeout(timeout)
-            .connect()
-            .await
     };
-    connected.map_err(|e| explain_connect_error(url, &e))
-}
-
-/// Connects `endpoint` through a WebSocket to `url`.
-#[cfg(not(madsim))]
-async fn websocket_channel(
-    endpoint: tonic::transport::Endpoint,
-    url: &KasUrl,
-    ca_file: Option<&Path>,
-    timeout: Duration,
-) -> Result<Result<tonic::transport::Channel, tonic::transport::Error>, String> {
-    let tls = match url.tls {
+    let ws_tls = match url.websocket && url.tls {
         true => Some(client_config(ca_file, &[b"http/1.1"])?),
         false => None,
     };
-    let (url, timeout) = (url.clone(), timeout);
+    let (url, proxy) = (url.clone(), proxy.cloned());
     let connector = tower::service_fn(move |_: tonic::transport::Uri| {
-        let (url, tls) = (url.clone(), tls.clone());
+        let (url, proxy, ws_tls) = (url.clone(), proxy.clone(), ws_tls.clone());
         async move {
-            tokio::time::timeout(timeout, crate::ws::dial(&url, tls))
-                .await
-                .map_err(|_| {
-                    std::io::Error::new(std::io::ErrorKind::TimedOut, "connect timed out")
-                })?
-                .map(hyper_util::rt::TokioIo::new)
+            let dial = async {
+                let tcp = match &proxy {
+                    Some(p) => p.connect(&url.authority).await?,
+                    None => {
+                        let tcp = tokio::net::TcpStream::connect(&url.authority).await?;
+                        let _ = tcp.set_nodelay(true);
+                        tcp
+                    }
+                };
+                let io: Box<dyn crate::ws::Io> = if url.websocket {
+                    Box::new(crate::ws::upgrade(&url, tcp, ws_tls).await?)
+                } else {
+                    Box::new(tcp)
+                };
+                Ok::<_, std::io::Error>(hyper_util::rt::TokioIo::new(io))
+            };
+            tokio::time::timeout(timeout, dial).await.map_err(|_| {
+                std::io::Error::new(std::io::ErrorKind::TimedOut, "connect timed out")
+            })?
         }
     });
     Ok(endpoint.connect_with_connector(connector).await)
 }
 
-/// In the simulation there is no WebSocket.
+/// In the simulation there is neither WebSocket nor proxy.
 #[cfg(madsim)]
-async fn websocket_channel(
-    _: tonic::transport::Endpoint,
+async fn dialled(
     url: &KasUrl,
     _: Option<&Path>,
+    _: Option<&Proxy>,
     _: Duration,
 ) -> Result<Result<tonic::transport::Channel, tonic::transport::Error>, String> {
-    Err(format!("{url}: WebSocket is not simulated"))
+    Err(format!("{url}: WebSockets and proxies are not simulated"))
 }
 
 /// A client configuration trusting the PEM CA certificates in `ca_file` (the system's

@@ -27,14 +27,13 @@ pub fn config() -> WebSocketConfig {
 pub trait Io: AsyncRead + AsyncWrite + Send + Unpin {}
 impl<T: AsyncRead + AsyncWrite + Send + Unpin> Io for T {}
 
-/// Dials kas at `url` (`ws://` or `wss://`, with `tls` for the latter) and opens the
-/// WebSocket its gRPC connection runs in.
-pub async fn dial(
+/// Opens, over `tcp` to kas at `url` (`ws://`, or `wss://` with `tls`), the WebSocket
+/// its gRPC connection runs in.
+pub async fn upgrade(
     url: &crate::tls::KasUrl,
+    tcp: tokio::net::TcpStream,
     tls: Option<std::sync::Arc<rustls::ClientConfig>>,
 ) -> io::Result<WsBytes<Box<dyn Io>>> {
-    let tcp = tokio::net::TcpStream::connect(&url.authority).await?;
-    let _ = tcp.set_nodelay(true);
     let stream: Box<dyn Io> = match tls {
         None => Box::new(tcp),
         Some(config) => {

@@ -1,7 +1,8 @@
 //! gRPC through WebSocket against kas processes on loopback: agentk dials `wss://` to an
 //! agent listener with `websocket: true` (which still takes plain gRPC on the same port),
 //! and through nginx (Debian's, started by the test) as an HTTP/1.1-only TLS-terminating
-//! reverse proxy with WebSocket upgrade, surviving an nginx reload.
+//! reverse proxy with WebSocket upgrade, surviving an nginx reload; and through tinyproxy
+//! as the HTTP proxy HTTPS_PROXY names.
 
 mod support;
 
@@ -76,7 +77,7 @@ impl Nginx {
     /// An HTTP/1.1-only TLS listener (`cert`, `key`) passing WebSocket upgrades to
     /// `backend`; long-lived connections are cut 1 s into a reload.
     fn start(dir: &Path, cert: &Path, key: &Path, backend: std::net::SocketAddr) -> Nginx {
-        ensure_nginx();
+        ensure_package("nginx", "nginx");
         let dir = dir.join("nginx");
         std::fs::create_dir_all(dir.join("tmp")).unwrap();
         let port = kas_runtime::local::redis_server::free_port().unwrap();
@@ -131,23 +132,6 @@ impl Drop for Nginx {
     }
 }
 
-/// nginx, installed with apt-get when missing (as root), never skipped.
-fn ensure_nginx() {
-    let present = || {
-        Command::new("nginx")
-            .arg("-v")
-            .output()
-            .is_ok_and(|o| o.status.success())
-    };
-    if !present() {
-        let _ = Command::new("apt-get")
-            .args(["install", "-y", "-qq", "nginx"])
-            .env("DEBIAN_FRONTEND", "noninteractive")
-            .status();
-    }
-    assert!(present(), "nginx is missing: apt-get install nginx");
-}
-
 #[tokio::test(flavor = "multi_thread")]
 async fn agentk_reaches_kas_through_nginx_over_wss_and_survives_a_reload() {
     let s = Secrets::new();
@@ -188,4 +172,122 @@ async fn agentk_reaches_kas_through_nginx_over_wss_and_survives_a_reload() {
     .await;
     let pods = gl.pods(1, None, Duration::from_secs(10)).await;
     assert_eq!(pods.expect("routed after the reload"), ["web-1"]);
+}
+
+/// tinyproxy (Debian's) as a corporate HTTP proxy, its log in its directory; stopped on
+/// drop.
+struct Tinyproxy {
+    child: Child,
+    dir: std::path::PathBuf,
+    port: u16,
+}
+
+impl Tinyproxy {
+    fn start(dir: &Path) -> Tinyproxy {
+        ensure_package("tinyproxy", "tinyproxy");
+        let dir = dir.join("tinyproxy");
+        std::fs::create_dir_all(&dir).unwrap();
+        let port = kas_runtime::local::redis_server::free_port().unwrap();
+        let d = dir.display();
+        let conf = format!(
+            "User root\nGroup root\nPort {port}\nListen 127.0.0.1\nTimeout 600\nLogFile \"{d}/tinyproxy.log\"\nLogLevel Connect\nPidFile \"{d}/tinyproxy.pid\"\nMaxClients 100\nAllow 127.0.0.1\n"
+        );
+        std::fs::write(dir.join("tinyproxy.conf"), conf).unwrap();
+        let child = Command::new("tinyproxy")
+            .args(["-d", "-c", &format!("{d}/tinyproxy.conf")])
+            .stdout(Stdio::null())
+            .stderr(Stdio::null())
+            .spawn()
+            .expect("tinyproxy runs");
+        let p = Tinyproxy { child, dir, port };
+        let end = std::time::Instant::now() + Duration::from_secs(10);
+        while std::net::TcpStream::connect(("127.0.0.1", port)).is_err() {
+            assert!(std::time::Instant::now() < end, "tinyproxy did not listen");
+            std::thread::sleep(Duration::from_millis(50));
+        }
+        p
+    }
+
+    /// CONNECT requests it logged for `target`.
+    fn connects(&self, target: &str) -> usize {
+        std::fs::read_to_string(self.dir.join("tinyproxy.log"))
+            .unwrap_or_default()
+            .matches(&format!("CONNECT {target} "))
+            .count()
+    }
+}
+
+impl Drop for Tinyproxy {
+    fn drop(&mut self) {
+        let _ = self.child.kill();
+        let _ = self.child.wait();
+    }
+}
+
+/// agentk honours HTTPS_PROXY (an HTTP CONNECT tunnel, with gRPC over TLS or a WebSocket
+/// inside) and NO_PROXY.
+#[tokio::test(flavor = "multi_thread")]
+async fn agentk_reaches_kas_through_an_http_proxy_unless_no_proxy_says_otherwise() {
+    let s = Secrets::new();
+    let pki = Pki::new(s.dir.path(), "one");
+    let (cert, key) = pki.issue("kas");
+    let lines = tls_lines(&cert, &key);
+    let agent_lines = format!("{lines}    websocket: true\n");
+    let extra = Extra {
+        agent_listen: &agent_lines,
+        ..Extra::default()
+    };
+    let kas = KasProc::start_extra(&s, "kas", None, 10_000, extra, None).await;
+    let proxy = Tinyproxy::start(s.dir.path());
+    let ca = pki.ca().display().to_string();
+    let proxy_url = format!("http://127.0.0.1:{}", proxy.port);
+    let agentk = |pod: &str, scheme: &str, no_proxy: &str| {
+        AgentkProc::start_env(
+            &s,
+            &format!("{scheme}://{}", kas.agent),
+            &agent_token(1),
+            pod,
+            PODS,
+            &["--ca-cert-file", &ca],
+            &[("HTTPS_PROXY", proxy_url.as_str()), ("NO_PROXY", no_proxy)],
+        )
+    };
+    let _grpcs = agentk("agent1-grpcs", "grpcs", "example.com");
+    let _wss = agentk("agent1-wss", "wss", "");
+    let _direct = agentk("agent1-direct", "grpcs", "localhost,127.0.0.1");
+    let gl = GitLab::new(&s, kas.api).await;
+    let listed = eventually(Duration::from_secs(10), "three replicas listed", || async {
+        gl.connections(1).await.ok().filter(|c| c.len() == 3)
+    })
+    .await;
+    for (connection, pod) in &listed {
+        let pinned = Some(kas_core::ConnectionId(*connection));
+        let pods = gl.pods(1, pinned, Duration::from_secs(5)).await;
+        assert_eq!(pods.expect(pod), ["web-1"], "{pod}");
+    }
+    // Two went through the proxy (each its own CONNECT); NO_PROXY kept the third direct.
+    let target = kas.agent.to_string();
+    eventually(Duration::from_secs(5), "two CONNECTs logged", || {
+        let n = proxy.connects(&target);
+        async move { (n == 2).then_some(()) }
+    })
+    .await;
+}
+
+/// A Debian package's `binary`, installed with apt-get when missing (as root), never
+/// skipped.
+fn ensure_package(binary: &str, package: &str) {
+    let present = || {
+        Command::new("sh")
+            .args(["-c", &format!("command -v {binary}")])
+            .output()
+            .is_ok_and(|o| o.status.success())
+    };
+    if !present() {
+        let _ = Command::new("apt-get")
+            .args(["install", "-y", "-qq", package])
+            .env("DEBIAN_FRONTEND", "noninteractive")
+            .status();
+    }
+    assert!(present(), "{binary} is missing: apt-get install {package}");
 }

@@ -30,6 +30,8 @@ pub struct AgentOptions {
     pub kas: String,
     /// PEM CA certificates kas's certificate must chain to (the system's roots without).
     pub ca_cert_file: Option<std::path::PathBuf>,
+    /// The HTTP proxy kas is reached through, if any.
+    pub proxy: Option<crate::proxy::Proxy>,
     /// The agent token.
     pub token: String,
     /// What kas is told about this replica (version, pod namespace and name).
@@ -54,6 +56,7 @@ impl AgentOptions {
         AgentOptions {
             kas: kas.into(),
             ca_cert_file: None,
+            proxy: None,
             token: token.into(),
             meta,
             pool: PoolConfig {
@@ -145,7 +148,8 @@ async fn serve(
 ) -> Served {
     let connect = async {
         let url = KasUrl::parse(&options.kas).map_err(Status::invalid_argument)?;
-        let channel = tls::connect(&url, options.ca_cert_file.as_deref(), CONNECT_TIMEOUT)
+        let ca = options.ca_cert_file.as_deref();
+        let channel = tls::connect(&url, ca, options.proxy.as_ref(), CONNECT_TIMEOUT)
             .await
             .map_err(Status::unavailable)?;
         let client = AgentClient::new(channel, options.token.clone());

@@ -20,6 +20,10 @@ use std::time::Duration;
 ///
 /// Pods come from the Kubernetes API (the in-cluster service account, or the current
 /// kubeconfig context), or from `--pods-fixture FILE` on machines without a cluster.
+///
+/// kas is reached through the HTTP proxy HTTPS_PROXY names (an HTTP CONNECT tunnel)
+/// unless NO_PROXY lists its host; `wss://` suits proxies and CDNs that pass only
+/// HTTP/1.1 and WebSocket.
 #[derive(Parser)]
 #[command(version, about, long_about)]
 struct Args {
@@ -152,6 +156,7 @@ fn options(args: &Args) -> Result<AgentOptions, String> {
     }
     let mut o = AgentOptions::new(&args.kas, token, meta);
     o.ca_cert_file = args.ca_cert_file.clone();
+    o.proxy = kas_runtime::proxy::Proxy::from_env(&url.host)?;
     o.pool.min_idle = args.min_idle_tunnels;
     o.pool.max = args.max_tunnels;
     o.pool.idle_timeout = args.idle_tunnel_timeout;

@@ -484,6 +484,19 @@ impl AgentkProc {
         pods: &str,
         extra: &[&str],
     ) -> AgentkProc {
+        Self::start_env(secrets, kas, token, pod, pods, extra, &[])
+    }
+
+    /// Like `start_at`, with `env` set too.
+    pub fn start_env(
+        secrets: &Secrets,
+        kas: &str,
+        token: &str,
+        pod: &str,
+        pods: &str,
+        extra: &[&str],
+        env: &[(&str, &str)],
+    ) -> AgentkProc {
         let token_file = secrets.path(&format!("{pod}.token"));
         std::fs::write(&token_file, token).unwrap();
         let fixture = secrets.path(&format!("{pod}.pods.yaml"));
@@ -500,6 +513,7 @@ impl AgentkProc {
             .args(extra)
             .env("POD_NAMESPACE", "gitlab-agent")
             .env("POD_NAME", pod)
+            .envs(env.iter().copied())
             .stdout(Stdio::null())
             .stderr(std::fs::File::create(&log).unwrap())
             .spawn()
