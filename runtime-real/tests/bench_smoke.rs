@@ -56,6 +56,7 @@ fn kas_bench_runs_every_part_and_writes_its_json() {
     assert_eq!(v["waiting_calls"].as_array().unwrap().len(), 2);
     assert_eq!(v["idle"]["agents"], 100);
     assert!(v["idle"]["rss_bytes"]["tunnels"].as_u64().unwrap() > 0);
+    assert!(v["idle_tls"]["rss_bytes"]["tunnels"].as_u64().unwrap() > 0);
     assert!(v["redis_steady"]["sent"].as_u64().unwrap() > 0);
     assert!(stdout.contains("## Unary calls"), "{stdout}");
     assert!(stdout.contains("## Streaming"), "{stdout}");

@@ -16,7 +16,7 @@ use scale::{Commands, Fleet, await_gauge};
 use serde_json::{Value, json};
 use setup::{KasOptions, World};
 use stats::ms;
-use std::path::PathBuf;
+use std::path::{Path, PathBuf};
 use std::process::ExitCode;
 use std::time::Duration;
 
@@ -464,13 +464,62 @@ async fn waiting_section(
             json!({"mode": mode, "commands_sent": sent, "per_call_per_s": per, "by_command": c.0}),
         );
     }
-
     results["wakeup"] = Value::Array(wake_json);
     results["waiting_calls"] = Value::Array(waiting_json);
     Ok(())
 }
 
-/// Part 4: `agents` agents on one fresh kas.
+/// The kas's resident memory with no agents, with `agents` connected (`GetConfiguration`
+/// open), then with one idle tunnel each.
+struct Idle {
+    rss: [u64; 3],
+}
+
+impl Idle {
+    /// Measures it, and returns the fleet still connected.
+    async fn measure(
+        kas: &KasProcess,
+        agents: i64,
+        tls_ca: Option<&Path>,
+    ) -> Result<(Idle, Fleet), String> {
+        let rss0 = kas.resident_bytes().unwrap_or(0);
+        let mut fleet = Fleet::connect(kas, agents, tls_ca).await?;
+        let n = agents as f64;
+        await_gauge(kas, "kas_connected_agents", n, Duration::from_secs(60)).await?;
+        tokio::time::sleep(Duration::from_secs(2)).await;
+        let rss1 = kas.resident_bytes().unwrap_or(0);
+        fleet.open_tunnels(setup::modules(|| {}));
+        await_gauge(kas, "kas_tunnels", n, Duration::from_secs(60)).await?;
+        tokio::time::sleep(Duration::from_secs(2)).await;
+        let rss2 = kas.resident_bytes().unwrap_or(0);
+        Ok((
+            Idle {
+                rss: [rss0, rss1, rss2],
+            },
+            fleet,
+        ))
+    }
+
+    /// KiB per agent, then per tunnel.
+    fn per_agent(&self, agents: i64) -> (f64, f64) {
+        let each = |bytes: u64| bytes as f64 / agents as f64 / 1024.0;
+        let [r0, r1, r2] = self.rss;
+        (each(r1.saturating_sub(r0)), each(r2.saturating_sub(r1)))
+    }
+
+    fn json(&self, agents: i64) -> Value {
+        let [none, with_agents, tunnels] = self.rss;
+        let (kib_agent, kib_tunnel) = self.per_agent(agents);
+        json!({
+            "agents": agents,
+            "rss_bytes": {"none": none, "agents": with_agents, "tunnels": tunnels},
+            "kib_per_agent": kib_agent,
+            "kib_per_tunnel": kib_tunnel,
+        })
+    }
+}
+
+/// Part 4: idle cost (and with --tls, over TLS too) and Redis cost at `agents` agents.
 async fn scale_section(
     world: &mut World,
     pubsub: KasOptions,
@@ -479,21 +528,7 @@ async fn scale_section(
     results: &mut Value,
 ) -> Result<(), String> {
     let kas = world.kas(pubsub).await?;
-    let rss0 = kas.resident_bytes().unwrap_or(0);
-    let mut fleet = Fleet::connect(&kas, agents).await?;
-    await_gauge(
-        &kas,
-        "kas_connected_agents",
-        agents as f64,
-        Duration::from_secs(60),
-    )
-    .await?;
-    tokio::time::sleep(Duration::from_secs(2)).await;
-    let rss1 = kas.resident_bytes().unwrap_or(0);
-    fleet.open_tunnels(setup::modules(|| {}));
-    await_gauge(&kas, "kas_tunnels", agents as f64, Duration::from_secs(60)).await?;
-    tokio::time::sleep(Duration::from_secs(2)).await;
-    let rss2 = kas.resident_bytes().unwrap_or(0);
+    let (idle, fleet) = Idle::measure(&kas, agents, None).await?;
     // Steady state: the first writes are done; count two refresh periods.
     tokio::time::sleep(args.ttl / 2).await;
     let refresh = args.ttl / 2;
@@ -502,21 +537,46 @@ async fn scale_section(
     let steady = Commands::read(&world.redis).since(&before);
     drop(fleet);
     drop(kas);
-    let per_agent = |bytes: u64| bytes as f64 / agents as f64 / 1024.0;
+    let tls = if args.tls {
+        let kas = world
+            .kas(KasOptions {
+                tls: true,
+                ..pubsub
+            })
+            .await?;
+        let ca = world.ca.clone();
+        Some(Idle::measure(&kas, agents, Some(&ca)).await?.0)
+    } else {
+        None
+    };
     let minutes = (refresh * 2).as_secs_f64() / 60.0;
+    let mib = |b: u64| b as f64 / 1048576.0;
     println!("\n## One kas with {agents} agents (each on its own connection)\n");
-    println!("| | kas RSS MiB | KiB each |");
-    println!("|---|---|---|");
-    println!("| no agents | {:.1} | |", rss0 as f64 / 1048576.0);
+    println!("| | kas RSS MiB | KiB each | over TLS: RSS MiB | KiB each |");
+    println!("|---|---|---|---|---|");
+    let (agent_kib, tunnel_kib) = idle.per_agent(agents);
+    let tls_cols = |i: usize| match &tls {
+        Some(t) => {
+            let (a, tu) = t.per_agent(agents);
+            let each = [String::new(), format!("{a:.2}"), format!("{tu:.2}")];
+            format!("{:.1} | {}", mib(t.rss[i]), each[i])
+        }
+        None => "| ".into(),
+    };
     println!(
-        "| + {agents} agents (GetConfiguration open) | {:.1} | {:.2} per agent |",
-        rss1 as f64 / 1048576.0,
-        per_agent(rss1.saturating_sub(rss0))
+        "| no agents | {:.1} | | {} |",
+        mib(idle.rss[0]),
+        tls_cols(0)
     );
     println!(
-        "| + one idle tunnel each | {:.1} | {:.2} per tunnel |",
-        rss2 as f64 / 1048576.0,
-        per_agent(rss2.saturating_sub(rss1))
+        "| + {agents} agents (GetConfiguration open) | {:.1} | {agent_kib:.2} per agent | {} |",
+        mib(idle.rss[1]),
+        tls_cols(1)
+    );
+    println!(
+        "| + one idle tunnel each | {:.1} | {tunnel_kib:.2} per tunnel | {} |",
+        mib(idle.rss[2]),
+        tls_cols(2)
     );
     let sent_per_agent_min =
         steady.sent(&scale::IN_SCRIPTS_NO_LOOKUPS) as f64 / agents as f64 / minutes;
@@ -540,12 +600,10 @@ async fn scale_section(
         steady.0
     );
 
-    results["idle"] = json!({
-        "agents": agents,
-        "rss_bytes": {"none": rss0, "agents": rss1, "tunnels": rss2},
-        "kib_per_agent": per_agent(rss1.saturating_sub(rss0)),
-        "kib_per_tunnel": per_agent(rss2.saturating_sub(rss1)),
-    });
+    results["idle"] = idle.json(agents);
+    if let Some(t) = &tls {
+        results["idle_tls"] = t.json(agents);
+    }
     results["redis_steady"] = json!({
         "agents": agents, "refresh_s": refresh.as_secs_f64(), "window_s": (refresh * 2).as_secs_f64(),
         "sent": steady.sent(&scale::IN_SCRIPTS_NO_LOOKUPS), "all": steady.all(), "by_command": steady.0,

@@ -8,7 +8,9 @@ use kas_runtime::api_client::ApiClient;
 use kas_runtime::kas::observability;
 use kas_runtime::local::kas_process::KasProcess;
 use kas_runtime::local::redis_server::RedisServer;
+use kas_runtime::tls::{self, KasUrl};
 use std::collections::BTreeMap;
+use std::path::Path;
 use std::sync::Arc;
 use std::time::Duration;
 use tokio::sync::Semaphore;
@@ -81,18 +83,19 @@ pub struct Fleet {
 }
 
 impl Fleet {
-    /// Connects agents `1..=n` to `kas`, 256 at a time.
-    pub async fn connect(kas: &KasProcess, n: i64) -> Result<Fleet, String> {
+    /// Connects agents `1..=n` to `kas`, 256 at a time; over TLS trusting `tls_ca` when
+    /// given.
+    pub async fn connect(kas: &KasProcess, n: i64, tls_ca: Option<&Path>) -> Result<Fleet, String> {
         let gate = Arc::new(Semaphore::new(256));
-        let addr = format!("http://{}", kas.addresses.agent);
+        let scheme = if tls_ca.is_some() { "grpcs" } else { "grpc" };
+        let url = KasUrl::parse(&format!("{scheme}://{}", kas.addresses.agent))?;
+        let ca = tls_ca.map(Path::to_path_buf);
         let joins: Vec<_> = (1..=n)
             .map(|agent| {
-                let (gate, addr) = (gate.clone(), addr.clone());
+                let (gate, url, ca) = (gate.clone(), url.clone(), ca.clone());
                 tokio::spawn(async move {
                     let _permit = gate.acquire_owned().await;
-                    let channel = tonic::transport::Endpoint::from_shared(addr)
-                        .map_err(|e| e.to_string())?
-                        .connect()
+                    let channel = tls::connect(&url, ca.as_deref(), None, Duration::from_secs(20))
                         .await
                         .map_err(|e| format!("agent {agent}: {e}"))?;
                     let client = AgentClient::new(channel, token(agent));
