@@ -240,6 +240,55 @@ async fn grpc_listeners_speak_tls_1_2_and_1_3_with_alpn_h2_only() {
     );
 }
 
+/// The observability listener over TLS: `/liveness` answers through `openssl s_client`
+/// with ALPN `http/1.1`, and a plaintext request gets nothing.
+#[tokio::test(flavor = "multi_thread")]
+async fn the_observability_listener_serves_http_1_1_over_tls() {
+    ensure_openssl();
+    let s = Secrets::new();
+    let pki = Pki::new(s.dir.path(), "one");
+    let (cert, key) = pki.issue("kas");
+    let lines = tls_lines(&cert, &key);
+    let extra = Extra {
+        observability_listen: &lines,
+        ..Extra::default()
+    };
+    let kas = KasProc::start_extra(&s, "kas", None, 10_000, extra, None).await;
+    let mut child = std::process::Command::new("openssl")
+        .args([
+            "s_client",
+            "-quiet",
+            "-connect",
+            &kas.observability.to_string(),
+        ])
+        .args([
+            "-alpn",
+            "http/1.1",
+            "-CAfile",
+            &pki.ca().display().to_string(),
+        ])
+        .stdin(std::process::Stdio::piped())
+        .stdout(std::process::Stdio::piped())
+        .stderr(std::process::Stdio::null())
+        .spawn()
+        .expect("openssl runs");
+    use std::io::Write;
+    child
+        .stdin
+        .take()
+        .unwrap()
+        .write_all(b"GET /liveness HTTP/1.0\r\nHost: kas\r\n\r\n")
+        .unwrap();
+    let out = child.wait_with_output().expect("openssl exits");
+    let answer = String::from_utf8_lossy(&out.stdout);
+    assert!(
+        answer.starts_with("HTTP/1.0 200") && answer.ends_with("ok\n"),
+        "{answer}"
+    );
+    let plain = kas_runtime::local::kas_process::http_get(kas.observability, "/liveness").await;
+    assert_eq!(plain, None, "plaintext HTTP answered on a TLS listener");
+}
+
 /// `kas_handshake_errors_total` of the api listener.
 async fn handshake_errors(kas: &KasProc) -> u64 {
     let m = kas.metrics().await;
