@@ -112,11 +112,54 @@ pub struct PrivateApi {
     /// Where other kas connect; `authentication_secret_file` is shared by kas only.
     pub listen: Listen,
     /// Address other kas use to reach this one (default: `listen.address`, with the port
-    /// actually bound when that is 0); it is also this kas's id in the registry.
-    pub advertise_address: Option<SocketAddr>,
+    /// actually bound when that is 0); it is also this kas's id in the registry. It may
+    /// carry its scheme, as GitLab's `OWN_PRIVATE_API_URL` does: `grpcs://10.0.0.12:8155`
+    /// must then match a private listener serving TLS, `grpc://` one that does not.
+    pub advertise_address: Option<PrivateAddress>,
     /// Longest lifetime of other kas's JWTs accepted.
     #[serde(with = "humantime_serde")]
     pub max_token_lifetime: Duration,
+}
+
+/// `private_api.advertise_address`: `host:port`, or `grpc://` or `grpcs://` before it.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct PrivateAddress {
+    /// The address.
+    pub addr: SocketAddr,
+    /// Whether the scheme said TLS (`grpcs://`), did not (`grpc://`), or was left out.
+    pub tls: Option<bool>,
+}
+
+impl From<SocketAddr> for PrivateAddress {
+    fn from(addr: SocketAddr) -> Self {
+        PrivateAddress { addr, tls: None }
+    }
+}
+
+impl std::str::FromStr for PrivateAddress {
+    type Err = String;
+
+    fn from_str(s: &str) -> Result<Self, String> {
+        let (tls, rest) = match s.split_once("://") {
+            None => (None, s),
+            Some(("grpc", rest)) => (Some(false), rest),
+            Some(("grpcs", rest)) => (Some(true), rest),
+            Some((scheme, _)) => {
+                return Err(format!("{s}: {scheme}:// is neither grpc:// nor grpcs://"));
+            }
+        };
+        let addr = rest
+            .parse()
+            .map_err(|e| format!("{s}: not an IP address and port: {e}"))?;
+        Ok(PrivateAddress { addr, tls })
+    }
+}
+
+impl<'de> Deserialize<'de> for PrivateAddress {
+    fn deserialize<D: serde::Deserializer<'de>>(d: D) -> Result<Self, D::Error> {
+        let s = String::deserialize(d)?;
+        s.parse().map_err(serde::de::Error::custom)
+    }
 }
 
 /// `observability:`
@@ -382,7 +425,10 @@ pub struct ConfigError {
 impl Config {
     /// Reads, parses and validates a configuration file; `advertise_address`, when given
     /// (from the environment), replaces `private_api.advertise_address` before validation.
-    pub fn load(path: &Path, advertise_address: Option<SocketAddr>) -> Result<Config, ConfigError> {
+    pub fn load(
+        path: &Path,
+        advertise_address: Option<PrivateAddress>,
+    ) -> Result<Config, ConfigError> {
         let file = path.display().to_string();
         let fail = |p: String| ConfigError {
             file: file.clone(),
@@ -400,7 +446,7 @@ impl Config {
     fn parse_with(
         text: &str,
         file: &str,
-        advertise_address: Option<SocketAddr>,
+        advertise_address: Option<PrivateAddress>,
     ) -> Result<Config, ConfigError> {
         let mut config: Config = if text.trim().is_empty() {
             Config::default()
@@ -426,7 +472,7 @@ impl Config {
     pub fn advertise_address(&self) -> SocketAddr {
         self.private_api
             .advertise_address
-            .unwrap_or(self.private_api.listen.address)
+            .map_or(self.private_api.listen.address, |a| a.addr)
     }
 
     fn validate(&self) -> Result<(), Vec<String>> {
@@ -579,6 +625,23 @@ impl Config {
                     ));
                 }
             }
+        }
+        if let Some(PrivateAddress {
+            addr,
+            tls: Some(tls),
+        }) = self.private_api.advertise_address
+            && tls != self.private_api.listen.tls().is_some()
+        {
+            let (scheme, serves) = match tls {
+                true => (
+                    "grpcs",
+                    "plaintext: set its certificate_file and key_file, or use grpc://",
+                ),
+                false => ("grpc", "TLS: use grpcs://"),
+            };
+            p.push(format!(
+                "private_api.advertise_address {scheme}://{addr}: private_api.listen serves {serves}"
+            ));
         }
         let adv = self.advertise_address();
         if adv.ip().is_unspecified() {

@@ -251,7 +251,7 @@ impl Kas {
             observability: local(&obs_l)?,
         };
         let advertise = match config.private_api.advertise_address {
-            Some(a) => a,
+            Some(a) => a.addr,
             None => addresses.private_api,
         };
         let kas_id = KasId(advertise.to_string());

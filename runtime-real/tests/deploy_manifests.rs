@@ -43,8 +43,8 @@ fn check_kas_config(text: &str) -> Config {
         .replace("/etc/kas-tls/", &format!("{}/", dir.path().display()));
     let path = dir.path().join("kas.yaml");
     std::fs::write(&path, text).unwrap();
-    let pod_ip = "10.0.0.12:8155".parse().unwrap();
-    let config = Config::load(&path, Some(pod_ip)).unwrap_or_else(|e| panic!("{e}"));
+    let pod_ip: std::net::SocketAddr = "10.0.0.12:8155".parse().unwrap();
+    let config = Config::load(&path, Some(pod_ip.into())).unwrap_or_else(|e| panic!("{e}"));
     assert_eq!(config.advertise_address(), pod_ip);
     config
 }

@@ -26,9 +26,14 @@ struct Args {
     #[arg(long, value_name = "FILE", env = "KAS_CONFIG")]
     config: PathBuf,
     /// Address other kas replicas reach this one on (overrides
-    /// `private_api.advertise_address`); in Kubernetes, `$(POD_IP):8155`.
-    #[arg(long, value_name = "HOST:PORT", env = "OWN_PRIVATE_API_ADDRESS")]
-    advertise_address: Option<std::net::SocketAddr>,
+    /// `private_api.advertise_address`); in Kubernetes, `$(POD_IP):8155`, or with its
+    /// scheme, `grpcs://$(POD_IP):8155`.
+    #[arg(
+        long,
+        value_name = "[SCHEME://]IP:PORT",
+        env = "OWN_PRIVATE_API_ADDRESS"
+    )]
+    advertise_address: Option<kas_runtime::config::PrivateAddress>,
     /// Check the configuration file, print the problems found, and exit.
     #[arg(long)]
     check: bool,

@@ -187,3 +187,28 @@ fn tls_keys_are_checked_and_named() {
         assert!(bad.iter().any(|p| p.contains(says)), "{says}: {bad:?}");
     }
 }
+
+#[test]
+fn an_advertised_scheme_must_match_the_private_listener() {
+    let f = Files::new();
+    let with = |adv: &str| {
+        f.yaml("").replacen(
+            "private_api:\n",
+            &format!("private_api:\n  advertise_address: {adv}\n"),
+            1,
+        )
+    };
+    let c = Config::parse(&with("grpc://10.0.0.12:8155"), "t.yaml").unwrap();
+    assert_eq!(c.advertise_address(), "10.0.0.12:8155".parse().unwrap());
+    let p = problems(&with("grpcs://10.0.0.12:8155"));
+    assert!(
+        p.iter()
+            .any(|x| x.contains("private_api.listen serves plaintext")),
+        "{p:?}"
+    );
+    let p = problems(&with("https://10.0.0.12:8155"));
+    assert!(
+        p.iter().any(|x| x.contains("neither grpc:// nor grpcs://")),
+        "{p:?}"
+    );
+}
