@@ -58,6 +58,7 @@ fn kas_manifest_config_is_valid_and_uses_redis() {
     let config = check_kas_config(text);
     assert!(config.redis.is_some(), "three replicas need Redis");
     assert!(config.agent.listen.tls().is_some() && config.api.listen.tls().is_some());
+    assert!(config.agent.listen.websocket, "agentk's wss:// needs it");
     let deployment = kind(&docs, "Deployment");
     let secret = kind(&docs, "Certificate")["spec"]["secretName"].clone();
     let volumes = deployment["spec"]["template"]["spec"]["volumes"]
@@ -139,7 +140,10 @@ fn agentk_manifest_wires_downward_api_rbac_token_and_known_flags() {
         .and_then(|e| e["value"].as_str())
         .expect("AGENTK_KAS");
     let url = kas_runtime::tls::KasUrl::parse(kas).unwrap_or_else(|e| panic!("{e}"));
-    assert!(url.tls, "agentk dials kas over TLS: {kas}");
+    assert!(
+        url.tls && url.websocket,
+        "agentk dials kas with wss://: {kas}"
+    );
 
     // Every flag in the manifest is one agentk accepts.
     let help = std::process::Command::new(env!("CARGO_BIN_EXE_agentk"))
