@@ -211,78 +211,152 @@ pub async fn connect(
     proxy: Option<&Proxy>,
     timeout: Duration,
 ) -> Result<tonic::transport::Channel, String> {
-    let connected = if !url.websocket && proxy.is_none() {
-        endpoint(url, ca_file)?
-            .connect_timeout(timeout)
-            .connect()
-            .await
+    let endpoint = plain_endpoint(url)?;
+    let connected = if !url.tls && !url.websocket && proxy.is_none() {
+        endpoint.connect_timeout(timeout).connect().await
     } else {
-        dialled(url, ca_file, proxy, timeout).await?
+        let dialer = Dialer::new(url, ca_file, proxy, timeout)?;
+        dialer.connect(endpoint).await
     };
     connected.map_err(|e| explain_connect_error(url, &e))
 }
 
-/// Connects through a dialer of our own: the proxy's tunnel, then (for a WebSocket) TLS
-/// and the upgrade; for gRPC, tonic's TLS goes over the tunnel.
-#[cfg(not(madsim))]
-async fn dialled(
+/// A channel to kas at `url` (`grpc://` or `grpcs://`) that connects on first use, each
+/// attempt within `timeout`; over TLS verified against `ca_file` or the system's roots.
+pub fn connect_lazy(
     url: &KasUrl,
     ca_file: Option<&Path>,
-    proxy: Option<&Proxy>,
     timeout: Duration,
-) -> Result<Result<tonic::transport::Channel, tonic::transport::Error>, String> {
-    let endpoint = if url.websocket {
-        // TLS, if any, is the WebSocket's: HTTP/2 runs in the clear inside it.
-        let inner = KasUrl {
-            tls: false,
-            websocket: false,
-            ..url.clone()
-        };
-        endpoint(&inner, None)?
-    } else {
-        endpoint(url, ca_file)?
-    };
-    let ws_tls = match url.websocket && url.tls {
-        true => Some(client_config(ca_file, &[b"http/1.1"])?),
-        false => None,
-    };
-    let (url, proxy) = (url.clone(), proxy.cloned());
-    let connector = tower::service_fn(move |_: tonic::transport::Uri| {
-        let (url, proxy, ws_tls) = (url.clone(), proxy.clone(), ws_tls.clone());
-        async move {
-            let dial = async {
-                let tcp = match &proxy {
-                    Some(p) => p.connect(&url.authority).await?,
-                    None => {
-                        let tcp = tokio::net::TcpStream::connect(&url.authority).await?;
-                        let _ = tcp.set_nodelay(true);
-                        tcp
-                    }
-                };
-                let io: Box<dyn crate::ws::Io> = if url.websocket {
-                    Box::new(crate::ws::upgrade(&url, tcp, ws_tls).await?)
-                } else {
-                    Box::new(tcp)
-                };
-                Ok::<_, std::io::Error>(hyper_util::rt::TokioIo::new(io))
-            };
-            tokio::time::timeout(timeout, dial).await.map_err(|_| {
-                std::io::Error::new(std::io::ErrorKind::TimedOut, "connect timed out")
-            })?
-        }
-    });
-    Ok(endpoint.connect_with_connector(connector).await)
+) -> Result<tonic::transport::Channel, String> {
+    let endpoint = plain_endpoint(url)?;
+    if !url.tls && !url.websocket {
+        return Ok(endpoint.connect_timeout(timeout).connect_lazy());
+    }
+    Ok(Dialer::new(url, ca_file, None, timeout)?.connect_lazy(endpoint))
 }
 
-/// In the simulation there is neither WebSocket nor proxy.
+/// `http://host:port`: HTTP/2 in the clear over whatever [`Dialer`] gives.
+fn plain_endpoint(url: &KasUrl) -> Result<tonic::transport::Endpoint, String> {
+    tonic::transport::Endpoint::from_shared(format!("http://{}", url.authority))
+        .map_err(|e| format!("{url}: {e}"))
+}
+
+/// How a client reaches kas when plain TCP is not enough: TCP (through the proxy's tunnel,
+/// if any), TLS (ALPN `h2`, or `http/1.1` under a WebSocket), then the WebSocket upgrade.
+#[cfg(not(madsim))]
+#[derive(Clone)]
+struct Dialer {
+    url: KasUrl,
+    tls: Option<Arc<rustls::ClientConfig>>,
+    proxy: Option<Proxy>,
+    timeout: Duration,
+}
+
+#[cfg(not(madsim))]
+impl Dialer {
+    fn new(
+        url: &KasUrl,
+        ca_file: Option<&Path>,
+        proxy: Option<&Proxy>,
+        timeout: Duration,
+    ) -> Result<Dialer, String> {
+        let alpn = if url.websocket { ALPN_HTTP1 } else { ALPN_GRPC };
+        Ok(Dialer {
+            url: url.clone(),
+            tls: url.tls.then(|| client_config(ca_file, alpn)).transpose()?,
+            proxy: proxy.cloned(),
+            timeout,
+        })
+    }
+
+    async fn dial(&self) -> std::io::Result<Box<dyn crate::ws::Io>> {
+        let url = &self.url;
+        let tcp = match &self.proxy {
+            Some(p) => p.connect(&url.authority).await?,
+            None => {
+                let tcp = tokio::net::TcpStream::connect(&url.authority).await?;
+                let _ = tcp.set_nodelay(true);
+                tcp
+            }
+        };
+        let stream: Box<dyn crate::ws::Io> = match &self.tls {
+            None => Box::new(tcp),
+            Some(config) => {
+                let name = rustls::pki_types::ServerName::try_from(url.host.clone())
+                    .map_err(|e| std::io::Error::new(std::io::ErrorKind::InvalidInput, e))?;
+                let connector = tokio_rustls::TlsConnector::from(config.clone());
+                Box::new(connector.connect(name, tcp).await?)
+            }
+        };
+        if !url.websocket {
+            return Ok(stream);
+        }
+        Ok(Box::new(crate::ws::upgrade(url, stream).await?))
+    }
+
+    /// The connector tonic calls for each connection attempt.
+    fn connector(
+        self,
+    ) -> impl tower::Service<
+        tonic::transport::Uri,
+        Response = hyper_util::rt::TokioIo<Box<dyn crate::ws::Io>>,
+        Error = std::io::Error,
+        Future = impl Send,
+    > + Clone
+    + Send {
+        tower::service_fn(move |_: tonic::transport::Uri| {
+            let dialer = self.clone();
+            async move {
+                tokio::time::timeout(dialer.timeout, dialer.dial())
+                    .await
+                    .map_err(|_| {
+                        std::io::Error::new(std::io::ErrorKind::TimedOut, "connect timed out")
+                    })?
+                    .map(hyper_util::rt::TokioIo::new)
+            }
+        })
+    }
+
+    async fn connect(
+        self,
+        endpoint: tonic::transport::Endpoint,
+    ) -> Result<tonic::transport::Channel, tonic::transport::Error> {
+        endpoint.connect_with_connector(self.connector()).await
+    }
+
+    fn connect_lazy(self, endpoint: tonic::transport::Endpoint) -> tonic::transport::Channel {
+        endpoint.connect_with_connector_lazy(self.connector())
+    }
+}
+
+/// In the simulation every connection is plain TCP: TLS, WebSockets and proxies are
+/// refused at configuration, and here.
 #[cfg(madsim)]
-async fn dialled(
-    url: &KasUrl,
-    _: Option<&Path>,
-    _: Option<&Proxy>,
-    _: Duration,
-) -> Result<Result<tonic::transport::Channel, tonic::transport::Error>, String> {
-    Err(format!("{url}: WebSockets and proxies are not simulated"))
+struct Dialer;
+
+#[cfg(madsim)]
+impl Dialer {
+    fn new(
+        url: &KasUrl,
+        _: Option<&Path>,
+        _: Option<&Proxy>,
+        _: Duration,
+    ) -> Result<Dialer, String> {
+        Err(format!(
+            "{url}: TLS, WebSockets and proxies are not simulated"
+        ))
+    }
+
+    async fn connect(
+        self,
+        _: tonic::transport::Endpoint,
+    ) -> Result<tonic::transport::Channel, tonic::transport::Error> {
+        unreachable!("Dialer::new refuses in the simulation")
+    }
+
+    fn connect_lazy(self, _: tonic::transport::Endpoint) -> tonic::transport::Channel {
+        unreachable!("Dialer::new refuses in the simulation")
+    }
 }
 
 /// A client configuration trusting the PEM CA certificates in `ca_file` (the system's
@@ -314,52 +388,6 @@ pub fn client_config(
         .with_no_client_auth();
     config.alpn_protocols = alpn.iter().map(|p| p.to_vec()).collect();
     Ok(Arc::new(config))
-}
-
-/// A channel endpoint for `url`; with TLS, kas's certificate must chain to the PEM CA
-/// certificates in `ca_file`, or to the system's roots without one.
-pub fn endpoint(
-    url: &KasUrl,
-    ca_file: Option<&Path>,
-) -> Result<tonic::transport::Endpoint, String> {
-    let scheme = if url.tls { "https" } else { "http" };
-    let endpoint = tonic::transport::Endpoint::from_shared(format!("{scheme}://{}", url.authority))
-        .map_err(|e| format!("{url}: {e}"))?;
-    if !url.tls {
-        return Ok(endpoint);
-    }
-    client_tls(endpoint, url, ca_file)
-}
-
-#[cfg(not(madsim))]
-fn client_tls(
-    endpoint: tonic::transport::Endpoint,
-    url: &KasUrl,
-    ca_file: Option<&Path>,
-) -> Result<tonic::transport::Endpoint, String> {
-    use tonic::transport::{Certificate, ClientTlsConfig};
-    let config = ClientTlsConfig::new().domain_name(url.host.clone());
-    let config = match ca_file {
-        Some(f) => {
-            read_certificates(f)?;
-            let pem = std::fs::read(f).map_err(|e| format!("{}: {e}", f.display()))?;
-            config.ca_certificate(Certificate::from_pem(pem))
-        }
-        None => config.with_native_roots(),
-    };
-    endpoint
-        .tls_config(config)
-        .map_err(|e| format!("{url}: {e}"))
-}
-
-/// In the simulation every connection is plaintext.
-#[cfg(madsim)]
-fn client_tls(
-    _: tonic::transport::Endpoint,
-    url: &KasUrl,
-    _: Option<&Path>,
-) -> Result<tonic::transport::Endpoint, String> {
-    Err(format!("{url}: TLS is not simulated"))
 }
 
 /// A failed connection to kas at `url` in the operator's terms: a certificate that does

@@ -27,25 +27,12 @@ pub fn config() -> WebSocketConfig {
 pub trait Io: AsyncRead + AsyncWrite + Send + Unpin {}
 impl<T: AsyncRead + AsyncWrite + Send + Unpin> Io for T {}
 
-/// Opens, over `tcp` to kas at `url` (`ws://`, or `wss://` with `tls`), the WebSocket
-/// its gRPC connection runs in.
+/// Opens, over `stream` to kas at `url` (`ws://`, or `wss://` with TLS already on it),
+/// the WebSocket its gRPC connection runs in.
 pub async fn upgrade(
     url: &crate::tls::KasUrl,
-    tcp: tokio::net::TcpStream,
-    tls: Option<std::sync::Arc<rustls::ClientConfig>>,
+    stream: Box<dyn Io>,
 ) -> io::Result<WsBytes<Box<dyn Io>>> {
-    let stream: Box<dyn Io> = match tls {
-        None => Box::new(tcp),
-        Some(config) => {
-            let name = rustls::pki_types::ServerName::try_from(url.host.clone())
-                .map_err(|e| io::Error::new(io::ErrorKind::InvalidInput, e))?;
-            Box::new(
-                tokio_rustls::TlsConnector::from(config)
-                    .connect(name, tcp)
-                    .await?,
-            )
-        }
-    };
     let scheme = if url.tls { "wss" } else { "ws" };
     let (ws, _) = tokio_tungstenite::client_async_with_config(
         format!("{scheme}://{}/", url.authority),

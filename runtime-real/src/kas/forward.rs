@@ -118,10 +118,11 @@ impl Forwarder {
                 ..url
             })
             .map_err(|e| format!("bad kas address: {e}"))?;
-        let channel = crate::tls::endpoint(&url, self.private_tls.ca_file.as_deref())?
-            .connect_timeout(Duration::from_secs(2))
-            .tcp_nodelay(true)
-            .connect_lazy();
+        let channel = crate::tls::connect_lazy(
+            &url,
+            self.private_tls.ca_file.as_deref(),
+            Duration::from_secs(2),
+        )?;
         channels.retain(|_, (_, used)| now.duration_since(*used) < IDLE_CHANNEL);
         channels.insert(kas.clone(), (channel.clone(), now));
         Ok(channel)
