@@ -330,9 +330,9 @@ impl Dialer {
 }
 
 /// In the simulation every connection is plain TCP: TLS, WebSockets and proxies are
-/// refused at configuration, and here.
+/// refused at configuration, and here (no dialer can be made).
 #[cfg(madsim)]
-struct Dialer;
+enum Dialer {}
 
 #[cfg(madsim)]
 impl Dialer {
@@ -351,11 +351,11 @@ impl Dialer {
         self,
         _: tonic::transport::Endpoint,
     ) -> Result<tonic::transport::Channel, tonic::transport::Error> {
-        unreachable!("Dialer::new refuses in the simulation")
+        match self {}
     }
 
     fn connect_lazy(self, _: tonic::transport::Endpoint) -> tonic::transport::Channel {
-        unreachable!("Dialer::new refuses in the simulation")
+        match self {}
     }
 }
 
