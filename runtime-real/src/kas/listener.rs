@@ -144,10 +144,18 @@ impl Acceptor {
     pub fn handshaking(mut self, handshakes: Handshakes) -> Incoming {
         let local = self.listener.local_addr();
         let (tx, rx) = mpsc::channel(64);
-        let tls = handshakes.tls.clone().map(tokio_rustls::TlsAcceptor::from);
+        let stage = Stage {
+            tls: handshakes.tls.map(tokio_rustls::TlsAcceptor::from),
+            websocket: handshakes.websocket,
+            timeout: handshakes.timeout,
+            guard: self.guard,
+            what: self.what,
+            metrics: self.metrics.clone(),
+            log_limit: Arc::default(),
+            local_addr: local.as_ref().ok().copied(),
+            tx,
+        };
         let permits = Arc::new(Semaphore::new(MAX_HANDSHAKES));
-        let log_limit = Arc::new(Mutex::new(LogLimit::default()));
-        let local_addr = local.as_ref().ok().copied();
         tokio::spawn(async move {
             loop {
                 let Ok(permit) = permits.clone().acquire_owned().await else {
@@ -155,52 +163,97 @@ impl Acceptor {
                 };
                 let (stream, peer) = tokio::select! {
                     c = self.accept_tcp() => c,
-                    () = tx.closed() => return,
+                    () = stage.tx.closed() => return,
                 };
-                let (tls, tx, guard) = (tls.clone(), tx.clone(), self.guard);
-                let (what, metrics, log_limit) =
-                    (self.what, self.metrics.clone(), log_limit.clone());
-                let websocket = handshakes.websocket;
-                let timeout = handshakes.timeout;
+                let stage = stage.clone();
                 tokio::spawn(async move {
-                    let _permit = permit;
-                    let done =
-                        tokio::time::timeout(timeout, handshake(stream, tls.as_ref(), websocket))
-                            .await;
-                    match done {
-                        Ok(Ok(io)) => {
-                            let conn = Accepted {
-                                io,
-                                info: tonic::transport::server::TcpConnectInfo {
-                                    local_addr,
-                                    remote_addr: Some(peer),
-                                },
-                            };
-                            let _ = tx.send((Guarded::new(conn, guard), peer)).await;
-                        }
-                        failed => {
-                            metrics.handshake_error(what);
-                            let why = match failed {
-                                Ok(Err(e)) => e.to_string(),
-                                _ => "no handshake within listen.handshake_timeout".into(),
-                            };
-                            let allowed =
-                                log_limit.lock().unwrap_or_else(|p| p.into_inner()).allow();
-                            if let Some(unlogged) = allowed {
-                                tracing::info!(
-                                    listener = what,
-                                    %peer,
-                                    error = %why,
-                                    similar_errors_not_logged = unlogged,
-                                    "handshake failed"
-                                );
-                            }
-                        }
-                    }
+                    stage.run(stream, peer).await;
+                    drop(permit);
                 });
             }
         });
         Incoming { rx, local }
+    }
+}
+
+/// What each connection of a handshaking listener goes through, and where it goes then.
+#[derive(Clone)]
+struct Stage {
+    tls: Option<tokio_rustls::TlsAcceptor>,
+    websocket: bool,
+    timeout: Duration,
+    guard: Guard,
+    what: &'static str,
+    metrics: Metrics,
+    log_limit: Arc<Mutex<LogLimit>>,
+    local_addr: Option<SocketAddr>,
+    tx: mpsc::Sender<(Guarded<Accepted>, SocketAddr)>,
+}
+
+impl Stage {
+    /// Handshakes `stream` and hands it on, or counts and logs why it failed.
+    async fn run(self, stream: TcpStream, peer: SocketAddr) {
+        let info = tonic::transport::server::TcpConnectInfo {
+            local_addr: self.local_addr,
+            remote_addr: Some(peer),
+        };
+        let done = tokio::time::timeout(self.timeout, self.handshake(stream, info)).await;
+        let why = match done {
+            Ok(Ok(conn)) => {
+                let _ = self.tx.send((Guarded::new(conn, self.guard), peer)).await;
+                return;
+            }
+            Ok(Err(e)) => e.to_string(),
+            Err(_) => "no handshake within listen.handshake_timeout".into(),
+        };
+        self.metrics.handshake_error(self.what);
+        let allowed = self
+            .log_limit
+            .lock()
+            .unwrap_or_else(|p| p.into_inner())
+            .allow();
+        if let Some(unlogged) = allowed {
+            tracing::info!(
+                listener = self.what,
+                %peer,
+                error = %why,
+                similar_errors_not_logged = unlogged,
+                "handshake failed"
+            );
+        }
+    }
+
+    /// TLS (when configured), then the WebSocket upgrade (when enabled and asked for).
+    async fn handshake(
+        &self,
+        stream: TcpStream,
+        info: tonic::transport::server::TcpConnectInfo,
+    ) -> io::Result<Accepted> {
+        let io: Box<dyn Io> = match &self.tls {
+            Some(tls) => Box::new(handshake_tls(tls, stream).await?),
+            None => Box::new(stream),
+        };
+        let mut conn = Accepted {
+            io,
+            head: Vec::new(),
+            info: info.clone(),
+        };
+        if !self.websocket || conn.starts_with(b"PRI ").await? {
+            return Ok(conn);
+        }
+        let ws = tokio_tungstenite::accept_async_with_config(conn, Some(crate::ws::config()))
+            .await
+            .map_err(|e| {
+                io::Error::new(
+                    io::ErrorKind::InvalidData,
+                    format!("neither HTTP/2 nor a WebSocket upgrade: {e}"),
+                )
+            })?;
+        Ok(Accepted {
+            io: Box::new(crate::ws::WsBytes::new(ws)),
+            head: Vec::new(),
+            info,
+        })
     }
 }
 
@@ -230,34 +283,6 @@ pub struct Handshakes {
     pub timeout: Duration,
 }
 
-/// TLS (when configured), then the WebSocket upgrade (when enabled and asked for).
-async fn handshake(
-    stream: TcpStream,
-    tls: Option<&tokio_rustls::TlsAcceptor>,
-    websocket: bool,
-) -> io::Result<Box<dyn Io>> {
-    let io: Box<dyn Io> = match tls {
-        Some(tls) => Box::new(handshake_tls(tls, stream).await?),
-        None => Box::new(stream),
-    };
-    if !websocket {
-        return Ok(io);
-    }
-    let mut io = Rewind::new(io);
-    if io.starts_with(b"PRI ").await? {
-        return Ok(Box::new(io));
-    }
-    let ws = tokio_tungstenite::accept_async_with_config(io, Some(crate::ws::config()))
-        .await
-        .map_err(|e| {
-            io::Error::new(
-                io::ErrorKind::InvalidData,
-                format!("neither HTTP/2 nor a WebSocket upgrade: {e}"),
-            )
-        })?;
-    Ok(Box::new(crate::ws::WsBytes::new(ws)))
-}
-
 /// A TLS handshake; a client that speaks plaintext first is named as such.
 async fn handshake_tls(
     tls: &tokio_rustls::TlsAcceptor,
@@ -276,27 +301,22 @@ async fn handshake_tls(
     tls.accept(stream).await
 }
 
-/// A stream whose first bytes were read to tell what it speaks, and are read again.
-struct Rewind {
-    inner: Box<dyn Io>,
+/// A connection after its handshakes, with its addresses. While the handshakes tell what
+/// it speaks, the bytes read for that (`head`) are kept to be read again.
+pub struct Accepted {
+    io: Box<dyn Io>,
     head: Vec<u8>,
+    info: tonic::transport::server::TcpConnectInfo,
 }
 
-impl Rewind {
-    fn new(inner: Box<dyn Io>) -> Self {
-        Rewind {
-            inner,
-            head: Vec::new(),
-        }
-    }
-
+impl Accepted {
     /// True when the stream starts with `prefix` (read, and kept to be read again).
     async fn starts_with(&mut self, prefix: &[u8]) -> io::Result<bool> {
         use tokio::io::AsyncReadExt;
         while self.head.len() < prefix.len() {
             let mut b = [0u8; 8];
             let want = prefix.len() - self.head.len();
-            let n = self.inner.read(&mut b[..want]).await?;
+            let n = self.io.read(&mut b[..want]).await?;
             if n == 0 {
                 return Err(io::ErrorKind::UnexpectedEof.into());
             }
@@ -306,7 +326,7 @@ impl Rewind {
     }
 }
 
-impl AsyncRead for Rewind {
+impl AsyncRead for Accepted {
     fn poll_read(
         mut self: Pin<&mut Self>,
         cx: &mut Context<'_>,
@@ -319,40 +339,6 @@ impl AsyncRead for Rewind {
             self.head = rest;
             return Poll::Ready(Ok(()));
         }
-        Pin::new(&mut self.inner).poll_read(cx, buf)
-    }
-}
-
-impl AsyncWrite for Rewind {
-    fn poll_write(
-        mut self: Pin<&mut Self>,
-        cx: &mut Context<'_>,
-        buf: &[u8],
-    ) -> Poll<io::Result<usize>> {
-        Pin::new(&mut self.inner).poll_write(cx, buf)
-    }
-
-    fn poll_flush(mut self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<io::Result<()>> {
-        Pin::new(&mut self.inner).poll_flush(cx)
-    }
-
-    fn poll_shutdown(mut self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<io::Result<()>> {
-        Pin::new(&mut self.inner).poll_shutdown(cx)
-    }
-}
-
-/// A connection after its handshakes, with its addresses.
-pub struct Accepted {
-    io: Box<dyn Io>,
-    info: tonic::transport::server::TcpConnectInfo,
-}
-
-impl AsyncRead for Accepted {
-    fn poll_read(
-        mut self: Pin<&mut Self>,
-        cx: &mut Context<'_>,
-        buf: &mut ReadBuf<'_>,
-    ) -> Poll<io::Result<()>> {
         Pin::new(&mut self.io).poll_read(cx, buf)
     }
 }
