@@ -271,7 +271,6 @@ impl axum::serve::Listener for Acceptor {
 }
 
 /// What a listener does with a connection before serving it.
-#[derive(Clone)]
 pub struct Handshakes {
     /// TLS with this configuration.
     pub tls: Option<Arc<rustls::ServerConfig>>,
