@@ -14,7 +14,7 @@ async fn agentk_reconnects_after_its_kas_restarts_and_is_routable_again() {
     let mut kas = KasProc::start(&secrets, "kas", None, 10_000, "").await;
     let mut agentk = AgentkProc::start(
         &secrets,
-        kas.agent,
+        &kas.agent.to_string(),
         &agent_token(1),
         "agent1-pod",
         PODS,
@@ -57,7 +57,7 @@ async fn agentk_with_a_refused_token_says_so_and_backs_off() {
     let started = Instant::now();
     let mut agentk = AgentkProc::start(
         &secrets,
-        kas.agent,
+        &kas.agent.to_string(),
         "not-a-token-kas-knows-0123456789",
         "bad-agent",
         PODS,
@@ -92,7 +92,7 @@ async fn agentk_leaves_on_sigterm_and_kas_forgets_it() {
     let kas = KasProc::start(&secrets, "kas", None, 10_000, "").await;
     let mut agentk = AgentkProc::start(
         &secrets,
-        kas.agent,
+        &kas.agent.to_string(),
         &agent_token(1),
         "agent1-pod",
         PODS,

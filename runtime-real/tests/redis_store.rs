@@ -10,6 +10,12 @@ use std::time::Duration;
 use support::Redis;
 use tokio::sync::mpsc;
 
+/// A store on `redis` (no TLS, no user) whose commands time out after `timeout`.
+fn store(redis: &Redis, timeout: Duration) -> Store {
+    let (auth, tls) = (Default::default(), Default::default());
+    Store::Redis(RedisStore::new(&redis.address(), &auth, &tls, timeout).expect("store"))
+}
+
 fn write(key: &str, set: &[(&str, &str)], delete: &[&str], publish: &str) -> KeyWrite {
     KeyWrite {
         key: key.into(),
@@ -66,15 +72,7 @@ fn calls(redis: &Redis, command: &str) -> u64 {
 #[tokio::test]
 async fn batch_writes_are_one_command_and_announce_only_recreated_records() {
     let redis = Redis::start().expect("redis-server starts");
-    let store = Store::Redis(
-        RedisStore::new(
-            &redis.address(),
-            &Default::default(),
-            &Default::default(),
-            Duration::from_secs(2),
-        )
-        .expect("store"),
-    );
+    let store = store(&redis, Duration::from_secs(2));
     let (pubsub, mut events) = store.pubsub();
     assert!(matches!(next(&mut events).await, PubSubEvent::Up));
     pubsub.subscribe("events".into());
@@ -140,15 +138,7 @@ async fn batch_writes_are_one_command_and_announce_only_recreated_records() {
 #[tokio::test]
 async fn pubsub_reports_down_and_up_across_a_redis_restart() {
     let mut redis = Redis::start().expect("redis-server starts");
-    let store = Store::Redis(
-        RedisStore::new(
-            &redis.address(),
-            &Default::default(),
-            &Default::default(),
-            Duration::from_millis(500),
-        )
-        .expect("store"),
-    );
+    let store = store(&redis, Duration::from_millis(500));
     let (pubsub, mut events) = store.pubsub();
     assert!(matches!(next(&mut events).await, PubSubEvent::Up));
     pubsub.subscribe("events".into());
@@ -166,15 +156,7 @@ async fn pubsub_reports_down_and_up_across_a_redis_restart() {
 async fn gc_script_deletes_expired_and_undecodable_fields_only() {
     use kas_core::{Time, expiring};
     let redis = Redis::start().expect("redis-server starts");
-    let store = Store::Redis(
-        RedisStore::new(
-            &redis.address(),
-            &Default::default(),
-            &Default::default(),
-            Duration::from_secs(2),
-        )
-        .expect("store"),
-    );
+    let store = store(&redis, Duration::from_secs(2));
     let now = Time(1_700_000_000_000);
     let live = expiring::encode(b"payload", Time(now.0 + 1));
     let dead = expiring::encode(b"payload", now);

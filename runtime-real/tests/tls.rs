@@ -37,7 +37,7 @@ async fn calls_route_through_three_kas_with_tls_on_every_hop() {
         fleet.push(tls_kas(&s, name, Some(&redis), &pki.ca()).await);
     }
     let ca = pki.ca().display().to_string();
-    let agentk = AgentkProc::start_at(
+    let agentk = AgentkProc::start(
         &s,
         &format!("grpcs://{}", fleet[0].agent),
         &agent_token(1),
@@ -156,7 +156,7 @@ async fn a_certificate_replaced_on_disk_is_served_while_tunnels_stay_up() {
     first.issue("kas");
     let kas = tls_kas(&s, "kas", None, &first.ca()).await;
     let ca = first.ca().display().to_string();
-    let agentk = AgentkProc::start_at(
+    let agentk = AgentkProc::start(
         &s,
         &format!("grpcs://{}", kas.agent),
         &agent_token(1),

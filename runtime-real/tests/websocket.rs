@@ -13,21 +13,30 @@ use support::*;
 
 const PODS: &str = "- {namespace: default, name: web-1, phase: Running, node_name: node-a}\n";
 
-#[tokio::test(flavor = "multi_thread")]
-async fn agentk_over_wss_and_over_grpcs_share_one_agent_listener() {
-    let s = Secrets::new();
+/// A kas whose agent listener serves TLS and takes WebSocket upgrades (and whose api
+/// listener serves TLS too when `api_tls`), and the CA that issued its certificate.
+async fn websocket_kas(s: &Secrets, api_tls: bool) -> (KasProc, Pki) {
     let pki = Pki::new(s.dir.path(), "one");
     let (cert, key) = pki.issue("kas");
     let lines = tls_lines(&cert, &key);
     let agent_lines = format!("{lines}    websocket: true\n");
     let extra = Extra {
         agent_listen: &agent_lines,
-        api_listen: &lines,
+        api_listen: if api_tls { &lines } else { "" },
         ..Extra::default()
     };
-    let kas = KasProc::start_extra(&s, "kas", None, 10_000, extra, None).await;
+    (
+        KasProc::start_extra(s, "kas", None, 10_000, extra, None).await,
+        pki,
+    )
+}
+
+#[tokio::test(flavor = "multi_thread")]
+async fn agentk_over_wss_and_over_grpcs_share_one_agent_listener() {
+    let s = Secrets::new();
+    let (kas, pki) = websocket_kas(&s, true).await;
     let ca = pki.ca().display().to_string();
-    let _ws = AgentkProc::start_at(
+    let _ws = AgentkProc::start(
         &s,
         &format!("wss://{}", kas.agent),
         &agent_token(1),
@@ -35,7 +44,7 @@ async fn agentk_over_wss_and_over_grpcs_share_one_agent_listener() {
         PODS,
         &["--ca-cert-file", &ca],
     );
-    let _grpc = AgentkProc::start_at(
+    let _grpc = AgentkProc::start(
         &s,
         &format!("grpcs://{}", kas.agent),
         &agent_token(1),
@@ -145,7 +154,7 @@ async fn agentk_reaches_kas_through_nginx_over_wss_and_survives_a_reload() {
     let kas = KasProc::start_extra(&s, "kas", None, 10_000, extra, None).await;
     let nginx = Nginx::start(s.dir.path(), &cert, &key, kas.agent);
     let ca = pki.ca().display().to_string();
-    let agentk = AgentkProc::start_at(
+    let agentk = AgentkProc::start(
         &s,
         &format!("wss://127.0.0.1:{}", nginx.port),
         &agent_token(1),
@@ -229,15 +238,7 @@ impl Drop for Tinyproxy {
 #[tokio::test(flavor = "multi_thread")]
 async fn agentk_reaches_kas_through_an_http_proxy_unless_no_proxy_says_otherwise() {
     let s = Secrets::new();
-    let pki = Pki::new(s.dir.path(), "one");
-    let (cert, key) = pki.issue("kas");
-    let lines = tls_lines(&cert, &key);
-    let agent_lines = format!("{lines}    websocket: true\n");
-    let extra = Extra {
-        agent_listen: &agent_lines,
-        ..Extra::default()
-    };
-    let kas = KasProc::start_extra(&s, "kas", None, 10_000, extra, None).await;
+    let (kas, pki) = websocket_kas(&s, false).await;
     let proxy = Tinyproxy::start(s.dir.path());
     let ca = pki.ca().display().to_string();
     let proxy_url = format!("http://127.0.0.1:{}", proxy.port);

@@ -462,21 +462,9 @@ pub struct AgentkProc {
 }
 
 impl AgentkProc {
-    /// Starts agentk against `kas_agent` with `token`, as pod `pod`, serving `pods` (YAML
-    /// fixture text), with `extra` flags.
+    /// Starts agentk with `--kas kas` (`host:port`, or a URL: `grpcs://` for TLS) and
+    /// `token`, as pod `pod`, serving `pods` (YAML fixture text), with `extra` flags.
     pub fn start(
-        secrets: &Secrets,
-        kas_agent: SocketAddr,
-        token: &str,
-        pod: &str,
-        pods: &str,
-        extra: &[&str],
-    ) -> AgentkProc {
-        Self::start_at(secrets, &kas_agent.to_string(), token, pod, pods, extra)
-    }
-
-    /// Like `start`, with `--kas kas` (a URL: `grpcs://` for TLS).
-    pub fn start_at(
         secrets: &Secrets,
         kas: &str,
         token: &str,
@@ -487,7 +475,7 @@ impl AgentkProc {
         Self::start_env(secrets, kas, token, pod, pods, extra, &[])
     }
 
-    /// Like `start_at`, with `env` set too.
+    /// Like `start`, with `env` set too.
     pub fn start_env(
         secrets: &Secrets,
         kas: &str,
