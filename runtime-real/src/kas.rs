@@ -121,19 +121,18 @@ struct Listening {
     websocket: bool,
 }
 
-/// The TLS configuration of listener `what` (`key`) when `listen` sets a certificate; its
-/// files are watched for as long as the listener holds it.
+/// The TLS configuration of listener `what` (`<what>.listen`) when `listen` sets a
+/// certificate; its files are watched for as long as the listener holds it.
 #[cfg(not(madsim))]
 fn tls_config(
     listen: &Listen,
     what: &'static str,
-    key: &str,
     alpn: &[&[u8]],
 ) -> Result<Option<Arc<rustls::ServerConfig>>, StartError> {
     let Some((cert_file, key_file)) = listen.tls() else {
         return Ok(None);
     };
-    let setup = |e: String| StartError::Setup(format!("{key}: {e}"));
+    let setup = |e: String| StartError::Setup(format!("{what}.listen: {e}"));
     let cert = crate::tls::ServerCert::load(cert_file, key_file).map_err(setup)?;
     tokio::spawn(crate::tls::watch(Arc::downgrade(&cert), what));
     Ok(Some(Arc::new(
@@ -146,7 +145,6 @@ fn tls_config(
 fn tls_config(
     _: &Listen,
     _: &'static str,
-    _: &str,
     _: &[&[u8]],
 ) -> Result<Option<Arc<rustls::ServerConfig>>, StartError> {
     Ok(None)
@@ -442,35 +440,26 @@ impl Kas {
         let stop_signal = |mut rx: watch::Receiver<bool>| async move {
             let _ = rx.wait_for(|c| *c).await;
         };
-        let listening = |listen: &Listen, what, key, alpn| -> Result<Listening, StartError> {
+        // `alpn`: what the listener speaks; an agent listener behind a proxy that passes
+        // only HTTP/1.1 also takes WebSocket upgrades.
+        let listening = |listen: &Listen, what, alpn| -> Result<Listening, StartError> {
+            let alpn = if listen.websocket {
+                ALPN_GRPC_OR_HTTP1
+            } else {
+                alpn
+            };
             Ok(Listening {
                 handshake: listen.handshake_timeout,
                 what,
                 metrics: metrics.clone(),
-                tls: tls_config(listen, what, key, alpn)?,
+                tls: tls_config(listen, what, alpn)?,
                 websocket: listen.websocket,
             })
         };
-        let api_listening = listening(&config.api.listen, "api", "api.listen", ALPN_GRPC)?;
-        let private_listening = listening(
-            &config.private_api.listen,
-            "private_api",
-            "private_api.listen",
-            ALPN_GRPC,
-        )?;
-        // Behind a proxy that passes only HTTP/1.1, agents come in WebSocket upgrades.
-        let agent_alpn = if a.listen.websocket {
-            ALPN_GRPC_OR_HTTP1
-        } else {
-            ALPN_GRPC
-        };
-        let agent_listening = listening(&a.listen, "agent", "agent.listen", agent_alpn)?;
-        let obs_listening = listening(
-            &config.observability.listen,
-            "observability",
-            "observability.listen",
-            ALPN_HTTP1,
-        )?;
+        let api_listening = listening(&config.api.listen, "api", ALPN_GRPC)?;
+        let private_listening = listening(&config.private_api.listen, "private_api", ALPN_GRPC)?;
+        let agent_listening = listening(&a.listen, "agent", ALPN_GRPC)?;
+        let obs_listening = listening(&config.observability.listen, "observability", ALPN_HTTP1)?;
         let api_server = serve(
             server(&config.api.listen).add_service(public),
             api_l,

@@ -26,7 +26,8 @@ const CONNECT_TIMEOUT: Duration = Duration::from_secs(5);
 /// How an agent connects and keeps its tunnels.
 #[derive(Clone, Debug)]
 pub struct AgentOptions {
-    /// kas's agent listener: `host:port`, `grpc://host:port` or `grpcs://host:port`.
+    /// kas's agent listener: `host:port`, or a URL (`grpc://`, `grpcs://`, `ws://`,
+    /// `wss://`; see [`KasUrl`]).
     pub kas: String,
     /// PEM CA certificates kas's certificate must chain to (the system's roots without).
     pub ca_cert_file: Option<std::path::PathBuf>,
