@@ -13,6 +13,7 @@ const FILES: &[&str] = &[
     "kas/private_api.proto",
     "kas/agent_api.proto",
     "kas/pods.proto",
+    "kas/http.proto",
 ];
 
 fn main() -> Result<(), Box<dyn std::error::Error>> {

@@ -6,6 +6,12 @@
 //! forward stream (kas -> kas) carries exactly one call, and may instead be answered by a
 //! single `Error`: the serving kas's "not delivered".
 //!
+//! A streaming call (`RequestStart.streaming`) is two-way: its request frames may keep
+//! coming while the answer flows, and the agent may end it (trailer) before the request
+//! side closed; request frames already under way then arrive after the end and are let
+//! through as [`Progress::Late`]. On a forward, the serving kas tells the routing kas that
+//! such a call was handed to a tunnel with a `Delivered` frame, before any answer frame.
+//!
 //! Only a kas may say a call was not delivered (at-most-once): an `Error` frame from an
 //! agent on a tunnel, and an `Error` after any answer frame on a forward, are protocol
 //! violations that end the call without a retry. (An agent's `Error` was once relayed by
@@ -22,7 +28,7 @@ pub enum Direction {
     /// From the caller towards the agent: `RequestStart`, `Message`, `CloseSend`.
     ToAgent,
     /// From the agent (or the serving kas) back: `Descriptor`, `Header`, `Message`,
-    /// `Trailer`, `Error`.
+    /// `Trailer`, `Error`, `Delivered`.
     FromAgent,
 }
 
@@ -44,6 +50,8 @@ pub enum Progress {
     Started(u64),
     /// The frame ended call `request_id` (trailer or error).
     Finished(u64),
+    /// A request frame of the call that just ended, sent before its end was seen: to drop.
+    Late,
 }
 
 /// A frame that breaks the protocol.
@@ -98,6 +106,8 @@ pub enum FrameError {
         /// The call's id.
         request_id: u64,
     },
+    /// A `Delivered` frame twice, or after the answer began.
+    DeliveredOutOfOrder,
 }
 
 impl std::fmt::Display for FrameError {
@@ -131,6 +141,9 @@ impl std::fmt::Display for FrameError {
                 f,
                 "error frame for request {request_id}: only kas may refuse a call, and only before answering it (an agent ends a call with a trailer)"
             ),
+            FrameError::DeliveredOutOfOrder => {
+                write!(f, "delivered frame twice or after the answer began")
+            }
         }
     }
 }
@@ -142,6 +155,7 @@ struct OpenCall {
     id: u64,
     request_closed: bool,
     response_started: bool,
+    delivered: bool,
 }
 
 /// Checks the frames of one stream. See the module docs for the grammar.
@@ -151,6 +165,8 @@ pub struct FrameSequence {
     descriptor_seen: bool,
     open: Option<OpenCall>,
     last_finished: Option<u64>,
+    /// The last finished call ended before its request side closed.
+    late_requests: bool,
 }
 
 impl FrameSequence {
@@ -161,6 +177,7 @@ impl FrameSequence {
             descriptor_seen: false,
             open: None,
             last_finished: None,
+            late_requests: false,
         }
     }
 
@@ -172,6 +189,11 @@ impl FrameSequence {
     /// True once a tunnel has received its descriptor (always true for forward streams).
     pub fn is_ready(&self) -> bool {
         self.kind == StreamKind::Forward || self.descriptor_seen
+    }
+
+    /// True unless a call is open whose request side has not closed yet.
+    pub fn request_closed(&self) -> bool {
+        self.open.as_ref().is_none_or(|c| c.request_closed)
     }
 
     /// The open call's id.
@@ -215,8 +237,17 @@ impl FrameSequence {
                 Ok(Progress::Continue)
             }
             (Direction::FromAgent, Kind::Trailer(t)) => self.finish(t.request_id, name),
+            (Direction::FromAgent, Kind::Delivered(d)) if self.kind == StreamKind::Forward => {
+                let call = self.call_mut(d.request_id, name)?;
+                if call.delivered || call.response_started {
+                    return Err(FrameError::DeliveredOutOfOrder);
+                }
+                call.delivered = true;
+                Ok(Progress::Continue)
+            }
             (Direction::FromAgent, Kind::Error(e)) => {
-                let answered = self.call_mut(e.request_id, name)?.response_started;
+                let call = self.call_mut(e.request_id, name)?;
+                let answered = call.response_started || call.delivered;
                 if answered || self.kind == StreamKind::Tunnel {
                     return Err(FrameError::MisplacedError {
                         request_id: e.request_id,
@@ -244,7 +275,9 @@ impl FrameSequence {
             id,
             request_closed: false,
             response_started: false,
+            delivered: false,
         });
+        self.late_requests = false;
         Ok(Progress::Started(id))
     }
 
@@ -254,6 +287,10 @@ impl FrameSequence {
         name: &'static str,
         close: bool,
     ) -> Result<Progress, FrameError> {
+        if self.open.is_none() && self.late_requests && self.last_finished == Some(id) {
+            self.late_requests = !close;
+            return Ok(Progress::Late);
+        }
         let call = self.call_mut(id, name)?;
         if call.request_closed {
             return Err(FrameError::AfterCloseSend { kind: name });
@@ -263,7 +300,7 @@ impl FrameSequence {
     }
 
     fn finish(&mut self, id: u64, name: &'static str) -> Result<Progress, FrameError> {
-        self.call_mut(id, name)?;
+        self.late_requests = !self.call_mut(id, name)?.request_closed;
         self.open = None;
         self.last_finished = Some(id);
         Ok(Progress::Finished(id))
@@ -294,6 +331,7 @@ fn kind_name(kind: &Kind) -> &'static str {
         Kind::Trailer(_) => "trailer",
         Kind::Error(_) => "error",
         Kind::Heartbeat(_) => "heartbeat",
+        Kind::Delivered(_) => "delivered",
     }
 }
 
@@ -453,7 +491,7 @@ mod tests {
 
     fn any_frame() -> impl proptest::strategy::Strategy<Value = Frame> {
         use proptest::strategy::Strategy;
-        (0u8..9, 0u64..3).prop_map(|(k, id)| match k {
+        (0u8..10, 0u64..3).prop_map(|(k, id)| match k {
             0 => descriptor(),
             1 => start(id),
             2 => msg(id),
@@ -462,6 +500,7 @@ mod tests {
             5 => trailer(id),
             6 => error(id),
             7 => fr(Kind::Heartbeat(f::Heartbeat { sequence: id })),
+            8 => delivered(id),
             _ => Frame { kind: None },
         })
     }
@@ -484,6 +523,7 @@ mod tests {
                         proptest::prop_assert_eq!(open.take(), Some(id));
                         proptest::prop_assert!(s.is_idle());
                     }
+                    Ok(Progress::Late) => proptest::prop_assert!(open.is_none()),
                     Ok(Progress::Continue) | Err(_) => {}
                 }
                 proptest::prop_assert_eq!(s.open_request(), open);
@@ -509,5 +549,66 @@ mod tests {
         assert_eq!(s.check(Up, &Frame { kind: None }), Err(FrameError::Empty));
         let hb = fr(Kind::Heartbeat(f::Heartbeat { sequence: 1 }));
         assert_eq!(s.check(Up, &hb), Ok(Progress::Continue));
+    }
+
+    fn delivered(id: u64) -> Frame {
+        fr(Kind::Delivered(f::Delivered { request_id: id }))
+    }
+
+    #[test]
+    fn a_two_way_call_interleaves_and_its_late_request_frames_are_let_through() {
+        let mut s = ready_tunnel();
+        s.check(Down, &start(1)).unwrap();
+        s.check(Up, &header(1)).unwrap();
+        s.check(Down, &msg(1)).unwrap();
+        s.check(Up, &msg(1)).unwrap();
+        assert_eq!(s.check(Up, &trailer(1)), Ok(Progress::Finished(1)));
+        // Sent before the trailer was seen: dropped, not a protocol error.
+        assert_eq!(s.check(Down, &msg(1)), Ok(Progress::Late));
+        assert_eq!(s.check(Down, &close(1)), Ok(Progress::Late));
+        // Nothing after the close-send, and nothing for another call.
+        assert_eq!(
+            s.check(Down, &msg(1)),
+            Err(FrameError::BeforeStart { kind: "message" })
+        );
+        s.check(Down, &start(2)).unwrap();
+        s.check(Down, &close(2)).unwrap();
+        s.check(Up, &trailer(2)).unwrap();
+        assert_eq!(
+            s.check(Down, &msg(2)),
+            Err(FrameError::BeforeStart { kind: "message" })
+        );
+    }
+
+    #[test]
+    fn delivered_comes_once_on_a_forward_before_the_answer_and_forbids_a_refusal() {
+        let mut fwd = FrameSequence::new(StreamKind::Forward);
+        fwd.check(Down, &start(1)).unwrap();
+        assert_eq!(fwd.check(Up, &delivered(1)), Ok(Progress::Continue));
+        assert_eq!(
+            fwd.check(Up, &delivered(1)),
+            Err(FrameError::DeliveredOutOfOrder)
+        );
+        assert_eq!(
+            fwd.check(Up, &error(1)),
+            Err(FrameError::MisplacedError { request_id: 1 })
+        );
+        fwd.check(Up, &header(1)).unwrap();
+        assert_eq!(fwd.check(Up, &trailer(1)), Ok(Progress::Finished(1)));
+
+        let mut answered = FrameSequence::new(StreamKind::Forward);
+        answered.check(Down, &start(2)).unwrap();
+        answered.check(Up, &msg(2)).unwrap();
+        assert_eq!(
+            answered.check(Up, &delivered(2)),
+            Err(FrameError::DeliveredOutOfOrder)
+        );
+        // Agents never send it.
+        let mut tunnel = ready_tunnel();
+        tunnel.check(Down, &start(3)).unwrap();
+        assert!(matches!(
+            tunnel.check(Up, &delivered(3)),
+            Err(FrameError::WrongDirection { .. })
+        ));
     }
 }

@@ -181,6 +181,12 @@ pub enum NodeInput<C> {
         /// The tunnel.
         tunnel: TunnelId,
     },
+    /// A streaming call reached an agent, or may have: its tunnel began sending it, or the
+    /// serving kas said it handed it to a tunnel. It is never offered elsewhere from now
+    /// on, and its deadline, which bounded its routing only, no longer applies: it lasts
+    /// until its tunnel or forward ends it ([`NodeInput::CallDone`]) or its caller goes
+    /// away.
+    Delivered(RequestId),
     /// The call is over: its tunnel or forward saw the end (delivered, or possibly so).
     CallDone(RequestId),
     /// A tunnel or a kas did not take the call; nothing reached an agent.
@@ -356,6 +362,8 @@ struct CallState<C> {
     in_tunnel: bool,
     /// A forward to another kas holds it.
     forwarding: bool,
+    /// It reached an agent, or may have ([`NodeInput::Delivered`]).
+    delivered: bool,
     started: Time,
 }
 
@@ -556,6 +564,19 @@ impl<C: Clone> KasNode<C> {
                     .handle_input(now, RouterInput::Finished { request });
                 self.end(request, Outcome::Delivered, None);
             }
+            NodeInput::Delivered(request) => {
+                let Some(state) = self.calls.get_mut(&request) else {
+                    return Ok(()); // ended first (its caller went away)
+                };
+                if !(state.in_tunnel || state.forwarding) {
+                    return Err(mistake(format!(
+                        "call {request} reported delivered while no tunnel or forward held it"
+                    )));
+                }
+                state.delivered = true;
+                self.router
+                    .handle_input(now, RouterInput::Finished { request });
+            }
             NodeInput::Bounced(request) => self.bounced(now, request),
             NodeInput::Cancel(request) => {
                 let Some(state) = self.calls.get(&request) else {
@@ -617,6 +638,7 @@ impl<C: Clone> KasNode<C> {
             origin,
             in_tunnel: false,
             forwarding: false,
+            delivered: false,
             started: now,
         };
         self.calls.insert(request, state);
@@ -859,6 +881,14 @@ impl<C: Clone> KasNode<C> {
         let Some(state) = self.calls.get_mut(&request) else {
             return;
         };
+        if state.delivered {
+            // At most once: whatever the driver says now, the call may have reached the
+            // agent, so it is never offered again.
+            self.outputs.push_back(NodeOutput::Inconsistent(format!(
+                "call {request} bounced after it was delivered"
+            )));
+            return;
+        }
         state.in_tunnel = false;
         state.forwarding = false;
         match state.origin {

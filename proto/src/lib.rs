@@ -56,5 +56,14 @@ pub mod pods {
     pub const LOGS_METHOD: &str = "/kas.pods.Pods/Logs";
 }
 
+/// A generic HTTP exchange through the tunnel, and the modules that carry one.
+pub mod http {
+    package!("kas.http");
+
+    /// The full gRPC name of the agent's Kubernetes API proxy: a streaming call whose
+    /// messages are [`HttpRequest`]s one way and [`HttpResponse`]s the other.
+    pub const KUBERNETES_API_METHOD: &str = "/kas.kubernetes_api.KubernetesApi/MakeRequest";
+}
+
 pub use prost;
 pub use prost_types;

@@ -4,10 +4,13 @@
 //! - [`modules`]: the methods an agent serves; a tunnel carries any of them without kas
 //!   knowing about it.
 //! - [`pods`]: the Pods module, reading the Kubernetes API or a fixture file.
+//! - [`kubernetes_api`]: the Kubernetes API module, proxying HTTP to the API server.
 //! - [`client`]: `GetConfiguration` and one tunnel.
 //! - [`run`]: the connection loop: reconnect with backoff, the tunnel pool, shutdown.
 
 pub mod client;
+#[cfg(not(madsim))]
+pub mod kubernetes_api;
 pub mod modules;
 pub mod pods;
 pub mod run;

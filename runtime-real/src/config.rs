@@ -86,6 +86,42 @@ pub struct Agent {
     /// them leave listings within it.
     #[serde(with = "humantime_serde")]
     pub kas_liveness_ttl: Duration,
+    /// The Kubernetes API listener (kubectl and GitLab's dashboard -> kas -> agentk ->
+    /// the cluster's API server); off unless set.
+    pub kubernetes_api: Option<KubernetesApi>,
+}
+
+/// `agent.kubernetes_api:`
+#[derive(Clone, Debug, Deserialize)]
+#[serde(deny_unknown_fields, default)]
+pub struct KubernetesApi {
+    /// Where kubectl connects (HTTP/1.1 and HTTP/2; TLS with `certificate_file` and
+    /// `key_file`). Default `0.0.0.0:8154`.
+    pub listen: Listen,
+    /// The path under which the Kubernetes API is served, as in GitLab's kas (`/`, or
+    /// e.g. `/-/kubernetes-agent/k8s-proxy/` behind GitLab's own proxy).
+    pub url_path_prefix: String,
+    /// Static user and CI job tokens (YAML), for local runs; when unset, tokens are
+    /// checked through `gitlab`.
+    pub tokens_file: Option<PathBuf>,
+    /// How long a request waits for its agent to be reachable before it is answered
+    /// 503; a request's own `?timeout=` shortens it.
+    #[serde(with = "humantime_serde")]
+    pub routing_timeout: Duration,
+}
+
+impl Default for KubernetesApi {
+    fn default() -> Self {
+        KubernetesApi {
+            listen: Listen {
+                address: SocketAddr::from(([0, 0, 0, 0], 8154)),
+                ..listen(8154)
+            },
+            url_path_prefix: "/".into(),
+            tokens_file: None,
+            routing_timeout: Duration::from_secs(20),
+        }
+    }
 }
 
 /// `api:`
@@ -379,6 +415,7 @@ impl Default for Agent {
             redis_conn_info_gc: Duration::from_secs(600),
             heartbeat_timeout: Duration::from_secs(60),
             kas_liveness_ttl: Duration::from_secs(30),
+            kubernetes_api: None,
         }
     }
 }
@@ -522,12 +559,17 @@ impl Config {
                 p.push(format!("{key} must be greater than zero"));
             }
         }
+        let kube = a.kubernetes_api.as_ref();
+        let kube_listen = kube.map(|k| ("agent.kubernetes_api.listen", &k.listen));
         for (key, c) in [
             ("agent.listen", &a.listen),
             ("api.listen", &self.api.listen),
             ("private_api.listen", &self.private_api.listen),
             ("observability.listen", &self.observability.listen),
-        ] {
+        ]
+        .into_iter()
+        .chain(kube_listen)
+        {
             match (&c.certificate_file, &c.key_file) {
                 (Some(_), None) => p.push(format!(
                     "{key}.key_file is required with {key}.certificate_file"
@@ -605,6 +647,35 @@ impl Config {
                 }
             }
         }
+        if let Some(k) = kube {
+            if !k.url_path_prefix.starts_with('/') {
+                p.push(format!(
+                    "agent.kubernetes_api.url_path_prefix {:?} must start with /",
+                    k.url_path_prefix
+                ));
+            }
+            if k.routing_timeout.is_zero() {
+                p.push("agent.kubernetes_api.routing_timeout must be greater than zero".into());
+            }
+            match &k.tokens_file {
+                Some(f) => {
+                    #[cfg(not(madsim))]
+                    if let Err(e) = crate::kas::kubernetes_api::StaticUserTokens::load(f) {
+                        p.push(format!("agent.kubernetes_api.tokens_file: {e}"));
+                    }
+                    #[cfg(madsim)]
+                    let _ = f;
+                }
+                None if self.gitlab.is_none() => p.push(
+                    "agent.kubernetes_api needs tokens_file or gitlab to check its callers' tokens"
+                        .into(),
+                ),
+                None => {}
+            }
+            #[cfg(madsim)]
+            p.push("agent.kubernetes_api: HTTP listeners are not simulated".into());
+        }
+        let kube_address = kube.map(|k| ("agent.kubernetes_api.listen.address", k.listen.address));
         let listeners = [
             ("agent.listen.address", self.agent.listen.address),
             ("api.listen.address", self.api.listen.address),
@@ -617,6 +688,7 @@ impl Config {
                 self.observability.listen.address,
             ),
         ];
+        let listeners: Vec<_> = listeners.into_iter().chain(kube_address).collect();
         for (i, (k1, a1)) in listeners.iter().enumerate() {
             for (k2, a2) in &listeners[i + 1..] {
                 if a1 == a2 && a1.port() != 0 {

@@ -16,6 +16,7 @@ pub fn with_request_id(mut frame: Frame, id: u64) -> Frame {
         Some(Kind::Header(x)) => x.request_id = id,
         Some(Kind::Trailer(x)) => x.request_id = id,
         Some(Kind::Error(x)) => x.request_id = id,
+        Some(Kind::Delivered(x)) => x.request_id = id,
         Some(Kind::Descriptor(_) | Kind::Heartbeat(_)) | None => {}
     }
     frame
@@ -48,6 +49,11 @@ pub fn error(request_id: u64, status: &tonic::Status) -> Frame {
         code: status.code() as i32,
         message: status.message().to_string(),
     }))
+}
+
+/// The serving kas's word that a streaming call was handed to a tunnel.
+pub fn delivered(request_id: u64) -> Frame {
+    frame(Kind::Delivered(f::Delivered { request_id }))
 }
 
 /// A heartbeat.

@@ -9,6 +9,8 @@ mod call;
 mod deadline;
 mod engine;
 mod forward;
+#[cfg(not(madsim))]
+pub mod kubernetes_api;
 mod limits;
 #[cfg(not(madsim))]
 mod listener;
@@ -78,6 +80,8 @@ pub struct Addresses {
     pub private_api: SocketAddr,
     /// Metrics and probes.
     pub observability: SocketAddr,
+    /// kubectl -> kas, when `agent.kubernetes_api` is set.
+    pub kubernetes_api: Option<SocketAddr>,
 }
 
 /// A running kas.
@@ -241,12 +245,17 @@ impl Kas {
             config.observability.listen.address,
         )
         .await?;
+        let kube_l = match &config.agent.kubernetes_api {
+            Some(k) => Some(bind("agent.kubernetes_api.listen.address", k.listen.address).await?),
+            None => None,
+        };
         let local = |l: &TcpListener| l.local_addr().map_err(|e| StartError::Setup(e.to_string()));
         let addresses = Addresses {
             agent: local(&agent_l)?,
             api: local(&api_l)?,
             private_api: local(&private_l)?,
             observability: local(&obs_l)?,
+            kubernetes_api: kube_l.as_ref().map(local).transpose()?,
         };
         let advertise = match config.private_api.advertise_address {
             Some(a) => a.addr,
@@ -472,9 +481,16 @@ impl Kas {
             private_listening,
             stop_signal(closing_rx.clone()),
         );
+        let kube_server = kubernetes_api_server(
+            &config,
+            kube_l,
+            &engine,
+            &metrics,
+            stop_signal(closing_rx.clone()),
+        )?;
         let agent_listen = a.listen.clone();
         let calls_server = tokio::spawn(async move {
-            let (a, p) = tokio::join!(api_server, private_server);
+            let (a, p, ()) = tokio::join!(api_server, private_server, kube_server);
             for r in [a, p] {
                 if let Err(e) = r {
                     tracing::error!(error = %e, "call listener failed");
@@ -511,6 +527,7 @@ impl Kas {
             api = %addresses.api,
             private_api = %addresses.private_api,
             observability = %addresses.observability,
+            kubernetes_api = %addresses.kubernetes_api.map_or("off".into(), |a| a.to_string()),
             "kas started"
         );
         Ok(Kas {
@@ -572,6 +589,66 @@ impl Kas {
         tracing::info!("stopped");
         cleaned
     }
+}
+
+/// The Kubernetes API listener's server, when `agent.kubernetes_api` is set; it stops
+/// with the other call listeners.
+#[cfg(not(madsim))]
+fn kubernetes_api_server(
+    config: &Config,
+    listener: Option<TcpListener>,
+    engine: &engine::EngineHandle,
+    metrics: &metrics::Metrics,
+    signal: impl Future<Output = ()> + Send + 'static,
+) -> Result<impl Future<Output = ()> + Send + 'static, StartError> {
+    let setup = match (&config.agent.kubernetes_api, listener) {
+        (Some(k), Some(listener)) => {
+            let key = "agent.kubernetes_api.tokens_file";
+            let file = k.tokens_file.as_ref().ok_or_else(|| {
+                StartError::Setup(format!(
+                    "{key} is required: checking callers' tokens through GitLab is not implemented yet"
+                ))
+            })?;
+            let tokens = kubernetes_api::StaticUserTokens::load(file)
+                .map_err(|e| StartError::Setup(format!("{key}: {e}")))?;
+            let mut prefix = k.url_path_prefix.clone();
+            if !prefix.ends_with('/') {
+                prefix.push('/');
+            }
+            let service = kubernetes_api::KubernetesApiService {
+                engine: engine.clone(),
+                tokens: Arc::new(tokens),
+                prefix,
+                routing_timeout: k.routing_timeout,
+            };
+            let what = "agent.kubernetes_api";
+            let tls = tls_config(&k.listen, what, ALPN_GRPC_OR_HTTP1)?;
+            Some((listener, service, tls, k.listen.handshake_timeout))
+        }
+        _ => None,
+    };
+    let metrics = metrics.clone();
+    Ok(async move {
+        match setup {
+            Some((listener, service, tls, handshake)) => {
+                kubernetes_api::serve(listener, service, tls, handshake, metrics, signal).await
+            }
+            None => signal.await,
+        }
+    })
+}
+
+/// In the simulation there is no Kubernetes API listener (the configuration check refuses
+/// it).
+#[cfg(madsim)]
+fn kubernetes_api_server(
+    _: &Config,
+    _: Option<TcpListener>,
+    _: &engine::EngineHandle,
+    _: &metrics::Metrics,
+    signal: impl Future<Output = ()> + Send + 'static,
+) -> Result<impl Future<Output = ()> + Send + 'static, StartError> {
+    Ok(signal)
 }
 
 fn agent_auth(config: &Config) -> Result<AgentAuth, StartError> {

@@ -9,6 +9,8 @@ pub mod clock;
 pub mod config;
 pub mod errors;
 pub mod frames;
+#[cfg(not(madsim))]
+pub mod http_relay;
 pub mod jwt;
 pub mod kas;
 #[cfg(not(madsim))]

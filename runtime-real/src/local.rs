@@ -4,8 +4,10 @@
 //! production code paths; Redis is a child process.
 
 pub mod kas_process;
+pub mod kube_server;
 pub mod redis_server;
 
+use crate::agent::kubernetes_api::Upstream;
 use crate::agent::{self, AgentOptions, Modules, PodSource};
 use crate::api_client::ApiClient;
 use crate::config::Config;
@@ -13,6 +15,7 @@ use crate::jwt::Secret;
 use crate::kas::Kas;
 use crate::tls::LocalCa;
 use kas_proto::registry::AgentMeta;
+use kube_server::KubeServer;
 use redis_server::RedisServer;
 use std::fmt::Write as _;
 use std::path::{Path, PathBuf};
@@ -62,6 +65,10 @@ pub struct LocalDeployment {
     agents: JoinSet<()>,
     /// The throwaway CA's certificate, when everything runs over TLS.
     ca: Option<PathBuf>,
+    /// Each agent's cluster's API server, by agent.
+    clusters: Vec<(i64, KubeServer)>,
+    /// The Kubernetes API token of the local user, by agent (`pat:<agent>:<token>`).
+    user_token: String,
 }
 
 /// What stopping found.
@@ -113,19 +120,38 @@ impl LocalDeployment {
             write(&format!("pods-agent{n}.yaml"), pods)?;
         }
         let tokens_file = write("tokens.yaml", tokens_yaml)?;
-        // Every listener serves the same certificate; the private one also trusts the CA.
+        // One user who reaches both agents' clusters as each agent, and agent 3's, which
+        // never connects.
+        let user_token = format!("local-user-{:016x}", rand::random::<u64>());
+        let user_tokens_file = write(
+            "user-tokens.yaml",
+            format!(
+                "tokens:\n  - {{token: {user_token}, kind: pat, agent_ids: [1, 2, 3], access_as: agent, username: local}}\n"
+            ),
+        )?;
+        let mut clusters = Vec::new();
+        for n in 1..=2 {
+            let pods = agent::pods::read_fixture(&dir.join(format!("pods-agent{n}.yaml")))?;
+            let server = KubeServer::start(&pods)
+                .await
+                .map_err(|e| format!("cluster of agent {n}: {e}"))?;
+            clusters.push((n, server));
+        }
+        // Every TLS listener serves the same certificate; the private one also trusts the
+        // CA. The Kubernetes API listener always serves TLS: kubectl sends no token over
+        // plaintext.
+        let local_ca = LocalCa::new("kas-local throwaway CA")?;
+        let (cert, key) = local_ca.issue()?;
+        let ca_file = write("ca.pem", local_ca.pem.clone())?;
+        let (cert, key) = (write("kas.crt", cert)?, write("kas.key", key)?);
+        let kube_tls = format!(
+            ", certificate_file: '{}', key_file: '{}'",
+            cert.display(),
+            key.display()
+        );
         let (ca, listen_tls, private_tls) = if tls {
-            let local_ca = LocalCa::new("kas-local throwaway CA")?;
-            let (cert, key) = local_ca.issue()?;
-            let ca = write("ca.pem", local_ca.pem.clone())?;
-            let (cert, key) = (write("kas.crt", cert)?, write("kas.key", key)?);
-            let files = format!(
-                ", certificate_file: '{}', key_file: '{}'",
-                cert.display(),
-                key.display()
-            );
-            let private = format!("{files}, ca_certificate_file: '{}'", ca.display());
-            (Some(ca), files, private)
+            let private = format!("{kube_tls}, ca_certificate_file: '{}'", ca_file.display());
+            (Some(ca_file.clone()), kube_tls.clone(), private)
         } else {
             (None, String::new(), String::new())
         };
@@ -139,8 +165,9 @@ impl LocalDeployment {
         let mut kas = Vec::new();
         for i in 0..kas_count {
             let mut yaml = format!(
-                "agent:\n  listen: {{address: '127.0.0.1:0'{listen_tls}}}\n  tokens_file: '{}'\napi:\n  listen: {{address: '127.0.0.1:0', authentication_secret_file: '{}'{listen_tls}}}\nprivate_api:\n  listen: {{address: '127.0.0.1:0', authentication_secret_file: '{}'{private_tls}}}\nobservability:\n  listen: {{address: '127.0.0.1:0'{listen_tls}}}\nshutdown_grace: 2s\n",
+                "agent:\n  listen: {{address: '127.0.0.1:0'{listen_tls}}}\n  tokens_file: '{}'\n  kubernetes_api:\n    listen: {{address: '127.0.0.1:0'{kube_tls}}}\n    tokens_file: '{}'\napi:\n  listen: {{address: '127.0.0.1:0', authentication_secret_file: '{}'{listen_tls}}}\nprivate_api:\n  listen: {{address: '127.0.0.1:0', authentication_secret_file: '{}'{private_tls}}}\nobservability:\n  listen: {{address: '127.0.0.1:0'{listen_tls}}}\nshutdown_grace: 2s\n",
                 tokens_file.display(),
+                user_tokens_file.display(),
                 gitlab_file.display(),
                 kas_file.display(),
             );
@@ -192,8 +219,20 @@ impl LocalDeployment {
             let mut options = AgentOptions::new(url, token, meta);
             options.ca_cert_file = ca.clone();
             options.seed = rand::random();
-            let modules = Arc::new(Modules::default().with_pods(source));
-            agents.spawn(agent::run(options, modules, shutdown.clone()));
+            let cluster = clusters
+                .iter()
+                .find(|(n, _)| *n == r.agent)
+                .map(|(_, c)| c.url())
+                .ok_or_else(|| format!("no cluster for agent {}", r.agent))?;
+            let upstream = kube::Config::new(
+                cluster
+                    .parse()
+                    .map_err(|e| format!("cluster URL {cluster}: {e}"))?,
+            );
+            let modules = Modules::default()
+                .with_pods(source)
+                .with_kubernetes_api(Upstream::new(upstream)?);
+            agents.spawn(agent::run(options, Arc::new(modules), shutdown.clone()));
         }
         let deployment = LocalDeployment {
             dir: dir.to_path_buf(),
@@ -203,7 +242,10 @@ impl LocalDeployment {
             stop_agents,
             agents,
             ca,
+            clusters,
+            user_token,
         };
+        deployment.write_kubeconfig()?;
         deployment.wait_until_listed(&gitlab).await?;
         Ok(deployment)
     }
@@ -254,6 +296,72 @@ impl LocalDeployment {
     /// The throwaway CA's certificate, for `--ca-cert-file`, when everything runs over TLS.
     pub fn ca_file(&self) -> Option<&Path> {
         self.ca.as_deref()
+    }
+
+    /// The kubeconfig with a context per agent and kas (`agent<N>-kas<I>`), whose
+    /// current context is `agent1-kas0`.
+    pub fn kubeconfig(&self) -> PathBuf {
+        self.dir.join("kubeconfig")
+    }
+
+    /// The local user's bearer token for `agent`'s cluster, in GitLab's `pat:` form.
+    pub fn user_bearer(&self, agent: i64) -> String {
+        format!("pat:{agent}:{}", self.user_token)
+    }
+
+    /// The Kubernetes API URL of kas `i` (always TLS, with the throwaway CA).
+    pub fn kubernetes_api_url(&self, i: usize) -> Option<String> {
+        Some(format!("https://{}", self.kas[i].addresses.kubernetes_api?))
+    }
+
+    /// The throwaway CA's certificate, which the Kubernetes API listeners' certificate
+    /// (and every listener's, with TLS) chains to.
+    pub fn kube_ca_file(&self) -> PathBuf {
+        self.dir.join("ca.pem")
+    }
+
+    /// The API server of `agent`'s cluster, dialled directly (not through kas).
+    pub fn cluster_url(&self, agent: i64) -> Option<String> {
+        self.clusters
+            .iter()
+            .find(|(n, _)| *n == agent)
+            .map(|(_, c)| c.url())
+    }
+
+    fn write_kubeconfig(&self) -> Result<(), String> {
+        let path = self.kube_ca_file();
+        let pem = std::fs::read(&path).map_err(|e| format!("{}: {e}", path.display()))?;
+        let ca = format!("\n    certificate-authority-data: {}", base64_of(&pem));
+        let mut clusters = String::new();
+        let mut users = String::new();
+        let mut contexts = String::new();
+        for i in 0..self.kas.len() {
+            let Some(url) = self.kubernetes_api_url(i) else {
+                continue;
+            };
+            let _ = write!(
+                clusters,
+                "\n- name: kas{i}\n  cluster:\n    server: {url}{ca}"
+            );
+        }
+        for agent in [1, 2] {
+            let _ = write!(
+                users,
+                "\n- name: agent{agent}\n  user:\n    token: {}",
+                self.user_bearer(agent)
+            );
+            for i in 0..self.kas.len() {
+                let _ = write!(
+                    contexts,
+                    "\n- name: agent{agent}-kas{i}\n  context:\n    cluster: kas{i}\n    user: agent{agent}"
+                );
+            }
+        }
+        let text = format!(
+            "apiVersion: v1\nkind: Config\ncurrent-context: agent1-kas0\nclusters:{clusters}\nusers:{users}\ncontexts:{contexts}\n"
+        );
+        std::fs::write(self.kubeconfig(), text)
+            .map_err(|e| format!("{}: {e}", self.kubeconfig().display()))
     }
 
     /// GitLab's secret, for `kasctl --secret-file`.
@@ -330,6 +438,25 @@ impl LocalDeployment {
             "  {} --timeout 2s pods --agent 9     # not connected",
             kasctl(1)
         );
+        let kubeconfig = self.kubeconfig();
+        let _ = writeln!(
+            s,
+            "\nkubectl through kas (a context per agent and kas: agent<N>-kas<I>):"
+        );
+        let _ = writeln!(s, "  export KUBECONFIG={}", kubeconfig.display());
+        let last = n - 1;
+        for cmd in [
+            "--context agent1-kas0 get pods -A".to_string(),
+            format!("--context agent2-kas{last} get pods -A -o wide"),
+            "--context agent1-kas0 get pods -A -w".to_string(),
+            format!("--context agent1-kas{last} logs -f -n default web-1"),
+            format!(
+                "--context agent2-kas{} exec -n shop cart-1 -- echo hello",
+                1 % n
+            ),
+        ] {
+            let _ = writeln!(s, "  kubectl {cmd}");
+        }
         let _ = writeln!(
             s,
             "\nAnother replica of agent 2: agentk --kas {}{ca} --token-file {dir}/agent2.token --pods-fixture {dir}/pods-agent2.yaml",

@@ -274,21 +274,3 @@ async fn agentk_reaches_kas_through_an_http_proxy_unless_no_proxy_says_otherwise
     })
     .await;
 }
-
-/// A Debian package's `binary`, installed with apt-get when missing (as root), never
-/// skipped.
-fn ensure_package(binary: &str, package: &str) {
-    let present = || {
-        Command::new("sh")
-            .args(["-c", &format!("command -v {binary}")])
-            .output()
-            .is_ok_and(|o| o.status.success())
-    };
-    if !present() {
-        let _ = Command::new("apt-get")
-            .args(["install", "-y", "-qq", package])
-            .env("DEBIAN_FRONTEND", "noninteractive")
-            .status();
-    }
-    assert!(present(), "{binary} is missing: apt-get install {package}");
-}

@@ -262,6 +262,75 @@ fn a_deadline_while_in_a_tunnel_answers_the_caller_and_keeps_the_tunnel_claimed(
 }
 
 #[test]
+fn a_delivered_streaming_call_outlives_its_deadline_and_is_never_offered_again() {
+    // Local: the tunnel began sending it.
+    let mut n = with_tunnel();
+    route(&mut n, 1, 1_000);
+    outputs(&mut n);
+    n.handle_input(Time(10), NodeInput::Delivered(RequestId(1)))
+        .unwrap();
+    n.handle_timeout(Time(1_000) + GRACE + Duration::from_secs(3600));
+    assert!(
+        ended(&outputs(&mut n)).is_empty(),
+        "a delivered streaming call was failed at its deadline"
+    );
+    n.handle_input(Time(4_000_000), NodeInput::CallDone(RequestId(1)))
+        .unwrap();
+    assert_eq!(
+        ended(&outputs(&mut n)),
+        [(RequestId(1), Outcome::Delivered, None)]
+    );
+
+    // Remote: the serving kas said so; a refusal after that is the driver's bug, ignored.
+    let mut n = node();
+    route(&mut n, 2, 1_000);
+    let channel = Keys::new("kas").tunnel_events(AGENT);
+    n.handle_input(Time(1), NodeInput::PubSub(PubSubEvent::Up))
+        .unwrap();
+    let sub = NodeInput::PubSub(PubSubEvent::Subscribed(channel));
+    n.handle_input(Time(1), sub).unwrap();
+    let found = NodeInput::LookupDone {
+        agent: AGENT,
+        kas: Some(vec![KasId("10.0.0.2:8155".into())]),
+    };
+    n.handle_input(Time(2), found).unwrap();
+    outputs(&mut n);
+    n.handle_input(Time(3), NodeInput::Delivered(RequestId(2)))
+        .unwrap();
+    n.handle_input(Time(4), NodeInput::Bounced(RequestId(2)))
+        .unwrap();
+    let outs = outputs(&mut n);
+    assert!(
+        outs.iter()
+            .any(|o| matches!(o, NodeOutput::Inconsistent(_))),
+        "{outs:?}"
+    );
+    assert!(
+        !outs.iter().any(|o| matches!(
+            o,
+            NodeOutput::Forward { .. } | NodeOutput::Deliver { .. } | NodeOutput::Ended { .. }
+        )),
+        "{outs:?}"
+    );
+    n.handle_timeout(Time(1_000) + GRACE);
+    assert!(ended(&outputs(&mut n)).is_empty());
+    // Its caller going away ends it (the driver then abandons the forward).
+    n.handle_input(Time(5_000), NodeInput::Cancel(RequestId(2)))
+        .unwrap();
+    assert_eq!(
+        ended(&outputs(&mut n)),
+        [(RequestId(2), Outcome::Cancelled, None)]
+    );
+    // Reported for a call no tunnel or forward holds: a driver mistake.
+    route(&mut n, 3, 1_000);
+    let early = n.handle_input(Time(5_001), NodeInput::Delivered(RequestId(3)));
+    assert!(
+        matches!(early, Err(NodeError::DriverMistake(_))),
+        "{early:?}"
+    );
+}
+
+#[test]
 fn a_tunnel_that_cannot_take_its_call_is_closed_and_the_call_offered_again() {
     let mut n = with_tunnel();
     route(&mut n, 1, 10_000);

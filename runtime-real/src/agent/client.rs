@@ -188,62 +188,94 @@ impl Tunnel {
 
     async fn serve(mut self) -> Result<(), Status> {
         self.report(PoolInput::Opened);
-        let mut request: Option<(u64, String, Vec<u8>)> = None;
         loop {
-            let Some(frame) = self.next(request.is_none()).await? else {
+            let Some(frame) = self.next(true).await? else {
                 return Ok(());
             };
-            self.sequence
-                .check(Direction::ToAgent, &frame)
-                .map_err(|e| Status::internal(format!("kas broke the tunnel protocol: {e}")))?;
-            match frame.kind {
-                Some(Kind::RequestStart(s)) => {
-                    self.report(PoolInput::Claimed);
-                    request = Some((s.request_id, s.method, Vec::new()));
+            self.check_down(&frame)?;
+            // Anything else is a late request frame of the call that just ended: dropped.
+            if let Some(Kind::RequestStart(s)) = frame.kind {
+                self.report(PoolInput::Claimed);
+                if !self.call(s.request_id, &s.method).await? {
+                    return Ok(());
                 }
-                Some(Kind::Message(m)) => {
-                    if let Some((_, _, body)) = &mut request {
-                        body.extend_from_slice(&m.data);
-                    }
-                }
-                Some(Kind::CloseSend(_)) => {
-                    if let Some((id, method, body)) = request.take() {
-                        self.answer(id, &method, body).await?;
-                        self.report(PoolInput::Released);
-                    }
-                }
-                _ => {}
+                self.report(PoolInput::Released);
             }
         }
     }
 
-    /// Runs the module and sends its answer as it comes, heartbeating while it runs.
-    async fn answer(&mut self, id: u64, method: &str, body: Vec<u8>) -> Result<(), Status> {
-        let mut answer = self.modules.call(method, body);
+    fn check_down(&mut self, frame: &Frame) -> Result<(), Status> {
+        self.sequence
+            .check(Direction::ToAgent, frame)
+            .map(drop)
+            .map_err(|e| Status::internal(format!("kas broke the tunnel protocol: {e}")))
+    }
+
+    /// Runs one call: its request messages to the module as kas sends them, the module's
+    /// answer to kas as it comes, both at once, each through a one-frame slot so that
+    /// neither way waits on the other. False when kas ended the tunnel meanwhile.
+    async fn call(&mut self, id: u64, method: &str) -> Result<bool, Status> {
+        let (requests, rx) = mpsc::channel(REQUEST_MESSAGES);
+        let mut requests = Some(requests);
+        let mut answer = self.modules.call(method, rx);
+        let mut to_module: Option<Vec<u8>> = None;
+        let mut to_kas: Option<(Frame, bool)> = None;
+        let tx = self.tx.clone();
         loop {
-            let next = tokio::select! {
+            let mut request_over = false;
+            tokio::select! {
                 biased;
-                next = answer.next() => next,
-                _ = self.heartbeat.tick() => {
-                    self.beat().await?;
-                    continue;
+                permit = tx.reserve(), if to_kas.is_some() => {
+                    let permit = permit.map_err(|_| Status::unavailable("tunnel closed"))?;
+                    let (frame, last) = to_kas.take().expect("guarded");
+                    permit.send(frame);
+                    if last {
+                        return Ok(true);
+                    }
                 }
-            };
-            let (frame, last) = match next {
-                Some(Ok(bytes)) => (frames::message(id, bytes), false),
-                Some(Err(status)) => (frames::trailer(id, &status), true),
-                None => (frames::trailer(id, &Status::ok("")), true),
-            };
-            self.sequence
-                .check(Direction::FromAgent, &frame)
-                .map_err(|e| Status::internal(format!("agent answer out of order: {e}")))?;
-            self.tx
-                .send(frame)
-                .await
-                .map_err(|_| Status::unavailable("tunnel closed"))?;
-            if last {
-                return Ok(());
+                permit = reserve(&requests), if to_module.is_some() => match permit {
+                    Some(permit) => permit.send(to_module.take().expect("guarded")),
+                    // The module no longer reads its requests: the rest is dropped.
+                    None => request_over = true,
+                },
+                next = answer.next(), if to_kas.is_none() => {
+                    let (frame, last) = match next {
+                        Some(Ok(bytes)) => (frames::message(id, bytes), false),
+                        Some(Err(status)) => (frames::trailer(id, &status), true),
+                        None => (frames::trailer(id, &Status::ok("")), true),
+                    };
+                    self.sequence
+                        .check(Direction::FromAgent, &frame)
+                        .map_err(|e| Status::internal(format!("agent answer out of order: {e}")))?;
+                    to_kas = Some((frame, last));
+                }
+                frame = self.inbound.message(), if to_module.is_none() => {
+                    let Some(frame) = frame? else {
+                        return Ok(false);
+                    };
+                    self.check_down(&frame)?;
+                    match frame.kind {
+                        Some(Kind::Message(m)) if requests.is_some() => to_module = Some(m.data),
+                        Some(Kind::CloseSend(_)) => request_over = true,
+                        _ => {}
+                    }
+                }
+                _ = self.heartbeat.tick() => self.beat().await?,
+            }
+            if request_over {
+                (requests, to_module) = (None, None);
             }
         }
+    }
+}
+
+/// How many request messages wait for a module before kas is held back.
+const REQUEST_MESSAGES: usize = 16;
+
+/// Room for one request message to the module; `None` once it stopped reading.
+async fn reserve(tx: &Option<mpsc::Sender<Vec<u8>>>) -> Option<mpsc::Permit<'_, Vec<u8>>> {
+    match tx {
+        Some(tx) => tx.reserve().await.ok(),
+        None => None,
     }
 }

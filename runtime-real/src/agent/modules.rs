@@ -4,12 +4,17 @@ use futures::stream::{self, BoxStream, Stream, StreamExt, TryStreamExt};
 use prost::Message;
 use std::collections::BTreeMap;
 use std::sync::Arc;
+use tokio::sync::mpsc;
 use tonic::Status;
 
 /// The encoded response messages of one call, in order; an error ends the call with it.
 pub type Answer = BoxStream<'static, Result<Vec<u8>, Status>>;
 
-type Handler = Arc<dyn Fn(Vec<u8>) -> Answer + Send + Sync>;
+/// The encoded request messages of one call as kas sends them; the end is the caller's
+/// close-send.
+pub type Requests = mpsc::Receiver<Vec<u8>>;
+
+type Handler = Arc<dyn Fn(Requests) -> Answer + Send + Sync>;
 
 /// The methods this agent serves, by full gRPC method name.
 #[derive(Clone, Default)]
@@ -19,6 +24,15 @@ pub struct Modules {
 
 fn decode<Req: Message + Default>(bytes: &[u8]) -> Result<Req, Status> {
     Req::decode(bytes).map_err(|e| Status::invalid_argument(format!("malformed request: {e}")))
+}
+
+/// The one request message of a unary or server-streaming call.
+async fn single<Req: Message + Default>(mut requests: Requests) -> Result<Req, Status> {
+    let bytes = requests
+        .recv()
+        .await
+        .ok_or_else(|| Status::invalid_argument("the call carried no request message"))?;
+    decode(&bytes)
 }
 
 impl Modules {
@@ -31,10 +45,12 @@ impl Modules {
         Fut: Future<Output = Result<Resp, Status>> + Send + 'static,
     {
         let f = Arc::new(f);
-        let handler: Handler = Arc::new(move |bytes: Vec<u8>| {
+        let handler: Handler = Arc::new(move |requests: Requests| {
             let f = f.clone();
-            stream::once(async move { Ok(f(decode::<Req>(&bytes)?).await?.encode_to_vec()) })
-                .boxed()
+            stream::once(
+                async move { Ok(f(single::<Req>(requests).await?).await?.encode_to_vec()) },
+            )
+            .boxed()
         });
         self.handlers.insert(method.to_string(), handler);
     }
@@ -50,14 +66,23 @@ impl Modules {
         S: Stream<Item = Result<Resp, Status>> + Send + 'static,
     {
         let f = Arc::new(f);
-        let handler: Handler = Arc::new(move |bytes: Vec<u8>| {
+        let handler: Handler = Arc::new(move |requests: Requests| {
             let f = f.clone();
-            stream::once(async move { f(decode::<Req>(&bytes)?).await })
+            stream::once(async move { f(single::<Req>(requests).await?).await })
                 .try_flatten()
                 .map_ok(|m| m.encode_to_vec())
                 .boxed()
         });
         self.handlers.insert(method.to_string(), handler);
+    }
+
+    /// Registers a two-way method: `f` gets the request messages as they come, encoded, and
+    /// returns the encoded responses as it produces them.
+    pub fn streaming<F>(&mut self, method: &str, f: F)
+    where
+        F: Fn(Requests) -> Answer + Send + Sync + 'static,
+    {
+        self.handlers.insert(method.to_string(), Arc::new(f));
     }
 
     /// The registered method names, sorted.
@@ -67,10 +92,11 @@ impl Modules {
         m
     }
 
-    /// Starts `method` on `request`; an unknown method answers `Unimplemented`.
-    pub(super) fn call(&self, method: &str, request: Vec<u8>) -> Answer {
+    /// Starts `method` on its request messages; an unknown method answers
+    /// `Unimplemented`.
+    pub(super) fn call(&self, method: &str, requests: Requests) -> Answer {
         match self.handlers.get(method) {
-            Some(handler) => handler(request),
+            Some(handler) => handler(requests),
             None => {
                 let status = Status::unimplemented(format!("agent does not serve {method}"));
                 stream::once(async move { Err(status) }).boxed()

@@ -54,30 +54,34 @@ struct FixturePod {
     log: String,
 }
 
+/// Reads a YAML list of pods (`namespace`, `name`, optional `phase`, `node_name`, `log`).
+pub fn read_fixture(path: &Path) -> Result<Arc<Vec<FixturePodLog>>, String> {
+    let text = std::fs::read_to_string(path).map_err(|e| format!("{}: {e}", path.display()))?;
+    let pods: Vec<FixturePod> =
+        serde_yaml::from_str(&text).map_err(|e| format!("{}: {e}", path.display()))?;
+    Ok(Arc::new(
+        pods.into_iter()
+            .map(|p| FixturePodLog {
+                pod: Pod {
+                    namespace: p.namespace,
+                    name: p.name,
+                    phase: p.phase,
+                    node_name: p.node_name,
+                },
+                log: p.log.into_bytes().into(),
+            })
+            .collect(),
+    ))
+}
+
 /// Pods fetched per page from the Kubernetes API.
 #[cfg(not(madsim))]
 const PAGE: u32 = 500;
 
 impl PodSource {
-    /// Reads a YAML list of pods (`namespace`, `name`, optional `phase`, `node_name`,
-    /// `log`).
+    /// Reads a YAML list of pods (see [`read_fixture`]).
     pub fn fixture_file(path: &Path) -> Result<PodSource, String> {
-        let text = std::fs::read_to_string(path).map_err(|e| format!("{}: {e}", path.display()))?;
-        let pods: Vec<FixturePod> =
-            serde_yaml::from_str(&text).map_err(|e| format!("{}: {e}", path.display()))?;
-        Ok(PodSource::Fixture(Arc::new(
-            pods.into_iter()
-                .map(|p| FixturePodLog {
-                    pod: Pod {
-                        namespace: p.namespace,
-                        name: p.name,
-                        phase: p.phase,
-                        node_name: p.node_name,
-                    },
-                    log: p.log.into_bytes().into(),
-                })
-                .collect(),
-        )))
+        read_fixture(path).map(PodSource::Fixture)
     }
 
     /// The Kubernetes API of the cluster this runs in (in-cluster service account), or

@@ -498,6 +498,7 @@ mod tests {
             deadline: Time(u64::MAX),
             start: Default::default(),
             requests: Arc::new(Vec::new()),
+            rest: None,
             responses: mpsc::channel(1).0,
         }
     }

@@ -4,10 +4,11 @@
 //! frame — means no agent saw the call, and the router may try another kas. Anything
 //! after the first answer frame is relayed to the caller and the call is never retried.
 
-use super::call::Call;
+use super::call::{Call, REST_FRAMES};
 use super::engine::EngineHandle;
 use super::metrics::Metrics;
 use super::timing::FORWARD_DRAIN;
+use super::tunnel::recv;
 use crate::buggify::{self, Point};
 use crate::clock;
 use crate::frames;
@@ -16,12 +17,13 @@ use kas_core::fixed_hash::Map;
 use kas_core::frame_sequence::{Direction, FrameSequence, Progress, StreamKind};
 use kas_core::node::NodeInput;
 use kas_core::{KasId, RequestId};
-use kas_proto::frame::frame::Kind;
+use kas_proto::frame::{Frame, frame::Kind};
 use kas_proto::private_api::kas_private_client::KasPrivateClient;
 
 use crate::tls::KasUrl;
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
+use tokio::sync::mpsc;
 use tokio::time::Instant;
 use tonic::Status;
 use tonic::transport::Channel;
@@ -95,7 +97,7 @@ impl Forwarder {
             .checked_sub(waited)
             .unwrap_or_else(tokio::time::Instant::now);
         async move {
-            match this.forward(&kas, request, call, started).await {
+            match this.forward(&kas, request, call, started, &engine).await {
                 Forwarded::Done => engine.input(NodeInput::CallDone(request)),
                 Forwarded::Refused(why) => {
                     tracing::debug!(%kas, %request, %why, "forward refused");
@@ -141,6 +143,7 @@ impl Forwarder {
         request: RequestId,
         call: Call,
         started: tokio::time::Instant,
+        engine: &EngineHandle,
     ) -> Forwarded {
         let channel = match self.channel(kas) {
             Ok(c) => c,
@@ -163,7 +166,7 @@ impl Forwarder {
         // offer elsewhere; one that fails later may have been delivered (at most once:
         // found by the simulation, where a forward timed out after the serving kas had
         // delivered it and the call was then delivered a second time elsewhere).
-        let (frames_tx, frames_rx) = tokio::sync::mpsc::channel(up.len().max(1));
+        let (frames_tx, frames_rx) = mpsc::channel(up.len().max(REST_FRAMES));
         let mut req = tonic::Request::new(tokio_stream::wrappers::ReceiverStream::new(frames_rx));
         req.set_timeout(clock::until(call.deadline).max(Duration::from_millis(1)));
         match self.signer.bearer().parse() {
@@ -188,65 +191,84 @@ impl Forwarder {
             // Capacity holds every frame; a closed stream shows as the answer's error below.
             let _ = frames_tx.try_send(f);
         }
-        drop(frames_tx);
+        // A buffered request is complete: its end goes with it. A streaming call's request
+        // goes on once the serving kas says it delivered the call.
+        let mut frames_tx = call.is_streaming().then_some(frames_tx);
+        let mut rest = None;
+        let mut to_peer = None;
+        let mut to_caller = None;
         let mut first = true;
+        let mut finished = false;
         loop {
-            let frame = match buggify::read(inbound.message()).await {
-                // The serving kas numbers the call its own way.
-                Ok(Some(f)) => frames::with_request_id(f, id),
-                Ok(None) => {
-                    if first {
-                        return Forwarded::Refused("stream ended without an answer".into());
-                    }
-                    let _ = call
-                        .responses
-                        .send(Err(Status::unavailable(format!(
-                            "kas {kas} ended the call without a trailer"
-                        ))))
-                        .await;
-                    return Forwarded::Done;
-                }
-                Err(status) => {
-                    // Possibly delivered: at most once, so no retry. A broken connection
-                    // surfaces as Unknown; the caller should read Unavailable (retryable).
-                    let status = if super::tunnel::too_large(&status) {
-                        Status::resource_exhausted(format!(
-                            "the answer relayed by kas {kas} is over agent.max_message_size: {}",
-                            status.message()
-                        ))
-                    } else if status.code() == tonic::Code::Unknown {
-                        Status::unavailable(format!(
-                            "lost the connection to kas {kas} during the call: {}",
-                            status.message()
-                        ))
-                    } else {
-                        status
+            let mut request_over = false;
+            tokio::select! {
+                biased;
+                permit = call.responses.reserve(), if to_caller.is_some() => match permit {
+                    Ok(permit) => permit.send(Ok(to_caller.take().expect("guarded"))),
+                    Err(_) => return Forwarded::Done, // the caller went away; dropping the stream cancels
+                },
+                permit = reserve(&frames_tx), if to_peer.is_some() => match permit {
+                    Some(permit) => permit.send(to_peer.take().expect("guarded")),
+                    // The stream is closed: its answer says why.
+                    None => request_over = true,
+                },
+                frame = recv(&mut rest), if to_peer.is_none() && !finished => match frame {
+                    Some(frame) => to_peer = Some(frames::with_request_id(frame, id)),
+                    // Closed or not, the request is over; a stream ended without a
+                    // close-send tells the serving kas the caller went away.
+                    None => request_over = true,
+                },
+                frame = buggify::read(inbound.message()), if to_caller.is_none() && !finished => {
+                    let frame = match frame {
+                        // The serving kas numbers the call its own way.
+                        Ok(Some(f)) => frames::with_request_id(f, id),
+                        Ok(None) if first => {
+                            return Forwarded::Refused("stream ended without an answer".into());
+                        }
+                        Ok(None) => {
+                            let status = Status::unavailable(format!("kas {kas} ended the call without a trailer"));
+                            let _ = call.responses.send(Err(status)).await;
+                            return Forwarded::Done;
+                        }
+                        Err(status) => {
+                            // Possibly delivered: at most once, so no retry.
+                            let _ = call.responses.send(Err(lost(kas, status))).await;
+                            return Forwarded::Done;
+                        }
                     };
-                    let _ = call.responses.send(Err(status)).await;
-                    return Forwarded::Done;
+                    if first {
+                        if let Some(Kind::Error(e)) = &frame.kind {
+                            return Forwarded::Refused(e.message.clone());
+                        }
+                        self.metrics
+                            .routing_latency
+                            .observe(started.elapsed().as_secs_f64());
+                        first = false;
+                    }
+                    let progress = match sequence.check(Direction::FromAgent, &frame) {
+                        Ok(p) => p,
+                        Err(e) => {
+                            let msg = format!("kas {kas} broke the forward protocol: {e}");
+                            let _ = call.responses.send(Err(Status::internal(msg))).await;
+                            return Forwarded::Done;
+                        }
+                    };
+                    if let Some(Kind::Delivered(_)) = frame.kind {
+                        engine.input(NodeInput::Delivered(request));
+                        rest = call.rest.as_ref().and_then(|r| r.take());
+                        continue;
+                    }
+                    if let Progress::Finished(_) = progress {
+                        finished = true;
+                        request_over = true;
+                    }
+                    to_caller = Some(frame);
                 }
-            };
-            if first {
-                if let Some(Kind::Error(e)) = &frame.kind {
-                    return Forwarded::Refused(e.message.clone());
-                }
-                self.metrics
-                    .routing_latency
-                    .observe(started.elapsed().as_secs_f64());
-                first = false;
             }
-            let progress = match sequence.check(Direction::FromAgent, &frame) {
-                Ok(p) => p,
-                Err(e) => {
-                    let msg = format!("kas {kas} broke the forward protocol: {e}");
-                    let _ = call.responses.send(Err(Status::internal(msg))).await;
-                    return Forwarded::Done;
-                }
-            };
-            if call.responses.send(Ok(frame)).await.is_err() {
-                return Forwarded::Done; // the caller went away; dropping the stream cancels
+            if request_over {
+                (frames_tx, rest, to_peer) = (None, None, None);
             }
-            if let Progress::Finished(_) = progress {
+            if finished && to_caller.is_none() {
                 // Read the stream to its end (the serving kas ends it right after): dropping
                 // it here would reset the HTTP/2 stream, and a server that sees many resets
                 // on one connection closes it with ENHANCE_YOUR_CALM (h2's reset-flood
@@ -258,6 +280,32 @@ impl Forwarder {
                 return Forwarded::Done;
             }
         }
+    }
+}
+
+/// What the caller is told when the stream to the serving kas broke mid-call. A broken
+/// connection surfaces as Unknown; the caller should read Unavailable (retryable).
+fn lost(kas: &KasId, status: Status) -> Status {
+    if super::tunnel::too_large(&status) {
+        Status::resource_exhausted(format!(
+            "the answer relayed by kas {kas} is over agent.max_message_size: {}",
+            status.message()
+        ))
+    } else if status.code() == tonic::Code::Unknown {
+        Status::unavailable(format!(
+            "lost the connection to kas {kas} during the call: {}",
+            status.message()
+        ))
+    } else {
+        status
+    }
+}
+
+/// Room for one frame to the serving kas; `None` once the stream is closed or done.
+async fn reserve(tx: &Option<mpsc::Sender<Frame>>) -> Option<mpsc::Permit<'_, Frame>> {
+    match tx {
+        Some(tx) => tx.reserve().await.ok(),
+        None => None,
     }
 }
 

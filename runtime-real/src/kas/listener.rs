@@ -68,6 +68,9 @@ pub enum Guard {
     Http2Preface(Duration),
     /// Never stay silent this long while kas waits to read (HTTP/1.1).
     ReadIdle(Duration),
+    /// Send a first byte within this long: a listener whose connections may rightly stay
+    /// silent later (a watch, an upgraded exec session) guards only their start.
+    FirstByte(Duration),
 }
 
 /// Accepts connections on one listener.
@@ -409,6 +412,8 @@ pub struct Guarded<S = TcpStream> {
     inner: S,
     /// Preface bytes still expected, and until when.
     preface: Option<(usize, Pin<Box<Sleep>>)>,
+    /// What a connection that sends too few of them is told.
+    preface_error: &'static str,
     /// The read-idle limit and its timer.
     idle: Option<(Duration, Pin<Box<Sleep>>)>,
 }
@@ -418,11 +423,17 @@ impl<S> Guarded<S> {
         let timer = |d: Duration| Box::pin(tokio::time::sleep(d));
         let (preface, idle) = match guard {
             Guard::Http2Preface(d) => (Some((HTTP2_PREFACE_LEN, timer(d))), None),
+            Guard::FirstByte(d) => (Some((1, timer(d))), None),
             Guard::ReadIdle(d) => (None, Some((d, timer(d)))),
+        };
+        let preface_error = match guard {
+            Guard::FirstByte(_) => "no request within listen.handshake_timeout",
+            _ => "no HTTP/2 preface within listen.handshake_timeout",
         };
         Guarded {
             inner,
             preface,
+            preface_error,
             idle,
         }
     }
@@ -431,10 +442,7 @@ impl<S> Guarded<S> {
         if let Some((_, sleep)) = &mut self.preface
             && sleep.as_mut().poll(cx).is_ready()
         {
-            return Some(io::Error::new(
-                io::ErrorKind::TimedOut,
-                "no HTTP/2 preface within listen.handshake_timeout",
-            ));
+            return Some(io::Error::new(io::ErrorKind::TimedOut, self.preface_error));
         }
         if let Some((_, sleep)) = &mut self.idle
             && sleep.as_mut().poll(cx).is_ready()

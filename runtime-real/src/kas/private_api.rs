@@ -1,14 +1,14 @@
 //! The private listener (kas -> kas): serves a forwarded call from this kas's own tunnels,
 //! never routing it further, so a call takes at most two kas hops.
 
-use super::call::Call;
+use super::call::{Call, Rest};
 use super::deadline::deadline;
 use super::engine::{CancelOnDrop, EngineHandle};
 use crate::frames;
 use kas_core::frame_sequence::{Direction, FrameSequence, StreamKind};
 use kas_core::node::Origin;
 use kas_core::{AgentId, ConnectionId};
-use kas_proto::frame::{Frame, frame::Kind};
+use kas_proto::frame::{Frame, RequestStart, frame::Kind};
 use kas_proto::private_api::kas_private_server::KasPrivate;
 use std::pin::Pin;
 use std::sync::Arc;
@@ -60,34 +60,48 @@ impl KasPrivate for PrivateService {
         let (tx, rx) = mpsc::channel(16);
         let engine = self.engine.clone();
         tokio::spawn(async move {
-            match tokio::time::timeout(crate::clock::until(deadline), read_call(&mut inbound)).await
-            {
-                Ok(Ok((start, requests))) => {
-                    let call = Call {
-                        agent: AgentId(start.agent_id),
-                        connection: start.connection_id.map(ConnectionId),
-                        deadline,
-                        start,
-                        requests: Arc::new(requests),
-                        responses: tx,
-                    };
-                    let responses = call.responses.clone();
-                    if let Err(status) = engine.submit(id, Origin::Private, call) {
-                        // Not delivered: a refusal, so the forwarding kas may try another.
-                        let _ = responses.send(Ok(frames::error(id.0, &status))).await;
-                    }
-                }
+            let mut sequence = FrameSequence::new(StreamKind::Forward);
+            let read = tokio::time::timeout(
+                crate::clock::until(deadline),
+                read_call(&mut inbound, &mut sequence),
+            );
+            let (start, requests) = match read.await {
+                Ok(Ok(call)) => call,
                 Ok(Err(status)) => {
                     tracing::info!(error = %status.message(), "malformed forwarded call refused");
                     let _ = tx.send(Err(status)).await;
+                    return;
                 }
                 Err(_) => {
-                    let _ = tx
-                        .send(Err(Status::deadline_exceeded(
-                            "call not received by its deadline",
-                        )))
-                        .await;
+                    let status = Status::deadline_exceeded("call not received by its deadline");
+                    let _ = tx.send(Err(status)).await;
+                    return;
                 }
+            };
+            let (rest_tx, rest) = match start.streaming {
+                true => {
+                    let (rest_tx, rest) = Rest::channel();
+                    (Some(rest_tx), Some(rest))
+                }
+                false => (None, None),
+            };
+            let call = Call {
+                agent: AgentId(start.agent_id),
+                connection: start.connection_id.map(ConnectionId),
+                deadline,
+                start,
+                requests: Arc::new(requests),
+                rest,
+                responses: tx,
+            };
+            let responses = call.responses.clone();
+            if let Err(status) = engine.submit(id, Origin::Private, call) {
+                // Not delivered: a refusal, so the forwarding kas may try another.
+                let _ = responses.send(Ok(frames::error(id.0, &status))).await;
+                return;
+            }
+            if let Some(rest_tx) = rest_tx {
+                pump(&mut inbound, &mut sequence, &rest_tx).await;
             }
         });
         Ok(Response::new(Answer {
@@ -97,22 +111,19 @@ impl KasPrivate for PrivateService {
     }
 }
 
-/// Reads `RequestStart, Message*, CloseSend`, checking the grammar and the hop count.
+/// Reads `RequestStart, Message*, CloseSend` (a streaming call: its `RequestStart`
+/// alone), checking the grammar and the hop count.
 async fn read_call(
     inbound: &mut Streaming<Frame>,
-) -> Result<(kas_proto::frame::RequestStart, Vec<Frame>), Status> {
-    let mut sequence = FrameSequence::new(StreamKind::Forward);
+    sequence: &mut FrameSequence,
+) -> Result<(RequestStart, Vec<Frame>), Status> {
     let mut start = None;
     let mut requests = Vec::new();
     let mut bytes = 0usize;
     loop {
-        let frame = inbound
-            .message()
+        let frame = next(inbound, sequence)
             .await?
             .ok_or_else(|| Status::invalid_argument("forward stream ended before close-send"))?;
-        sequence
-            .check(Direction::ToAgent, &frame)
-            .map_err(|e| Status::invalid_argument(format!("forward protocol error: {e}")))?;
         match &frame.kind {
             Some(Kind::RequestStart(s)) => {
                 if s.hops != 1 {
@@ -120,6 +131,9 @@ async fn read_call(
                         "forwarded call has hop count {}, expected 1: kas never forwards a forwarded call",
                         s.hops
                     )));
+                }
+                if s.streaming {
+                    return Ok((s.clone(), requests));
                 }
                 start = Some(s.clone());
             }
@@ -138,6 +152,45 @@ async fn read_call(
                 return Ok((start, requests));
             }
             _ => {}
+        }
+    }
+}
+
+/// The next request frame from the routing kas, checked.
+async fn next(
+    inbound: &mut Streaming<Frame>,
+    sequence: &mut FrameSequence,
+) -> Result<Option<Frame>, Status> {
+    let Some(frame) = inbound.message().await? else {
+        return Ok(None);
+    };
+    sequence
+        .check(Direction::ToAgent, &frame)
+        .map_err(|e| Status::invalid_argument(format!("forward protocol error: {e}")))?;
+    Ok(Some(frame))
+}
+
+/// Passes a streaming call's request frames on to whichever tunnel delivers it, until its
+/// close-send. Ending without one (the stream broke, or broke the protocol) drops the
+/// sender, which the tunnel takes for the caller going away.
+async fn pump(
+    inbound: &mut Streaming<Frame>,
+    sequence: &mut FrameSequence,
+    rest: &mpsc::Sender<Frame>,
+) {
+    loop {
+        match next(inbound, sequence).await {
+            Ok(Some(frame)) => {
+                let close = matches!(frame.kind, Some(Kind::CloseSend(_)));
+                if rest.send(frame).await.is_err() || close {
+                    return;
+                }
+            }
+            Ok(None) => return,
+            Err(status) => {
+                tracing::info!(error = %status.message(), "forwarded request stream broke");
+                return;
+            }
         }
     }
 }

@@ -94,8 +94,10 @@ impl PublicService {
                 method: method.into(),
                 metadata: Default::default(),
                 hops: 0,
+                streaming: false,
             },
             requests: Arc::new(vec![frames::message(0, request), frames::close_send(0)]),
+            rest: None,
             responses: tx,
         };
         self.engine.submit(id, Origin::Public, call)?;

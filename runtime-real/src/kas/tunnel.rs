@@ -148,6 +148,11 @@ impl Tunnel {
     /// Carries one call: request frames down, answer frames up, until the trailer.
     /// `last_report` spans calls: a tunnel kept busy by one short call after another must
     /// still report its agent's frames, or kas takes it for silent and closes it mid-call.
+    ///
+    /// Both ways flow at once (a streaming call's request goes on while its answer
+    /// streams), each through a one-frame slot, so that neither way waits on the other:
+    /// an agent blocked sending its answer while kas blocks sending it request frames would
+    /// hold the tunnel forever.
     async fn carry(
         &mut self,
         order: Box<TunnelOrder>,
@@ -155,24 +160,43 @@ impl Tunnel {
     ) -> Result<(), End> {
         let TunnelOrder { request, call } = *order;
         let id = request.0;
-        let down = call.frames(id, call.start.hops);
-        let responses = call.responses;
-        let mut caller_gone = false;
+        let agent = call.agent;
+        let streaming = call.is_streaming();
+        let responses = call.responses.clone();
         buggify::pause(Point::TunnelBeforeFirstFrame).await;
-        let give_up = Instant::now() + clock::until(call.deadline) + TUNNEL_GRACE;
-        for frame in down {
-            if let Err(e) = self.sequence.check(Direction::ToAgent, &frame) {
-                let status = Status::internal(format!("malformed call: {e}"));
-                hand(&responses, Err(status.clone()), give_up).await;
-                return Err(End::Fault(Status::internal("kas sent a malformed call")));
+        // A streaming call's deadline bounded its routing only: it runs until either end
+        // ends it, or until a grace after its caller went away.
+        let mut give_up =
+            (!streaming).then(|| Instant::now() + clock::until(call.deadline) + TUNNEL_GRACE);
+        let mut rest = match &call.rest {
+            Some(rest) => {
+                self.engine.input(NodeInput::Delivered(request));
+                if call.start.hops > 0 {
+                    // The routing kas streams the rest of the request once it hears this;
+                    // the channel is fresh, so there is room.
+                    let _ = responses.try_send(Ok(frames::delivered(id)));
+                }
+                match rest.take() {
+                    Some(rx) => Some(rx),
+                    None => {
+                        let status = Status::internal("kas delivered a streaming call twice");
+                        hand(&responses, Err(status), give_up).await;
+                        return Err(End::Fault(Status::internal("kas sent a malformed call")));
+                    }
+                }
             }
-            if self.outbound.send(Box::new(Ok(frame))).await.is_err() {
-                hand(&responses, Err(agent_gone()), give_up).await;
-                return Err(End::Gone);
-            }
+            None => None,
+        };
+        for frame in call.frames(id, call.start.hops) {
+            self.send_down(frame, &responses, give_up).await?;
         }
+        let outbound = self.outbound.clone();
+        let mut to_agent: Option<Frame> = None;
+        let mut to_caller: Option<Frame> = None;
+        let mut caller_gone = false;
+        let mut finished = false;
         loop {
-            let frame = tokio::select! {
+            tokio::select! {
                 biased;
                 order = self.orders.recv() => match order {
                     None => {
@@ -182,52 +206,136 @@ impl Tunnel {
                     Some(other) => {
                         // Never sent while a call is running; refuse it rather than mix calls.
                         self.engine.input(NodeInput::Bounced(other.request));
-                        continue;
                     }
                 },
-                () = tokio::time::sleep_until(give_up) => {
-                    hand(&responses, Err(Status::deadline_exceeded(format!("agent {} did not answer by the deadline", call.agent))), give_up).await;
+                () = until(give_up) => {
+                    if caller_gone {
+                        return Err(End::Fault(Status::cancelled("the caller went away and the agent did not end the call")));
+                    }
+                    hand(&responses, Err(Status::deadline_exceeded(format!("agent {agent} did not answer by the deadline"))), give_up).await;
                     return Err(End::Fault(Status::deadline_exceeded("call overran its deadline")));
                 }
-                frame = buggify::read(self.inbound.message()) => frame,
-            };
-            let frame = match frame {
-                Ok(Some(f)) => f,
-                Err(s) if too_large(&s) => {
-                    let msg = format!(
-                        "agent {} answered with a message over agent.max_message_size: {}",
-                        call.agent,
-                        s.message()
-                    );
-                    hand(&responses, Err(Status::resource_exhausted(msg)), give_up).await;
-                    return Err(End::Fault(Status::resource_exhausted(
-                        "message over agent.max_message_size",
-                    )));
+                () = responses.closed(), if streaming && !caller_gone => {
+                    caller_gone = true;
+                    (rest, to_caller) = (None, None);
+                    give_up = Some(Instant::now() + TUNNEL_GRACE);
                 }
-                Ok(None) | Err(_) => {
-                    hand(&responses, Err(agent_gone()), give_up).await;
-                    return Err(End::Gone);
-                }
-            };
-            let progress = match self.sequence.check(Direction::FromAgent, &frame) {
-                Ok(p) => p,
-                Err(e) => {
-                    let msg = format!("agent {} broke the tunnel protocol: {e}", call.agent);
-                    hand(&responses, Err(Status::internal(msg)), give_up).await;
-                    return Err(End::Fault(Status::invalid_argument(format!(
-                        "tunnel protocol error: {e}"
-                    ))));
-                }
-            };
-            self.report_activity(last_report, false);
-            if matches!(frame.kind, Some(Kind::Heartbeat(_))) {
-                continue;
+                permit = responses.reserve(), if to_caller.is_some() => match permit {
+                    Ok(permit) => permit.send(Ok(to_caller.take().expect("guarded"))),
+                    Err(_) => {
+                        // Gone: keep draining, the tunnel is reused after the trailer.
+                        caller_gone = true;
+                        (rest, to_caller) = (None, None);
+                    }
+                },
+                permit = outbound.reserve(), if to_agent.is_some() => match permit {
+                    Ok(permit) => permit.send(Box::new(Ok(to_agent.take().expect("guarded")))),
+                    Err(_) => {
+                        hand(&responses, Err(agent_gone()), give_up).await;
+                        return Err(End::Gone);
+                    }
+                },
+                frame = recv(&mut rest), if to_agent.is_none() && !finished => match frame {
+                    Some(frame) => {
+                        let frame = frames::with_request_id(frame, id);
+                        Self::check_down(&mut self.sequence, &frame, &responses, give_up).await?;
+                        to_agent = Some(frame);
+                    }
+                    None => {
+                        rest = None;
+                        if !self.sequence.request_closed() {
+                            // The caller dropped its request without closing it: its end
+                            // of the call is gone, whatever it still reads.
+                            caller_gone = true;
+                            to_caller = None;
+                            give_up = Some(Instant::now() + TUNNEL_GRACE);
+                        }
+                    }
+                },
+                frame = buggify::read(self.inbound.message()), if to_caller.is_none() && !finished => {
+                    let (frame, progress) = Self::up(&mut self.sequence, frame, agent, &responses, give_up).await?;
+                    self.report_activity(last_report, false);
+                    if matches!(frame.kind, Some(Kind::Heartbeat(_))) {
+                        continue;
+                    }
+                    if let Progress::Finished(_) = progress {
+                        finished = true;
+                        (rest, to_agent) = (None, None);
+                    }
+                    if !caller_gone {
+                        to_caller = Some(frame);
+                    }
+                },
             }
-            if !caller_gone && !hand(&responses, Ok(frame), give_up).await {
-                caller_gone = true; // keep draining: the tunnel is reused after the trailer
-            }
-            if let Progress::Finished(_) = progress {
+            if finished && to_caller.is_none() {
                 return Ok(());
+            }
+        }
+    }
+
+    /// Checks a frame kas is about to send the agent; a malformed one fails the call.
+    async fn check_down(
+        sequence: &mut FrameSequence,
+        frame: &Frame,
+        responses: &Responses,
+        give_up: Option<Instant>,
+    ) -> Result<(), End> {
+        if let Err(e) = sequence.check(Direction::ToAgent, frame) {
+            let status = Status::internal(format!("malformed call: {e}"));
+            hand(responses, Err(status), give_up).await;
+            return Err(End::Fault(Status::internal("kas sent a malformed call")));
+        }
+        Ok(())
+    }
+
+    /// Checks and sends one of the call's first frames.
+    async fn send_down(
+        &mut self,
+        frame: Frame,
+        responses: &Responses,
+        give_up: Option<Instant>,
+    ) -> Result<(), End> {
+        Self::check_down(&mut self.sequence, &frame, responses, give_up).await?;
+        if self.outbound.send(Box::new(Ok(frame))).await.is_err() {
+            hand(responses, Err(agent_gone()), give_up).await;
+            return Err(End::Gone);
+        }
+        Ok(())
+    }
+
+    /// Checks what the agent sent during a call; what breaks the call fails it.
+    async fn up(
+        sequence: &mut FrameSequence,
+        frame: Result<Option<Frame>, Status>,
+        agent: kas_core::AgentId,
+        responses: &Responses,
+        give_up: Option<Instant>,
+    ) -> Result<(Frame, Progress), End> {
+        let frame = match frame {
+            Ok(Some(f)) => f,
+            Err(s) if too_large(&s) => {
+                let msg = format!(
+                    "agent {agent} answered with a message over agent.max_message_size: {}",
+                    s.message()
+                );
+                hand(responses, Err(Status::resource_exhausted(msg)), give_up).await;
+                return Err(End::Fault(Status::resource_exhausted(
+                    "message over agent.max_message_size",
+                )));
+            }
+            Ok(None) | Err(_) => {
+                hand(responses, Err(agent_gone()), give_up).await;
+                return Err(End::Gone);
+            }
+        };
+        match sequence.check(Direction::FromAgent, &frame) {
+            Ok(progress) => Ok((frame, progress)),
+            Err(e) => {
+                let msg = format!("agent {agent} broke the tunnel protocol: {e}");
+                hand(responses, Err(Status::internal(msg)), give_up).await;
+                Err(End::Fault(Status::invalid_argument(format!(
+                    "tunnel protocol error: {e}"
+                ))))
             }
         }
     }
@@ -238,16 +346,30 @@ pub fn too_large(status: &Status) -> bool {
     status.code() == tonic::Code::OutOfRange && status.message().contains("too large")
 }
 
-/// Hands `item` to the caller, waiting for room until `by` at the latest; false if it was
-/// not taken. A caller that stops reading its answer (a log stream left unread) fills the
-/// answer's channel: waiting without a bound kept the tunnel busy for as long as the
-/// caller held its stream open.
-async fn hand(responses: &Responses, item: Result<Frame, Status>, by: Instant) -> bool {
+/// Hands the error that ends a call to the caller, waiting for room until `by` (or
+/// [`TUNNEL_GRACE`] for a streaming call) at the latest. A caller that stops reading its
+/// answer (a log stream left unread) fills the answer's channel: waiting without a bound
+/// kept the tunnel busy for as long as the caller held its stream open.
+async fn hand(responses: &Responses, item: Result<Frame, Status>, by: Option<Instant>) {
+    let by = by.unwrap_or_else(|| Instant::now() + TUNNEL_GRACE);
     let left = by.saturating_duration_since(Instant::now());
-    matches!(
-        tokio::time::timeout(left, responses.send(item)).await,
-        Ok(Ok(()))
-    )
+    let _ = tokio::time::timeout(left, responses.send(item)).await;
+}
+
+/// Resolves at `at`, never without one.
+async fn until(at: Option<Instant>) {
+    match at {
+        Some(at) => tokio::time::sleep_until(at).await,
+        None => std::future::pending().await,
+    }
+}
+
+/// The next frame of a streaming call's request; never without one.
+pub async fn recv(rest: &mut Option<mpsc::Receiver<Frame>>) -> Option<Frame> {
+    match rest {
+        Some(rx) => rx.recv().await,
+        None => std::future::pending().await,
+    }
 }
 
 fn agent_gone() -> Status {

@@ -41,6 +41,7 @@ impl KasProcess {
                 api: unspecified(),
                 private_api: unspecified(),
                 observability: unspecified(),
+                kubernetes_api: None,
             },
             log: log.to_path_buf(),
         };
@@ -59,6 +60,7 @@ impl KasProcess {
                     api: field("api")?,
                     private_api: field("private_api")?,
                     observability: field("observability")?,
+                    kubernetes_api: field("kubernetes_api").ok(),
                 };
                 return Ok(p);
             }

@@ -598,3 +598,21 @@ pub fn tls_lines(cert: &Path, key: &Path) -> String {
         key.display()
     )
 }
+
+/// Installs Debian's `package` when `binary` is not on PATH (as root, with apt-get); fails
+/// the test, naming the package, when it is still missing: never a silent skip.
+pub fn ensure_package(binary: &str, package: &str) {
+    let present = || {
+        Command::new("sh")
+            .args(["-c", &format!("command -v {binary}")])
+            .output()
+            .is_ok_and(|o| o.status.success())
+    };
+    if !present() {
+        let _ = Command::new("apt-get")
+            .args(["install", "-y", "-qq", package])
+            .env("DEBIAN_FRONTEND", "noninteractive")
+            .status();
+    }
+    assert!(present(), "{binary} is missing: apt-get install {package}");
+}

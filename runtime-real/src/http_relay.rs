@@ -1,0 +1,321 @@
+//! An HTTP exchange carried as the messages of one streaming call (`kas/http.proto`), as
+//! kas's Kubernetes API listener and agentk's Kubernetes API module both speak it: heads
+//! with their headers, bodies as they stream, trailers, and after a `101 Switching
+//! Protocols` the raw bytes of the upgraded connection both ways.
+//!
+//! Each side sends its half through an [`Outgoing`] and reads the other's through an
+//! [`Incoming`]; the functions here move bodies and upgraded bytes between those and
+//! hyper, the same on both sides.
+
+// Header maps are prost's (`map<string, Values>`): looked up and converted, never iterated
+// into an output whose order matters (HTTP header order across names carries no meaning).
+#![allow(clippy::disallowed_types)]
+
+use bytes::Bytes;
+use futures::StreamExt;
+use http::{HeaderMap, HeaderName, HeaderValue, header};
+use http_body::Body;
+use http_body_util::BodyExt;
+use kas_proto::frame::Values;
+use kas_proto::http::{HttpRequest, HttpResponse, Trailers, http_request, http_response};
+use prost::Message;
+use std::collections::HashMap;
+use tokio::io::{AsyncReadExt, AsyncWriteExt};
+
+/// Body and upgraded bytes travel in messages of at most this many bytes: far below any
+/// message size limit, and small enough that streams sharing a connection interleave.
+pub const CHUNK: usize = 32 * 1024;
+
+/// The error type of the bodies built here.
+pub type BoxError = Box<dyn std::error::Error + Send + Sync>;
+
+/// Headers about one connection rather than the exchange (RFC 9110 7.6.1), never relayed;
+/// `Host` is the receiving side's to set. `Upgrade` is relayed: the receiving side puts
+/// `Connection: upgrade` back beside it.
+const HOP_BY_HOP: [HeaderName; 8] = [
+    header::CONNECTION,
+    HeaderName::from_static("keep-alive"),
+    HeaderName::from_static("proxy-connection"),
+    header::PROXY_AUTHENTICATE,
+    header::PROXY_AUTHORIZATION,
+    header::TE,
+    header::TRAILER,
+    header::TRANSFER_ENCODING,
+];
+
+/// The headers to relay: all but hop-by-hop ones, `Host`, and those the `Connection`
+/// header names.
+pub fn to_values(headers: &HeaderMap) -> HashMap<String, Values> {
+    let named: Vec<String> = headers
+        .get_all(header::CONNECTION)
+        .iter()
+        .filter_map(|v| v.to_str().ok())
+        .flat_map(|v| v.split(','))
+        .map(|n| n.trim().to_ascii_lowercase())
+        .filter(|n| n != "upgrade")
+        .collect();
+    let mut out: HashMap<String, Values> = HashMap::new();
+    for (name, value) in headers {
+        if HOP_BY_HOP.contains(name)
+            || name == header::HOST
+            || named.iter().any(|n| n == name.as_str())
+        {
+            continue;
+        }
+        let Ok(value) = value.to_str() else { continue };
+        out.entry(name.as_str().to_string())
+            .or_default()
+            .values
+            .push(value.to_string());
+    }
+    out
+}
+
+/// Adds relayed headers to `into`; `Connection: upgrade` too when they ask for an upgrade.
+/// A name or value HTTP does not allow is an error naming it.
+pub fn add_values(values: &HashMap<String, Values>, into: &mut HeaderMap) -> Result<(), String> {
+    for (name, vs) in values {
+        let name = HeaderName::from_bytes(name.as_bytes())
+            .map_err(|_| format!("header name {name:?} is not valid HTTP"))?;
+        if HOP_BY_HOP.contains(&name) || name == header::HOST {
+            continue;
+        }
+        for v in &vs.values {
+            let value = HeaderValue::from_str(v)
+                .map_err(|_| format!("the value of header {name} is not valid HTTP"))?;
+            into.append(name.clone(), value);
+        }
+    }
+    if into.contains_key(header::UPGRADE) {
+        into.insert(header::CONNECTION, HeaderValue::from_static("upgrade"));
+    }
+    Ok(())
+}
+
+/// True when the headers ask to switch protocols.
+pub fn wants_upgrade(headers: &HeaderMap) -> bool {
+    headers.contains_key(header::UPGRADE)
+        && headers
+            .get_all(header::CONNECTION)
+            .iter()
+            .filter_map(|v| v.to_str().ok())
+            .any(|v| {
+                v.split(',')
+                    .any(|t| t.trim().eq_ignore_ascii_case("upgrade"))
+            })
+}
+
+/// One piece of a body or an upgraded stream: what [`HttpRequest`] and [`HttpResponse`]
+/// share past their heads.
+pub enum Piece {
+    /// Body bytes.
+    Data(Vec<u8>),
+    /// The body ended with these trailers.
+    Trailers(HashMap<String, Values>),
+    /// Bytes of the upgraded connection.
+    Upgrade(Vec<u8>),
+}
+
+/// A message type of one direction: requests towards the agent, responses back.
+pub trait Half: Message + Default + Sized {
+    /// The message carrying `piece`.
+    fn piece(piece: Piece) -> Self;
+    /// The piece this message carries; `None` for a head.
+    fn into_piece(self) -> Option<Piece>;
+}
+
+impl Half for HttpRequest {
+    fn piece(piece: Piece) -> Self {
+        use http_request::Kind;
+        let kind = match piece {
+            Piece::Data(d) => Kind::Data(d),
+            Piece::Trailers(headers) => Kind::Trailers(Trailers { headers }),
+            Piece::Upgrade(d) => Kind::Upgrade(d),
+        };
+        HttpRequest { kind: Some(kind) }
+    }
+
+    fn into_piece(self) -> Option<Piece> {
+        use http_request::Kind;
+        match self.kind? {
+            Kind::Head(_) => None,
+            Kind::Data(d) => Some(Piece::Data(d)),
+            Kind::Trailers(t) => Some(Piece::Trailers(t.headers)),
+            Kind::Upgrade(d) => Some(Piece::Upgrade(d)),
+        }
+    }
+}
+
+impl Half for HttpResponse {
+    fn piece(piece: Piece) -> Self {
+        use http_response::Kind;
+        let kind = match piece {
+            Piece::Data(d) => Kind::Data(d),
+            Piece::Trailers(headers) => Kind::Trailers(Trailers { headers }),
+            Piece::Upgrade(d) => Kind::Upgrade(d),
+        };
+        HttpResponse { kind: Some(kind) }
+    }
+
+    fn into_piece(self) -> Option<Piece> {
+        use http_response::Kind;
+        match self.kind? {
+            Kind::Head(_) => None,
+            Kind::Data(d) => Some(Piece::Data(d)),
+            Kind::Trailers(t) => Some(Piece::Trailers(t.headers)),
+            Kind::Upgrade(d) => Some(Piece::Upgrade(d)),
+        }
+    }
+}
+
+/// Where one side sends its encoded messages.
+pub trait Outgoing: Send {
+    /// Sends one; false once the other side is gone.
+    fn send(&mut self, message: Vec<u8>) -> impl Future<Output = bool> + Send;
+
+    /// Says that no more will come, when that is not the end of the whole call (the
+    /// caller's half-close of an upgraded connection).
+    fn close(&mut self) -> impl Future<Output = ()> + Send {
+        async {}
+    }
+}
+
+/// Which end of an upgraded connection one side holds.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum UpgradedEnd {
+    /// The caller's (kas): its end of writing is a half-close, passed on; the call ends
+    /// when the other side ends it.
+    Caller,
+    /// The API server's (agentk): its end ends the call.
+    Server,
+}
+
+/// Where one side reads the other's encoded messages.
+pub trait Incoming: Send {
+    /// The next one; `None` at the other side's clean end, an error when it failed.
+    fn recv(&mut self) -> impl Future<Output = Result<Option<Vec<u8>>, String>> + Send;
+}
+
+/// Decodes the next message of `incoming` as an `H`.
+pub async fn next<H: Half>(incoming: &mut impl Incoming) -> Result<Option<H>, String> {
+    match incoming.recv().await? {
+        Some(bytes) => H::decode(bytes.as_slice())
+            .map(Some)
+            .map_err(|e| format!("malformed HTTP message: {e}")),
+        None => Ok(None),
+    }
+}
+
+/// Sends `body` as data and trailer messages; `Err` when the body broke (the other side
+/// must not take it for complete), `Ok(false)` when the other side went away.
+pub async fn send_body<H: Half, B>(body: B, out: &mut impl Outgoing) -> Result<bool, String>
+where
+    B: Body<Data = Bytes> + Send + Unpin,
+    B::Error: std::fmt::Display,
+{
+    let mut body = body;
+    while let Some(frame) = body.frame().await {
+        let frame = frame.map_err(|e| format!("the body broke: {e}"))?;
+        let frame = match frame.into_data() {
+            Ok(data) => {
+                for chunk in data.chunks(CHUNK) {
+                    let m = H::piece(Piece::Data(chunk.to_vec())).encode_to_vec();
+                    if !out.send(m).await {
+                        return Ok(false);
+                    }
+                }
+                continue;
+            }
+            Err(frame) => frame,
+        };
+        if let Ok(trailers) = frame.into_trailers() {
+            let m = H::piece(Piece::Trailers(to_values(&trailers))).encode_to_vec();
+            if !out.send(m).await {
+                return Ok(false);
+            }
+        }
+    }
+    Ok(true)
+}
+
+/// A body read from `incoming`'s data and trailer messages, ending at its end; a failure
+/// or a message that has no place in a body breaks it.
+pub fn recv_body<H: Half + 'static, I: Incoming + 'static>(
+    incoming: I,
+) -> http_body_util::combinators::UnsyncBoxBody<Bytes, BoxError> {
+    let frames = futures::stream::unfold(Some(incoming), |state| async move {
+        let mut incoming = state?;
+        let frame = match next::<H>(&mut incoming).await {
+            Ok(None) => return None,
+            Ok(Some(m)) => match m.into_piece() {
+                Some(Piece::Data(d)) => Ok(http_body::Frame::data(Bytes::from(d))),
+                Some(Piece::Trailers(t)) => {
+                    let mut map = HeaderMap::new();
+                    match add_values(&t, &mut map) {
+                        Ok(()) => Ok(http_body::Frame::trailers(map)),
+                        Err(e) => Err(e),
+                    }
+                }
+                Some(Piece::Upgrade(_)) | None => {
+                    Err("an HTTP message out of place in a body".into())
+                }
+            },
+            Err(e) => Err(e),
+        };
+        let more = frame.is_ok().then_some(incoming);
+        Some((frame.map_err(BoxError::from), more))
+    });
+    BodyExt::boxed_unsync(http_body_util::StreamBody::new(frames.boxed()))
+}
+
+/// Relays an upgraded connection (this side's `end` of it) and the other side's upgrade
+/// messages both ways. The other side's end shuts the connection's writing half; the
+/// connection's end is passed on as a half-close by the caller's end, and ends the relay
+/// at the server's. At the caller's end the relay ends with the other side's.
+pub async fn relay_upgraded<In: Half, Out: Half>(
+    io: hyper::upgrade::Upgraded,
+    end: UpgradedEnd,
+    incoming: &mut impl Incoming,
+    out: &mut impl Outgoing,
+) -> Result<(), String> {
+    let (mut reader, mut writer) = tokio::io::split(hyper_util::rt::TokioIo::new(io));
+    let mut buf = vec![0u8; CHUNK];
+    let mut incoming_open = true;
+    let mut reading = true;
+    loop {
+        tokio::select! {
+            n = reader.read(&mut buf), if reading => {
+                let n = n.map_err(|e| format!("the upgraded connection broke: {e}"))?;
+                if n == 0 {
+                    match end {
+                        UpgradedEnd::Server => return Ok(()),
+                        UpgradedEnd::Caller => {
+                            reading = false;
+                            out.close().await;
+                            continue;
+                        }
+                    }
+                }
+                if !out.send(Out::piece(Piece::Upgrade(buf[..n].to_vec())).encode_to_vec()).await {
+                    return Ok(());
+                }
+            }
+            m = next::<In>(incoming), if incoming_open => match m?.map(Half::into_piece) {
+                Some(Some(Piece::Upgrade(bytes))) => {
+                    writer
+                        .write_all(&bytes)
+                        .await
+                        .map_err(|e| format!("the upgraded connection broke: {e}"))?;
+                }
+                Some(_) => return Err("an HTTP message out of place in an upgraded stream".into()),
+                None => {
+                    incoming_open = false;
+                    let _ = writer.shutdown().await;
+                    if end == UpgradedEnd::Caller {
+                        return Ok(());
+                    }
+                }
+            },
+        }
+    }
+}

@@ -1,0 +1,368 @@
+//! The Kubernetes API listener (`agent.kubernetes_api`): kubectl, GitLab's cluster
+//! dashboard and any Kubernetes client reach an agent's cluster through any kas.
+//!
+//! Each HTTP request (HTTP/1.1 or HTTP/2) names its agent in its bearer token (see
+//! [`access`]) and becomes one streaming call to that agent's Kubernetes API module, routed
+//! like any other: its head, then its body as it streams, one way; the response head and
+//! body as they stream, the other. A `101 Switching Protocols` (WebSocket or SPDY: exec,
+//! attach, port-forward) turns the call into a two-way byte stream. A watch or an exec
+//! session lasts for as long as the client keeps it: no kas timeout applies once the call
+//! reached the agent. Refusals are Kubernetes `Status` objects, which kubectl prints.
+
+mod access;
+
+pub use access::{Credential, Refusal, StaticUserTokens};
+
+use super::call::{Call, Rest};
+use super::engine::{CancelOnDrop, EngineHandle};
+use crate::clock;
+use crate::frames;
+use crate::http_relay::{self, Incoming, Outgoing, UpgradedEnd};
+use axum::body::Body;
+use http::{HeaderValue, Request, Response, StatusCode, header};
+use kas_core::AgentId;
+use kas_core::node::Origin;
+use kas_proto::frame::{Frame, RequestStart, frame::Kind};
+use kas_proto::http::{
+    HttpRequest, HttpResponse, KUBERNETES_API_METHOD, RequestHead, http_request, http_response,
+};
+use prost::Message;
+use std::sync::Arc;
+use std::time::Duration;
+use tokio::sync::mpsc;
+use tonic::Status;
+
+/// What the listener needs.
+pub struct KubernetesApiService {
+    /// The engine.
+    pub engine: EngineHandle,
+    /// Checks callers' tokens.
+    pub tokens: Arc<StaticUserTokens>,
+    /// `url_path_prefix`, ending with `/`.
+    pub prefix: String,
+    /// `routing_timeout`.
+    pub routing_timeout: Duration,
+}
+
+impl KubernetesApiService {
+    /// The service as an axum router: every path is the Kubernetes API's.
+    pub fn router(self) -> axum::Router {
+        let this = Arc::new(self);
+        axum::Router::new().fallback(move |req: Request<Body>| {
+            let this = this.clone();
+            async move {
+                match this.proxy(req).await {
+                    Ok(resp) => resp,
+                    Err(refusal) => refusal.into_response(),
+                }
+            }
+        })
+    }
+
+    async fn proxy(&self, mut req: Request<Body>) -> Result<Response<Body>, Failure> {
+        let path = self.path(req.uri())?;
+        let auth = req
+            .headers()
+            .get(header::AUTHORIZATION)
+            .and_then(|v| v.to_str().ok());
+        let credential = Credential::parse(auth)?;
+        let grant = self.tokens.check(&credential)?;
+        let upgrade =
+            http_relay::wants_upgrade(req.headers()).then(|| hyper::upgrade::on(&mut req));
+        let mut headers = http_relay::to_values(req.headers());
+        headers.remove(header::AUTHORIZATION.as_str());
+        let head = HttpRequest {
+            kind: Some(http_request::Kind::Head(RequestHead {
+                method: req.method().as_str().to_string(),
+                path: path.clone(),
+                headers,
+                impersonation: grant.impersonation,
+            })),
+        };
+        let wait =
+            request_timeout(&path).map_or(self.routing_timeout, |t| t.min(self.routing_timeout));
+        let (rest_tx, rest) = Rest::channel();
+        let (tx, rx) = mpsc::channel(16);
+        let agent = credential.agent;
+        let call = Call {
+            agent,
+            connection: None,
+            deadline: clock::now() + wait,
+            start: RequestStart {
+                request_id: 0,
+                agent_id: agent.0,
+                connection_id: None,
+                method: KUBERNETES_API_METHOD.into(),
+                metadata: Default::default(),
+                hops: 0,
+                streaming: true,
+            },
+            requests: Arc::new(vec![frames::message(0, head.encode_to_vec())]),
+            rest: Some(rest),
+            responses: tx,
+        };
+        let id = self.engine.next_request_id();
+        self.engine
+            .submit(id, Origin::Public, call)
+            .map_err(Failure::Call)?;
+        let mut from_agent = FromAgent {
+            agent,
+            rx,
+            _cancel: CancelOnDrop::new(self.engine.clone(), id),
+        };
+        let mut out = ToAgent(rest_tx);
+        // An upgrade's request has no body: what follows its head is the upgraded stream.
+        let upgrading = match upgrade {
+            Some(on_upgrade) => Some((on_upgrade, out)),
+            None => {
+                let body = req.into_body();
+                tokio::spawn(async move {
+                    // A body that broke drops the request unclosed: the caller is gone.
+                    if let Ok(true) = http_relay::send_body::<HttpRequest, _>(body, &mut out).await
+                    {
+                        out.close().await;
+                    }
+                });
+                None
+            }
+        };
+        let head = from_agent.head().await?;
+        let status =
+            StatusCode::from_u16(u16::try_from(head.status).unwrap_or(0)).map_err(|_| {
+                Failure::Agent(format!(
+                    "agent {agent} answered with HTTP status {}",
+                    head.status
+                ))
+            })?;
+        let mut resp = Response::builder().status(status);
+        http_relay::add_values(&head.headers, resp.headers_mut().expect("a fresh builder"))
+            .map_err(|e| {
+                Failure::Agent(format!("agent {agent} answered with a bad header: {e}"))
+            })?;
+        match upgrading {
+            Some((on_upgrade, mut out)) if status == StatusCode::SWITCHING_PROTOCOLS => {
+                tokio::spawn(async move {
+                    let Ok(io) = on_upgrade.await else { return };
+                    let end = UpgradedEnd::Caller;
+                    let relay = http_relay::relay_upgraded::<HttpResponse, HttpRequest>(
+                        io,
+                        end,
+                        &mut from_agent,
+                        &mut out,
+                    );
+                    if let Err(e) = relay.await {
+                        tracing::debug!(%agent, error = %e, "upgraded stream ended");
+                    }
+                });
+                Ok(resp.body(Body::empty()).expect("a valid response"))
+            }
+            upgrading => {
+                if let Some((_, mut out)) = upgrading {
+                    // Refused: the upgrade's request is over.
+                    tokio::spawn(async move { out.close().await });
+                }
+                let body = http_relay::recv_body::<HttpResponse, _>(from_agent);
+                Ok(resp.body(Body::new(body)).expect("a valid response"))
+            }
+        }
+    }
+
+    /// The path and query under `url_path_prefix`, as the API server sees it.
+    fn path(&self, uri: &http::Uri) -> Result<String, Failure> {
+        let full = uri.path_and_query().map_or("/", |p| p.as_str());
+        let rest = full.strip_prefix(self.prefix.as_str()).ok_or_else(|| {
+            Failure::NotFound(format!(
+                "{} is not under the Kubernetes API prefix {}",
+                uri.path(),
+                self.prefix
+            ))
+        })?;
+        Ok(format!("/{rest}"))
+    }
+}
+
+/// A request's own `?timeout=` (kubectl's `--request-timeout`), e.g. `32s` or `1m0s`.
+fn request_timeout(path: &str) -> Option<Duration> {
+    let query = path.split_once('?')?.1;
+    let value = query
+        .split('&')
+        .find_map(|kv| kv.strip_prefix("timeout="))?;
+    humantime::parse_duration(value).ok()
+}
+
+/// The request's messages after its head: body or upgraded bytes, then the close-send.
+struct ToAgent(mpsc::Sender<Frame>);
+
+impl Outgoing for ToAgent {
+    async fn send(&mut self, message: Vec<u8>) -> bool {
+        self.0.send(frames::message(0, message)).await.is_ok()
+    }
+
+    async fn close(&mut self) {
+        let _ = self.0.send(frames::close_send(0)).await;
+    }
+}
+
+/// The answer's messages as they come; dropping it cancels the call.
+struct FromAgent {
+    agent: AgentId,
+    rx: mpsc::Receiver<Result<Frame, Status>>,
+    _cancel: CancelOnDrop,
+}
+
+impl FromAgent {
+    /// The next answer message; `None` at the agent's clean end.
+    async fn message(&mut self) -> Result<Option<Vec<u8>>, Status> {
+        loop {
+            let frame = match self.rx.recv().await {
+                Some(Ok(frame)) => frame,
+                Some(Err(status)) => return Err(status),
+                None => return Err(Status::unavailable("the call ended without an answer")),
+            };
+            match frame.kind {
+                Some(Kind::Message(m)) => return Ok(Some(m.data)),
+                Some(Kind::Trailer(t)) if t.code == 0 => return Ok(None),
+                Some(Kind::Trailer(t)) => return Err(frames::status(t.code, &t.message)),
+                Some(Kind::Error(e)) => return Err(frames::status(e.code, &e.message)),
+                _ => {}
+            }
+        }
+    }
+
+    /// The response head, which comes first.
+    async fn head(&mut self) -> Result<kas_proto::http::ResponseHead, Failure> {
+        let agent = self.agent;
+        let first = self
+            .message()
+            .await
+            .map_err(Failure::Call)?
+            .ok_or_else(|| {
+                Failure::Agent(format!(
+                    "agent {agent} ended the call without an HTTP response"
+                ))
+            })?;
+        match HttpResponse::decode(first.as_slice()).map(|m| m.kind) {
+            Ok(Some(http_response::Kind::Head(head))) => Ok(head),
+            Ok(_) => Err(Failure::Agent(format!(
+                "agent {agent} answered without an HTTP response head"
+            ))),
+            Err(e) => Err(Failure::Agent(format!(
+                "agent {agent} sent a malformed HTTP response: {e}"
+            ))),
+        }
+    }
+}
+
+impl Incoming for FromAgent {
+    async fn recv(&mut self) -> Result<Option<Vec<u8>>, String> {
+        self.message().await.map_err(|s| s.message().to_string())
+    }
+}
+
+/// Why a request got no response from its agent's API server.
+enum Failure {
+    /// Refused by the token check.
+    Refused(Refusal),
+    /// The path is not under the prefix.
+    NotFound(String),
+    /// kas could not route the call, or it failed on the way.
+    Call(Status),
+    /// The agent answered something that is not an HTTP response.
+    Agent(String),
+}
+
+impl From<Refusal> for Failure {
+    fn from(r: Refusal) -> Self {
+        Failure::Refused(r)
+    }
+}
+
+impl Failure {
+    /// A Kubernetes `Status` response, which kubectl prints as the error.
+    fn into_response(self) -> Response<Body> {
+        let (code, reason, message) = match self {
+            Failure::Refused(Refusal::Unauthenticated(m)) => {
+                (StatusCode::UNAUTHORIZED, "Unauthorized", m)
+            }
+            Failure::Refused(Refusal::Forbidden(m)) => (StatusCode::FORBIDDEN, "Forbidden", m),
+            Failure::Refused(Refusal::Unavailable(m)) => {
+                (StatusCode::SERVICE_UNAVAILABLE, "ServiceUnavailable", m)
+            }
+            Failure::NotFound(m) => (StatusCode::NOT_FOUND, "NotFound", m),
+            Failure::Agent(m) => (StatusCode::BAD_GATEWAY, "InternalError", m),
+            Failure::Call(s) => {
+                let (code, reason) = match s.code() {
+                    tonic::Code::DeadlineExceeded => (StatusCode::GATEWAY_TIMEOUT, "Timeout"),
+                    tonic::Code::ResourceExhausted => {
+                        (StatusCode::TOO_MANY_REQUESTS, "TooManyRequests")
+                    }
+                    tonic::Code::InvalidArgument => (StatusCode::BAD_REQUEST, "BadRequest"),
+                    tonic::Code::Unimplemented => (StatusCode::NOT_IMPLEMENTED, "InternalError"),
+                    tonic::Code::Unavailable => {
+                        (StatusCode::SERVICE_UNAVAILABLE, "ServiceUnavailable")
+                    }
+                    _ => (StatusCode::BAD_GATEWAY, "InternalError"),
+                };
+                (code, reason, s.message().to_string())
+            }
+        };
+        kubernetes_status(code, reason, &message)
+    }
+}
+
+/// A Kubernetes `Status` object as the response.
+fn kubernetes_status(code: StatusCode, reason: &str, message: &str) -> Response<Body> {
+    let body = serde_json::json!({
+        "kind": "Status",
+        "apiVersion": "v1",
+        "metadata": {},
+        "status": "Failure",
+        "message": message,
+        "reason": reason,
+        "code": code.as_u16(),
+    });
+    let mut resp = Response::new(Body::from(body.to_string()));
+    *resp.status_mut() = code;
+    resp.headers_mut().insert(
+        header::CONTENT_TYPE,
+        HeaderValue::from_static("application/json"),
+    );
+    resp
+}
+
+/// Serves the listener until `signal` resolves: then it takes no new connections, tells
+/// HTTP/2 clients to go elsewhere (GOAWAY) and lets running requests finish.
+pub async fn serve(
+    listener: tokio::net::TcpListener,
+    service: KubernetesApiService,
+    tls: Option<Arc<rustls::ServerConfig>>,
+    handshake_timeout: Duration,
+    metrics: super::metrics::Metrics,
+    signal: impl Future<Output = ()> + Send + 'static,
+) {
+    use super::listener::{Acceptor, Guard, Handshakes};
+    let routes = service.router();
+    // Only the start is guarded: a watch or an exec session may rightly stay silent.
+    let guard = Guard::FirstByte(handshake_timeout);
+    let acceptor = Acceptor::new(listener, guard, "kubernetes_api", metrics);
+    let r = match tls {
+        None => {
+            axum::serve(acceptor, routes)
+                .with_graceful_shutdown(signal)
+                .await
+        }
+        Some(tls) => {
+            let incoming = acceptor.handshaking(Handshakes {
+                tls: Some(tls),
+                websocket: false,
+                timeout: handshake_timeout,
+            });
+            axum::serve(incoming, routes)
+                .with_graceful_shutdown(signal)
+                .await
+        }
+    };
+    if let Err(e) = r {
+        tracing::error!(error = %e, "kubernetes_api listener failed");
+    }
+}

@@ -1,0 +1,367 @@
+//! The Kubernetes API through kas, driven with the real `kubectl` (Debian's
+//! `kubernetes-client`, installed when missing) against the local deployment that
+//! `kas-local` runs: three kas sharing a private Redis, agent 1 on kas0, agent 2's two
+//! replicas on kas1 and kas2, each cluster a small local API server.
+
+mod support;
+
+use kas_runtime::local::LocalDeployment;
+use serde_json::Value;
+use std::path::Path;
+use std::process::Stdio;
+use std::time::Duration;
+use tokio::io::{AsyncBufReadExt, BufReader};
+use tokio::process::{Child, Command};
+
+/// The deployment, in a temporary directory kept alive beside it.
+async fn deployment() -> (LocalDeployment, tempfile::TempDir) {
+    support::ensure_package("kubectl", "kubernetes-client");
+    let dir = tempfile::tempdir().expect("temp dir");
+    let d = LocalDeployment::start(dir.path(), true, false)
+        .await
+        .expect("the local deployment starts");
+    (d, dir)
+}
+
+/// `kubectl --context CONTEXT ARGS` with `kubeconfig` (and its own cache directory).
+fn kubectl(kubeconfig: &Path, cache: &Path, context: &str, args: &[&str]) -> Command {
+    let mut c = Command::new("kubectl");
+    c.env("KUBECONFIG", kubeconfig)
+        .env("HOME", cache)
+        .arg("--cache-dir")
+        .arg(cache.join("kube-cache"))
+        .args(["--context", context, "--request-timeout", "30s"])
+        .args(args)
+        .stdin(Stdio::null())
+        .kill_on_drop(true);
+    c
+}
+
+/// Runs kubectl; (success, stdout, stderr).
+async fn run(
+    kubeconfig: &Path,
+    cache: &Path,
+    context: &str,
+    args: &[&str],
+) -> (bool, String, String) {
+    let out = tokio::time::timeout(
+        Duration::from_secs(40),
+        kubectl(kubeconfig, cache, context, args).output(),
+    )
+    .await
+    .unwrap_or_else(|_| panic!("kubectl {context} {args:?} did not finish in 40 s"))
+    .expect("kubectl runs");
+    (
+        out.status.success(),
+        String::from_utf8_lossy(&out.stdout).into_owned(),
+        String::from_utf8_lossy(&out.stderr).into_owned(),
+    )
+}
+
+async fn ok(d: &LocalDeployment, cache: &Path, context: &str, args: &[&str]) -> String {
+    let (success, out, err) = run(&d.kubeconfig(), cache, context, args).await;
+    assert!(
+        success,
+        "kubectl --context {context} {args:?} failed: {err}"
+    );
+    out
+}
+
+/// A running kubectl's standard output, read line by line.
+struct Output {
+    lines: tokio::io::Lines<BufReader<tokio::process::ChildStdout>>,
+    seen: Vec<String>,
+}
+
+impl Output {
+    fn of(child: &mut Child) -> Output {
+        let stdout = child.stdout.take().expect("piped stdout");
+        Output {
+            lines: BufReader::new(stdout).lines(),
+            seen: Vec::new(),
+        }
+    }
+
+    /// Reads until `done` says so, failing after `within` with what it read.
+    async fn until(&mut self, within: Duration, done: impl Fn(&[String]) -> bool) -> &[String] {
+        let end = tokio::time::Instant::now() + within;
+        while !done(&self.seen) {
+            match tokio::time::timeout_at(end, self.lines.next_line()).await {
+                Ok(Ok(Some(line))) => self.seen.push(line),
+                Ok(Ok(None)) | Ok(Err(_)) => panic!("the output ended early: {:?}", self.seen),
+                Err(_) => panic!("timed out after {within:?}; read so far: {:?}", self.seen),
+            }
+        }
+        &self.seen
+    }
+}
+
+/// A client of kas's Kubernetes API listener, trusting the deployment's CA.
+fn https_client(d: &LocalDeployment) -> reqwest::Client {
+    let _ = rustls::crypto::ring::default_provider().install_default();
+    let ca = std::fs::read(d.kube_ca_file()).expect("the CA");
+    reqwest::Client::builder()
+        .add_root_certificate(reqwest::Certificate::from_pem(&ca).expect("a PEM CA"))
+        .build()
+        .expect("a client")
+}
+
+/// The fixture pods of `agent` as (namespace, name, phase, node), sorted.
+fn fixture(agent: i64) -> Vec<(String, String, String, String)> {
+    let all = [
+        (1, "default", "web-1", "Running", "node-a"),
+        (1, "kube-system", "coredns-1", "Running", "node-a"),
+        (2, "shop", "cart-1", "Running", "node-b"),
+    ];
+    let mut pods: Vec<_> = all
+        .iter()
+        .filter(|p| p.0 == agent)
+        .map(|p| {
+            (
+                p.1.to_string(),
+                p.2.to_string(),
+                p.3.to_string(),
+                p.4.to_string(),
+            )
+        })
+        .collect();
+    pods.sort();
+    pods
+}
+
+/// Agent 1 (on kas0) through kas0 (local route) and kas2 (remote); agent 2 (on kas1 and
+/// kas2) through kas1 (local) and kas0 (remote): get, get -o json, logs -f and exec.
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn kubectl_reaches_every_agent_through_a_local_and_a_remote_kas() {
+    let (d, dir) = deployment().await;
+    let cache = dir.path();
+    for (agent, kas, namespace, pod) in [
+        (1, 0, "default", "web-1"),
+        (1, 2, "default", "web-1"),
+        (2, 1, "shop", "cart-1"),
+        (2, 0, "shop", "cart-1"),
+    ] {
+        let context = format!("agent{agent}-kas{kas}");
+        let table = ok(&d, cache, &context, &["get", "pods", "-A"]).await;
+        for (ns, name, phase, _) in fixture(agent) {
+            assert!(
+                table
+                    .lines()
+                    .any(|l| l.starts_with(&ns) && l.contains(&name) && l.contains(&phase)),
+                "{context}: {name} missing from\n{table}"
+            );
+        }
+        let json: Value = serde_json::from_str(
+            &ok(&d, cache, &context, &["get", "pods", "-A", "-o", "json"]).await,
+        )
+        .expect("kubectl -o json prints JSON");
+        let mut listed: Vec<_> = json["items"]
+            .as_array()
+            .expect("a list")
+            .iter()
+            .map(|p| {
+                let s = |v: &Value| v.as_str().unwrap_or_default().to_string();
+                (
+                    s(&p["metadata"]["namespace"]),
+                    s(&p["metadata"]["name"]),
+                    s(&p["status"]["phase"]),
+                    s(&p["spec"]["nodeName"]),
+                )
+            })
+            .collect();
+        listed.sort();
+        assert_eq!(listed, fixture(agent), "{context}: -o json");
+
+        let echoed = ok(
+            &d,
+            cache,
+            &context,
+            &[
+                "exec", "-n", namespace, pod, "--", "echo", "hello", &context,
+            ],
+        )
+        .await;
+        assert_eq!(
+            echoed,
+            format!("hello {context}\n"),
+            "{context}: exec over WebSocket"
+        );
+
+        let mut follow = kubectl(
+            &d.kubeconfig(),
+            cache,
+            &context,
+            &["logs", "-f", "-n", namespace, pod],
+        )
+        .stdout(Stdio::piped())
+        .stderr(Stdio::null())
+        .spawn()
+        .expect("kubectl logs -f runs");
+        // The fixture log, then lines the pod writes while we read.
+        let mut out = Output::of(&mut follow);
+        let lines = out
+            .until(Duration::from_secs(20), |seen| {
+                seen.iter().filter(|l| l.contains("tick at")).count() >= 3
+            })
+            .await;
+        assert_eq!(lines[0], format!("{pod}: started"), "{context}: logs -f");
+        let _ = follow.kill().await;
+    }
+    d.stop().await;
+}
+
+/// A watch through a remote kas sees a deletion made through another kas.
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn a_watch_through_a_remote_kas_sees_an_event_the_test_causes() {
+    let (d, dir) = deployment().await;
+    let cache = dir.path();
+    let mut watch = kubectl(
+        &d.kubeconfig(),
+        cache,
+        "agent1-kas2",
+        &["get", "pods", "-A", "-w"],
+    )
+    .stdout(Stdio::piped())
+    .stderr(Stdio::null())
+    .spawn()
+    .expect("kubectl get -w runs");
+    let mut out = Output::of(&mut watch);
+    let coredns = |n: usize| {
+        move |seen: &[String]| seen.iter().filter(|l| l.contains("coredns-1")).count() >= n
+    };
+    out.until(Duration::from_secs(20), coredns(1)).await; // the list
+    ok(
+        &d,
+        cache,
+        "agent1-kas1",
+        &[
+            "delete",
+            "pod",
+            "-n",
+            "kube-system",
+            "coredns-1",
+            "--wait=false",
+        ],
+    )
+    .await;
+    out.until(Duration::from_secs(20), coredns(2)).await; // the deletion's event
+    let _ = watch.kill().await;
+    let after = ok(&d, cache, "agent1-kas0", &["get", "pods", "-A"]).await;
+    assert!(
+        !after.contains("coredns-1"),
+        "deleted, yet listed:\n{after}"
+    );
+    d.stop().await;
+}
+
+/// Refusals are Kubernetes `Status` objects with the right code, which kubectl prints.
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn refusals_are_kubernetes_status_objects() {
+    let (d, dir) = deployment().await;
+    let cache = dir.path();
+    let url = d.kubernetes_api_url(1).expect("a Kubernetes API listener");
+    let client = https_client(&d);
+    let get = |bearer: Option<String>| {
+        let mut r = client.get(format!("{url}/api/v1/pods"));
+        if let Some(b) = bearer {
+            r = r.bearer_auth(b);
+        }
+        async move {
+            let resp = r.send().await.expect("kas answers");
+            let code = resp.status().as_u16();
+            let status: Value = resp.json().await.expect("a JSON body");
+            (code, status)
+        }
+    };
+    let token = d.user_bearer(1);
+    let secret = token.rsplit(':').next().unwrap().to_string();
+    for (bearer, code, reason, says) in [
+        (None, 401, "Unauthorized", "no Authorization header"),
+        (
+            Some(format!("pat:1:{secret}x")),
+            401,
+            "Unauthorized",
+            "not valid",
+        ),
+        (
+            Some(format!("ci:1:{secret}")),
+            401,
+            "Unauthorized",
+            "not valid",
+        ),
+        (
+            Some(format!("pat:4:{secret}")),
+            403,
+            "Forbidden",
+            "does not give access to agent 4",
+        ),
+    ] {
+        let (got, status) = get(bearer.clone()).await;
+        assert_eq!(got, code, "{bearer:?}: {status}");
+        assert_eq!(status["kind"], "Status", "{status}");
+        assert_eq!(status["reason"], reason, "{status}");
+        assert_eq!(status["code"], code, "{status}");
+        assert!(
+            status["message"].as_str().unwrap().contains(says),
+            "{status}"
+        );
+    }
+    // Agent 3 may be reached, but never connects: 503 after the request's own timeout.
+    let started = std::time::Instant::now();
+    let resp = client
+        .get(format!("{url}/api/v1/pods?timeout=2s"))
+        .bearer_auth(format!("pat:3:{secret}"))
+        .send()
+        .await
+        .expect("kas answers");
+    assert_eq!(resp.status().as_u16(), 503);
+    let status: Value = resp.json().await.expect("a Status");
+    assert_eq!(status["reason"], "ServiceUnavailable", "{status}");
+    assert!(
+        status["message"]
+            .as_str()
+            .unwrap()
+            .contains("agent 3 is not connected"),
+        "{status}"
+    );
+    assert!(
+        started.elapsed() >= Duration::from_secs(1),
+        "answered before the timeout"
+    );
+    // kubectl says so (its discovery prints the reason, not the message).
+    let mut kubeconfig = std::fs::read_to_string(d.kubeconfig()).unwrap();
+    kubeconfig = kubeconfig.replace(&d.user_bearer(1), &format!("pat:4:{secret}"));
+    let other = dir.path().join("kubeconfig-agent4");
+    std::fs::write(&other, kubeconfig).unwrap();
+    let (success, _, err) = run(&other, cache, "agent1-kas0", &["get", "pods"]).await;
+    assert!(!success);
+    assert!(err.contains("Error from server (Forbidden)"), "{err}");
+    d.stop().await;
+}
+
+/// A 100 MiB response arrives whole, byte for byte, through a remote kas.
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn a_100_mib_response_arrives_whole_through_a_remote_kas() {
+    let (d, _dir) = deployment().await;
+    let url = d.kubernetes_api_url(0).expect("a Kubernetes API listener");
+    let client = https_client(&d);
+    const N: u64 = 100 << 20;
+    // Agent 2 is on kas1 and kas2: kas0 forwards.
+    let mut resp = client
+        .get(format!("{url}/kas-local/bytes?n={N}"))
+        .bearer_auth(d.user_bearer(2))
+        .send()
+        .await
+        .expect("kas answers");
+    assert_eq!(resp.status().as_u16(), 200);
+    let mut at = 0u64;
+    while let Some(chunk) = resp.chunk().await.expect("the body streams") {
+        for (i, b) in chunk.iter().enumerate() {
+            let want = ((at + i as u64) % 251) as u8;
+            assert_eq!(*b, want, "byte {} differs", at + i as u64);
+        }
+        at += chunk.len() as u64;
+    }
+    assert_eq!(at, N);
+    d.stop().await;
+}
