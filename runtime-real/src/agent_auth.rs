@@ -7,8 +7,8 @@ mod cache;
 mod gitlab;
 mod static_tokens;
 
-pub use cache::{CachePolicy, CachedResolver};
-pub use gitlab::GitLabClient;
+pub use cache::{CachePolicy, CachedResolver, Fetch, TokenCache};
+pub use gitlab::{GitLabClient, KAS_API_REQUEST_HEADER, http_client};
 pub use static_tokens::StaticTokens;
 
 use kas_core::{AgentId, ProjectId};
@@ -29,8 +29,11 @@ pub struct AgentIdentity {
 #[derive(Clone, Debug, PartialEq, Eq, thiserror::Error)]
 pub enum AuthError {
     /// The token is unknown or revoked.
-    #[error("agent token is not valid")]
+    #[error("token is not valid")]
     InvalidToken,
+    /// The token is valid but may not do what it was presented for.
+    #[error("{0}")]
+    Forbidden(String),
     /// The resolver could not answer (GitLab unreachable or erroring).
     #[error("cannot check the agent token: {0}")]
     Unavailable(String),

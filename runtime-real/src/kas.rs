@@ -24,7 +24,7 @@ mod tunnel;
 pub use deadline::parse_grpc_timeout;
 pub use public_api::{PODS_LIST, PODS_LOGS};
 
-use crate::agent_auth::{AgentAuth, CachePolicy, CachedResolver, GitLabClient, StaticTokens};
+use crate::agent_auth::{AgentAuth, CachePolicy, GitLabClient, StaticTokens};
 use crate::clock;
 use crate::config::{Config, Listen};
 use crate::jwt::{self, Secret, Signer, Verifier};
@@ -603,21 +603,30 @@ fn kubernetes_api_server(
 ) -> Result<impl Future<Output = ()> + Send + 'static, StartError> {
     let setup = match (&config.agent.kubernetes_api, listener) {
         (Some(k), Some(listener)) => {
-            let key = "agent.kubernetes_api.tokens_file";
-            let file = k.tokens_file.as_ref().ok_or_else(|| {
-                StartError::Setup(format!(
-                    "{key} is required: checking callers' tokens through GitLab is not implemented yet"
-                ))
-            })?;
-            let tokens = kubernetes_api::StaticUserTokens::load(file)
-                .map_err(|e| StartError::Setup(format!("{key}: {e}")))?;
+            let tokens = match &k.tokens_file {
+                Some(file) => kubernetes_api::UserTokens::Static(
+                    kubernetes_api::StaticUserTokens::load(file).map_err(|e| {
+                        StartError::Setup(format!("agent.kubernetes_api.tokens_file: {e}"))
+                    })?,
+                ),
+                None => {
+                    let (address, signer) = gitlab_api(config)?;
+                    let access = kubernetes_api::GitLabAccess::new(
+                        &address,
+                        signer,
+                        Duration::from_secs(10),
+                    )
+                    .map_err(StartError::Setup)?;
+                    kubernetes_api::UserTokens::GitLab(access.cached(cache_policy(&config.agent)))
+                }
+            };
             let mut prefix = k.url_path_prefix.clone();
             if !prefix.ends_with('/') {
                 prefix.push('/');
             }
             let service = kubernetes_api::KubernetesApiService {
                 engine: engine.clone(),
-                tokens: Arc::new(tokens),
+                tokens,
                 prefix,
                 routing_timeout: k.routing_timeout,
             };
@@ -657,27 +666,38 @@ fn agent_auth(config: &Config) -> Result<AgentAuth, StartError> {
             .map_err(|e| StartError::Setup(format!("agent.tokens_file: {e}")))?;
         return Ok(AgentAuth::Static(Arc::new(tokens)));
     }
+    let (address, signer) = gitlab_api(config)
+        .map_err(|_| StartError::Setup("agent.tokens_file or gitlab is required".into()))?;
+    let client =
+        GitLabClient::new(&address, signer, Duration::from_secs(10)).map_err(StartError::Setup)?;
+    Ok(AgentAuth::GitLab(Arc::new(
+        client.cached(cache_policy(&config.agent)),
+    )))
+}
+
+/// GitLab's address, and how kas signs its requests to GitLab's internal API.
+fn gitlab_api(config: &Config) -> Result<(String, Signer), StartError> {
     let g = config
         .gitlab
         .as_ref()
-        .ok_or_else(|| StartError::Setup("agent.tokens_file or gitlab is required".into()))?;
+        .ok_or_else(|| StartError::Setup("gitlab is required".into()))?;
     let secret = Secret::load(&g.authentication_secret_file)
         .map_err(|e| StartError::Setup(format!("gitlab.authentication_secret_file: {e}")))?;
-    let client = GitLabClient::new(
-        &g.address,
+    Ok((
+        g.address.clone(),
         Signer::new(&secret, jwt::GITLAB_KAS, jwt::GITLAB),
-        Duration::from_secs(10),
-    )
-    .map_err(StartError::Setup)?;
-    let a = &config.agent;
-    Ok(AgentAuth::GitLab(Arc::new(CachedResolver::new(
-        client,
-        CachePolicy {
-            ttl: a.info_cache_ttl,
-            error_ttl: a.info_cache_error_ttl,
-            stale_ttl: a.info_cache_stale_ttl,
-            lookups_per_second: a.token_lookups_per_second,
-            lookups_per_second_per_address: a.token_lookups_per_second_per_address,
-        },
-    ))))
+    ))
+}
+
+/// How answers of GitLab's token checks are cached (`agent.info_cache_*`,
+/// `agent.token_lookups_*`); agents' and the Kubernetes API's callers' tokens have a
+/// cache, and budgets, each.
+fn cache_policy(a: &crate::config::Agent) -> CachePolicy {
+    CachePolicy {
+        ttl: a.info_cache_ttl,
+        error_ttl: a.info_cache_error_ttl,
+        stale_ttl: a.info_cache_stale_ttl,
+        lookups_per_second: a.token_lookups_per_second,
+        lookups_per_second_per_address: a.token_lookups_per_second_per_address,
+    }
 }

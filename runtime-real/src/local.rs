@@ -24,6 +24,10 @@ use std::time::{Duration, Instant};
 use tokio::sync::watch;
 use tokio::task::JoinSet;
 
+/// How long a Kubernetes API request waits for its agent here (`routing_timeout`): short,
+/// so that a stream outliving it shows in seconds.
+pub const KUBE_ROUTING_TIMEOUT_SECS: u64 = 5;
+
 /// The project both agents belong to.
 pub const PROJECT: i64 = 100;
 
@@ -165,7 +169,7 @@ impl LocalDeployment {
         let mut kas = Vec::new();
         for i in 0..kas_count {
             let mut yaml = format!(
-                "agent:\n  listen: {{address: '127.0.0.1:0'{listen_tls}}}\n  tokens_file: '{}'\n  kubernetes_api:\n    listen: {{address: '127.0.0.1:0'{kube_tls}}}\n    tokens_file: '{}'\napi:\n  listen: {{address: '127.0.0.1:0', authentication_secret_file: '{}'{listen_tls}}}\nprivate_api:\n  listen: {{address: '127.0.0.1:0', authentication_secret_file: '{}'{private_tls}}}\nobservability:\n  listen: {{address: '127.0.0.1:0'{listen_tls}}}\nshutdown_grace: 2s\n",
+                "agent:\n  listen: {{address: '127.0.0.1:0'{listen_tls}}}\n  tokens_file: '{}'\n  kubernetes_api:\n    listen: {{address: '127.0.0.1:0'{kube_tls}}}\n    tokens_file: '{}'\n    routing_timeout: {KUBE_ROUTING_TIMEOUT_SECS}s\napi:\n  listen: {{address: '127.0.0.1:0', authentication_secret_file: '{}'{listen_tls}}}\nprivate_api:\n  listen: {{address: '127.0.0.1:0', authentication_secret_file: '{}'{private_tls}}}\nobservability:\n  listen: {{address: '127.0.0.1:0'{listen_tls}}}\nshutdown_grace: 2s\n",
                 tokens_file.display(),
                 user_tokens_file.display(),
                 gitlab_file.display(),

@@ -82,16 +82,13 @@ async fn resolver_signs_its_requests_and_caches_answers_and_errors() {
         Duration::from_secs(5),
     )
     .unwrap();
-    let r = CachedResolver::new(
-        client,
-        CachePolicy {
-            ttl: Duration::from_millis(400),
-            error_ttl: Duration::from_millis(200),
-            stale_ttl: Duration::from_secs(60),
-            lookups_per_second: 1000,
-            lookups_per_second_per_address: 1000,
-        },
-    );
+    let r = client.cached(CachePolicy {
+        ttl: Duration::from_millis(400),
+        error_ttl: Duration::from_millis(200),
+        stale_ttl: Duration::from_secs(60),
+        lookups_per_second: 1000,
+        lookups_per_second_per_address: 1000,
+    });
     let hits = || gl.hits.load(Ordering::SeqCst);
 
     let id = r.resolve(GOOD, None).await.unwrap();
@@ -162,7 +159,7 @@ fn resolver(addr: SocketAddr, secret: &Secret, policy: CachePolicy) -> Arc<Cache
         Duration::from_secs(5),
     )
     .unwrap();
-    Arc::new(CachedResolver::new(client, policy))
+    Arc::new(client.cached(policy))
 }
 
 const POLICY: CachePolicy = CachePolicy {
@@ -306,4 +303,173 @@ async fn kas_configured_with_gitlab_authenticates_agents_through_it() {
     let err = refused.connect(Default::default()).await.err().unwrap();
     assert_eq!(err.code(), tonic::Code::Unauthenticated);
     kas.stop().await;
+}
+
+/// GitLab's user and CI job authorization, as kas's Kubernetes API listener asks it:
+/// `authorize_proxy_user` for `pat:` tokens, `job/allowed_agents` for `ci:` ones.
+mod kubernetes_api_tokens {
+    use super::*;
+    use axum::Json;
+    use axum::routing::post;
+    use kas_runtime::agent_auth::AuthError;
+    use kas_runtime::kas::kubernetes_api::{Credential, GitLabAccess};
+    use serde_json::{Value, json};
+
+    const ALICE: &str = "glpat-alice-0123456789";
+    const JOB: &str = "job-token-0123456789";
+
+    async fn authorize_proxy_user(
+        State(g): State<FakeGitLab>,
+        headers: HeaderMap,
+        Json(body): Json<Value>,
+    ) -> (StatusCode, Json<Value>) {
+        g.hits.fetch_add(1, Ordering::SeqCst);
+        let jwt = headers
+            .get("Gitlab-Kas-Api-Request")
+            .and_then(|v| v.to_str().ok());
+        if g.verifier.check(jwt.unwrap_or_default()).is_err() {
+            return (StatusCode::UNAUTHORIZED, Json(json!({})));
+        }
+        assert_eq!(body["access_type"], "personal_access_token");
+        if body["access_key"] != ALICE {
+            return (
+                StatusCode::UNAUTHORIZED,
+                Json(json!({"message": "401 Unauthorized"})),
+            );
+        }
+        match body["agent_id"].as_i64() {
+            Some(1) => (
+                StatusCode::OK,
+                Json(json!({
+                    "agent": {"id": 1, "config_project": {"id": 10}},
+                    "user": {"id": 5, "username": "alice"},
+                    "access_as": {"user": {"projects": [], "groups": []}},
+                })),
+            ),
+            _ => (
+                StatusCode::FORBIDDEN,
+                Json(json!({"message": "403 Forbidden"})),
+            ),
+        }
+    }
+
+    async fn allowed_agents(
+        State(g): State<FakeGitLab>,
+        headers: HeaderMap,
+    ) -> (StatusCode, Json<Value>) {
+        g.hits.fetch_add(1, Ordering::SeqCst);
+        if headers.get("Job-Token").and_then(|v| v.to_str().ok()) != Some(JOB) {
+            return (StatusCode::UNAUTHORIZED, Json(json!({})));
+        }
+        (
+            StatusCode::OK,
+            Json(json!({
+                "allowed_agents": [
+                    {"id": 2, "config_project": {"id": 20}, "configuration": {"access_as": {"ci_job": {}}}},
+                    {"id": 3, "config_project": {"id": 30}},
+                ],
+                "job": {"id": 42},
+                "pipeline": {"id": 41},
+                "project": {"id": 7, "groups": []},
+                "user": {"id": 5, "username": "alice"},
+            })),
+        )
+    }
+
+    fn bearer(s: &str) -> Credential {
+        Credential::parse(Some(&format!("Bearer {s}"))).unwrap()
+    }
+
+    #[tokio::test(flavor = "multi_thread")]
+    async fn user_and_ci_job_tokens_are_checked_by_gitlab_with_gitlabs_impersonation() {
+        let secret = Secret::from_base64(&"R2l0TGFi".repeat(8)).unwrap();
+        let state = FakeGitLab {
+            verifier: Verifier::new(&secret, jwt::GITLAB_KAS, jwt::GITLAB),
+            hits: Arc::default(),
+            bad_jwt: Arc::default(),
+            failing: Arc::default(),
+            delay_ms: Arc::default(),
+        };
+        let app = Router::new()
+            .route(
+                "/api/v4/internal/kubernetes/authorize_proxy_user",
+                post(authorize_proxy_user),
+            )
+            .route("/api/v4/job/allowed_agents", get(allowed_agents))
+            .with_state(state.clone());
+        let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+        let addr = listener.local_addr().unwrap();
+        tokio::spawn(async move { axum::serve(listener, app).await });
+        let access = GitLabAccess::new(
+            &format!("http://{addr}/"),
+            Signer::new(&secret, jwt::GITLAB_KAS, jwt::GITLAB),
+            Duration::from_secs(5),
+        )
+        .unwrap();
+
+        let alice = access
+            .authorize(&bearer(&format!("pat:1:{ALICE}")))
+            .await
+            .unwrap();
+        let who = alice.impersonation.expect("access as the user");
+        assert_eq!(who.user, "gitlab:user:alice");
+        assert_eq!(who.groups, ["gitlab:user"]);
+        assert_eq!(who.extra["agent.gitlab.com/id"].values, ["1"]);
+        assert!(matches!(
+            access.authorize(&bearer(&format!("pat:2:{ALICE}"))).await,
+            Err(AuthError::Forbidden(m)) if m.contains("agent 2")
+        ));
+        assert_eq!(
+            access.authorize(&bearer("pat:1:glpat-wrong")).await,
+            Err(AuthError::InvalidToken)
+        );
+
+        let job = access
+            .authorize(&bearer(&format!("ci:2:{JOB}")))
+            .await
+            .unwrap();
+        let who = job.impersonation.expect("access as the CI job");
+        assert_eq!(who.user, "gitlab:ci_job:42");
+        assert_eq!(who.groups, ["gitlab:ci_job", "gitlab:project:7"]);
+        assert_eq!(who.extra["agent.gitlab.com/ci_job_id"].values, ["42"]);
+        let own = access
+            .authorize(&bearer(&format!("ci:3:{JOB}")))
+            .await
+            .unwrap();
+        assert_eq!(
+            own.impersonation, None,
+            "no access_as: the agent's own access"
+        );
+        assert!(matches!(
+            access.authorize(&bearer(&format!("ci:4:{JOB}"))).await,
+            Err(AuthError::Forbidden(m)) if m.contains("not in its allowed agents")
+        ));
+        assert_eq!(
+            access.authorize(&bearer("ci:2:not-the-job")).await,
+            Err(AuthError::InvalidToken)
+        );
+
+        // Cached: concurrent first uses of one credential make one request, and the
+        // refusal of another is cached too.
+        let cache = Arc::new(access.cached(POLICY));
+        let before = state.hits.load(Ordering::SeqCst);
+        let key = format!("pat:1:{ALICE}");
+        let lookups: Vec<_> = (0..50)
+            .map(|_| {
+                let (cache, key) = (cache.clone(), key.clone());
+                tokio::spawn(async move { cache.resolve(&key, None).await })
+            })
+            .collect();
+        for l in lookups {
+            assert!(l.await.unwrap().is_ok());
+        }
+        let forbidden = format!("pat:2:{ALICE}");
+        for _ in 0..3 {
+            assert!(matches!(
+                cache.resolve(&forbidden, None).await,
+                Err(AuthError::Forbidden(_))
+            ));
+        }
+        assert_eq!(state.hits.load(Ordering::SeqCst) - before, 2);
+    }
 }

@@ -5,7 +5,8 @@
 
 mod support;
 
-use kas_runtime::local::LocalDeployment;
+use kas_runtime::kas::observability;
+use kas_runtime::local::{KUBE_ROUTING_TIMEOUT_SECS, LocalDeployment};
 use serde_json::Value;
 use std::path::Path;
 use std::process::Stdio;
@@ -207,6 +208,51 @@ async fn kubectl_reaches_every_agent_through_a_local_and_a_remote_kas() {
         assert_eq!(lines[0], format!("{pod}: started"), "{context}: logs -f");
         let _ = follow.kill().await;
     }
+    d.stop().await;
+}
+
+/// A log followed through a remote kas keeps flowing past the deadline that bounded its
+/// routing (the deployment's `routing_timeout`, which is also the forward's gRPC deadline),
+/// and when kubectl goes away the call ends on both kas.
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn a_followed_log_outlives_its_routing_deadline_and_ends_with_its_caller() {
+    let (d, dir) = deployment().await;
+    let cache = dir.path();
+    let mut follow = kubectl(
+        &d.kubeconfig(),
+        cache,
+        "agent1-kas2",
+        &["logs", "-f", "-n", "default", "web-1"],
+    )
+    .stdout(Stdio::piped())
+    .stderr(Stdio::null())
+    .spawn()
+    .expect("kubectl logs -f runs");
+    let mut out = Output::of(&mut follow);
+    out.until(Duration::from_secs(20), |seen| {
+        seen.iter().any(|l| l.contains("tick at"))
+    })
+    .await;
+    let started = std::time::Instant::now();
+    let past = Duration::from_secs(KUBE_ROUTING_TIMEOUT_SECS * 2);
+    tokio::time::sleep(past).await;
+    let ticks = |seen: &[String]| seen.iter().filter(|l| l.contains("tick at")).count();
+    let before = ticks(out.until(Duration::ZERO, |_| true).await);
+    // Still flowing, well past the deadline.
+    let more = before + 2;
+    out.until(Duration::from_secs(5), |seen| ticks(seen) >= more)
+        .await;
+    assert!(started.elapsed() >= past);
+    let calls = |i: usize| observability::gauge(&d.kas()[i].health().metrics_text(), "kas_calls");
+    assert_eq!(calls(2), Some(1.0), "the routing kas holds the call");
+    assert_eq!(calls(0), Some(1.0), "the serving kas holds the call");
+    let _ = follow.kill().await;
+    support::eventually(
+        Duration::from_secs(10),
+        "both kas to end the call",
+        || async { (calls(0) == Some(0.0) && calls(2) == Some(0.0)).then_some(()) },
+    )
+    .await;
     d.stop().await;
 }
 

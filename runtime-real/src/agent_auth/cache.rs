@@ -1,5 +1,6 @@
-//! A cache in front of GitLab: answers are kept for `ttl`, errors for `error_ttl`.
-//! Tokens are keyed by their SHA-256, so the cache holds no token in clear.
+//! A cache in front of GitLab's token checks (an agent's token, or a user's or CI job's
+//! for the Kubernetes API): answers are kept for `ttl`, errors for `error_ttl`. Tokens are
+//! keyed by their SHA-256, so the cache holds no token in clear.
 //!
 //! - One GitLab request per token at a time: concurrent lookups share it (300 concurrent
 //!   first uses of one token once made 300 requests).
@@ -12,7 +13,7 @@
 // resists hash flooding; they are looked up and pruned, never iterated into an output.
 #![allow(clippy::disallowed_types)]
 
-use super::{AgentIdentity, AuthError, GitLabClient};
+use super::{AgentIdentity, AuthError};
 use crate::rate::{Bucket, Rate};
 use futures::FutureExt;
 use futures::future::{BoxFuture, Shared};
@@ -29,17 +30,19 @@ const MAX_ENTRIES: usize = 100_000;
 const MAX_ADDRESSES: usize = 10_000;
 
 type Key = [u8; 32];
-type Answer = Result<AgentIdentity, AuthError>;
 /// A GitLab request in flight, shared by every lookup of its token.
-type Flight = Shared<BoxFuture<'static, Answer>>;
+type Flight<T> = Shared<BoxFuture<'static, Result<T, AuthError>>>;
 
-struct Entry {
-    answer: Answer,
+/// Asks GitLab about one token.
+pub type Fetch<T> = Arc<dyn Fn(String) -> BoxFuture<'static, Result<T, AuthError>> + Send + Sync>;
+
+struct Entry<T> {
+    answer: Result<T, AuthError>,
     until: Instant,
     /// When the request behind `answer` was sent.
     asked_at: Instant,
     /// GitLab's last acceptance of the token, and when it answered.
-    last_good: Option<(Instant, AgentIdentity)>,
+    last_good: Option<(Instant, T)>,
 }
 
 /// How long answers are kept, and how fast unknown tokens may be looked up.
@@ -58,26 +61,36 @@ pub struct CachePolicy {
     pub lookups_per_second_per_address: u32,
 }
 
-struct State {
-    entries: HashMap<Key, Entry>,
-    flights: HashMap<Key, Flight>,
+struct State<T> {
+    entries: HashMap<Key, Entry<T>>,
+    flights: HashMap<Key, Flight<T>>,
     overall: Bucket,
     per_address: HashMap<IpAddr, Bucket>,
 }
 
-/// GitLab's resolver with a cache.
-pub struct CachedResolver {
-    client: Arc<GitLabClient>,
+/// GitLab's token check with a cache.
+pub struct TokenCache<T> {
+    fetch: Fetch<T>,
     policy: CachePolicy,
-    state: Arc<Mutex<State>>,
+    state: Arc<Mutex<State<T>>>,
 }
 
-impl CachedResolver {
-    /// Caches answers of `client` as `policy` says.
-    pub fn new(client: GitLabClient, policy: CachePolicy) -> Self {
-        let overall = Self::rate(policy.lookups_per_second).bucket(Instant::now());
-        CachedResolver {
-            client: Arc::new(client),
+/// The agent-token resolver: GitLab's `agent_info`, cached.
+pub type CachedResolver = TokenCache<AgentIdentity>;
+
+fn rate(per_second: u32) -> Rate {
+    Rate {
+        events: per_second,
+        per: Duration::from_secs(1),
+    }
+}
+
+impl<T: Clone + Send + Sync + 'static> TokenCache<T> {
+    /// Caches answers of `fetch` as `policy` says.
+    pub fn new(fetch: Fetch<T>, policy: CachePolicy) -> Self {
+        let overall = rate(policy.lookups_per_second).bucket(Instant::now());
+        TokenCache {
+            fetch,
             policy,
             state: Arc::new(Mutex::new(State {
                 entries: HashMap::new(),
@@ -88,16 +101,9 @@ impl CachedResolver {
         }
     }
 
-    fn rate(per_second: u32) -> Rate {
-        Rate {
-            events: per_second,
-            per: Duration::from_secs(1),
-        }
-    }
-
     /// Resolves `token`, presented by a client at `peer`, from the cache when a fresh
     /// entry exists.
-    pub async fn resolve(&self, token: &str, peer: Option<IpAddr>) -> Answer {
+    pub async fn resolve(&self, token: &str, peer: Option<IpAddr>) -> Result<T, AuthError> {
         let key: Key = Sha256::digest(token.as_bytes()).into();
         let flight = {
             let mut state = lock(&self.state);
@@ -130,12 +136,12 @@ impl CachedResolver {
     /// Takes a lookup from the overall and the per-address budgets.
     fn admit(
         &self,
-        state: &mut State,
+        state: &mut State<T>,
         peer: Option<IpAddr>,
         now: Instant,
     ) -> Result<(), AuthError> {
-        let overall = Self::rate(self.policy.lookups_per_second);
-        let per_address = Self::rate(self.policy.lookups_per_second_per_address);
+        let overall = rate(self.policy.lookups_per_second);
+        let per_address = rate(self.policy.lookups_per_second_per_address);
         let throttled = |limit: &'static str, what: String| AuthError::Throttled {
             limit,
             reason: format!("{what} (limit {limit})"),
@@ -154,7 +160,7 @@ impl CachedResolver {
                 return Err(throttled(
                     "agent.token_lookups_per_second_per_address",
                     format!(
-                        "more than {} unknown agent tokens per second from {ip}",
+                        "more than {} unknown tokens per second from {ip}",
                         per_address.events
                     ),
                 ));
@@ -163,10 +169,7 @@ impl CachedResolver {
         if !overall.take(&mut state.overall, now) {
             return Err(throttled(
                 "agent.token_lookups_per_second",
-                format!(
-                    "more than {} unknown agent tokens per second",
-                    overall.events
-                ),
+                format!("more than {} unknown tokens per second", overall.events),
             ));
         }
         Ok(())
@@ -174,12 +177,12 @@ impl CachedResolver {
 
     /// Starts GitLab's request for `token`; its answer is recorded by the task, whether or
     /// not anyone still waits for it.
-    fn ask(&self, key: Key, token: String, asked_at: Instant) -> Flight {
-        let client = self.client.clone();
+    fn ask(&self, key: Key, token: String, asked_at: Instant) -> Flight<T> {
+        let fetch = self.fetch.clone();
         let state = self.state.clone();
         let policy = self.policy;
         let task = tokio::spawn(async move {
-            let answer = client.agent_info(&token).await;
+            let answer = fetch(token).await;
             record(&state, policy, key, asked_at, answer)
         });
         async move {
@@ -192,7 +195,7 @@ impl CachedResolver {
     }
 }
 
-fn lock(state: &Mutex<State>) -> std::sync::MutexGuard<'_, State> {
+fn lock<T>(state: &Mutex<State<T>>) -> std::sync::MutexGuard<'_, State<T>> {
     // A poisoned lock only means a panic mid-update of one entry; the map is still a
     // valid cache.
     state.lock().unwrap_or_else(|p| p.into_inner())
@@ -200,13 +203,13 @@ fn lock(state: &Mutex<State>) -> std::sync::MutexGuard<'_, State> {
 
 /// Stores GitLab's `answer` to a request sent at `asked_at` and returns what the cache
 /// answers now.
-fn record(
-    state: &Mutex<State>,
+fn record<T: Clone>(
+    state: &Mutex<State<T>>,
     policy: CachePolicy,
     key: Key,
     asked_at: Instant,
-    answer: Answer,
-) -> Answer {
+    answer: Result<T, AuthError>,
+) -> Result<T, AuthError> {
     let mut state = lock(state);
     state.flights.remove(&key);
     let now = Instant::now();
@@ -236,16 +239,16 @@ fn record(
             asked_at,
             last_good: Some((now, id)),
         },
-        // Revoked: no stale acceptance.
-        Err(AuthError::InvalidToken) => Entry {
-            answer: Err(AuthError::InvalidToken),
+        // Revoked or refused: no stale acceptance.
+        Err(e @ (AuthError::InvalidToken | AuthError::Forbidden(_))) => Entry {
+            answer: Err(e),
             until: now + policy.error_ttl,
             asked_at,
             last_good: None,
         },
         Err(e) => {
-            if let Some((_, id)) = &last_good {
-                tracing::warn!(error = %e, agent = %id.agent_id, "GitLab failed: accepting the agent's token as GitLab last answered");
+            if last_good.is_some() {
+                tracing::warn!(error = %e, "GitLab failed: accepting the token as GitLab last answered");
             }
             Entry {
                 answer: last_good.as_ref().map(|(_, id)| id.clone()).ok_or(e),
@@ -275,11 +278,11 @@ mod tests {
         }
     }
 
-    fn state() -> Mutex<State> {
+    fn state() -> Mutex<State<AgentIdentity>> {
         Mutex::new(State {
             entries: HashMap::new(),
             flights: HashMap::new(),
-            overall: CachedResolver::rate(1).bucket(Instant::now()),
+            overall: rate(1).bucket(Instant::now()),
             per_address: HashMap::new(),
         })
     }

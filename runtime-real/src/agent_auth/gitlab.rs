@@ -1,7 +1,7 @@
 //! GitLab's internal API: `GET /api/v4/internal/kubernetes/agent_info` with the agent's
 //! token as `Authorization: Bearer` and a kas-signed JWT in `Gitlab-Kas-Api-Request`.
 
-use super::{AgentIdentity, AuthError};
+use super::{AgentIdentity, AuthError, CachePolicy, CachedResolver, Fetch};
 use crate::jwt::Signer;
 use kas_core::{AgentId, ProjectId};
 use serde::Deserialize;
@@ -9,6 +9,16 @@ use std::time::Duration;
 
 /// The header GitLab expects kas's JWT in.
 pub const KAS_API_REQUEST_HEADER: &str = "Gitlab-Kas-Api-Request";
+
+/// An HTTP client for GitLab's API whose requests give up after `timeout`.
+pub fn http_client(timeout: Duration) -> Result<reqwest::Client, String> {
+    // TLS to GitLab uses ring; installing it twice is harmless.
+    let _ = rustls::crypto::ring::default_provider().install_default();
+    reqwest::Client::builder()
+        .timeout(timeout)
+        .build()
+        .map_err(|e| format!("cannot build the GitLab HTTP client: {e}"))
+}
 
 /// The fields of GitLab's answer that kas uses (others are ignored).
 #[derive(Deserialize)]
@@ -27,20 +37,24 @@ pub struct GitLabClient {
 impl GitLabClient {
     /// A client of the GitLab at `base` (e.g. `https://gitlab.example.com`).
     pub fn new(base: &str, signer: Signer, timeout: Duration) -> Result<Self, String> {
-        // TLS to GitLab uses ring; installing it twice is harmless.
-        let _ = rustls::crypto::ring::default_provider().install_default();
-        let http = reqwest::Client::builder()
-            .timeout(timeout)
-            .build()
-            .map_err(|e| format!("cannot build the GitLab HTTP client: {e}"))?;
         Ok(GitLabClient {
-            http,
+            http: http_client(timeout)?,
             url: format!(
                 "{}/api/v4/internal/kubernetes/agent_info",
                 base.trim_end_matches('/')
             ),
             signer,
         })
+    }
+
+    /// [`GitLabClient::agent_info`] behind a cache with `policy`.
+    pub fn cached(self, policy: CachePolicy) -> CachedResolver {
+        let client = std::sync::Arc::new(self);
+        let fetch: Fetch<AgentIdentity> = std::sync::Arc::new(move |token: String| {
+            let client = client.clone();
+            Box::pin(async move { client.agent_info(&token).await })
+        });
+        CachedResolver::new(fetch, policy)
     }
 
     /// Asks GitLab whose token this is.

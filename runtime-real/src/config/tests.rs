@@ -212,3 +212,45 @@ fn an_advertised_scheme_must_match_the_private_listener() {
         "{p:?}"
     );
 }
+
+#[test]
+fn the_kubernetes_api_listener_is_off_unless_set_and_its_keys_are_checked() {
+    let f = Files::new();
+    let c = Config::parse(&f.yaml(""), "t.yaml").unwrap();
+    assert!(c.agent.kubernetes_api.is_none());
+    let with = |section: &str| {
+        f.yaml("").replacen(
+            "agent:\n",
+            &format!("agent:\n  kubernetes_api: {section}\n"),
+            1,
+        )
+    };
+    let d = f.dir.path().display();
+    std::fs::write(
+        f.dir.path().join("u"),
+        "tokens:\n  - {token: user-token-0123456789, kind: pat, agent_ids: [1], username: a}\n",
+    )
+    .unwrap();
+    let c = Config::parse(&with(&format!("{{tokens_file: {d}/u}}")), "t.yaml").unwrap();
+    let k = c.agent.kubernetes_api.expect("set");
+    assert_eq!(k.listen.address.to_string(), "0.0.0.0:8154");
+    assert_eq!(k.url_path_prefix, "/");
+    assert_eq!(k.routing_timeout, Duration::from_secs(20));
+    let p = problems(&with(&format!(
+        "{{tokens_file: {d}/missing, url_path_prefix: k8s, routing_timeout: 0s, listen: {{address: '127.0.0.1:8153'}}}}"
+    )));
+    for says in [
+        "agent.kubernetes_api.tokens_file: cannot read",
+        "agent.kubernetes_api.url_path_prefix \"k8s\" must start with /",
+        "agent.kubernetes_api.routing_timeout must be greater than zero",
+        "api.listen.address and agent.kubernetes_api.listen.address are both 127.0.0.1:8153",
+    ] {
+        assert!(p.iter().any(|m| m.contains(says)), "{says}: {p:?}");
+    }
+    let p = problems(&with("{}"));
+    assert!(
+        p.iter()
+            .any(|m| m.contains("agent.kubernetes_api needs tokens_file or gitlab")),
+        "{p:?}"
+    );
+}

@@ -56,7 +56,8 @@ impl AgentService {
         self.auth.resolve_bearer(header, peer).await.map_err(|e| {
             tracing::info!(error = %e, "agent refused");
             match e {
-                AuthError::InvalidToken => Status::unauthenticated(e.to_string()),
+                AuthError::InvalidToken => Status::unauthenticated(format!("agent {e}")),
+                AuthError::Forbidden(_) => Status::permission_denied(e.to_string()),
                 AuthError::Unavailable(_) => Status::unavailable(e.to_string()),
                 AuthError::Throttled { limit, .. } => {
                     self.limits.refused(limit);

@@ -10,8 +10,43 @@
 //! reached the agent. Refusals are Kubernetes `Status` objects, which kubectl prints.
 
 mod access;
+mod gitlab;
 
-pub use access::{Credential, Refusal, StaticUserTokens};
+pub use access::{Credential, Grant, Refusal, StaticUserTokens};
+pub use gitlab::GitLabAccess;
+
+/// Where callers' tokens are checked.
+pub enum UserTokens {
+    /// A static file.
+    Static(StaticUserTokens),
+    /// GitLab, cached.
+    GitLab(crate::agent_auth::TokenCache<Grant>),
+}
+
+impl UserTokens {
+    /// Checks `credential`, presented from `peer`.
+    async fn check(
+        &self,
+        credential: &Credential,
+        peer: Option<std::net::IpAddr>,
+    ) -> Result<Grant, Refusal> {
+        use crate::agent_auth::AuthError;
+        match self {
+            UserTokens::Static(tokens) => tokens.check(credential),
+            UserTokens::GitLab(cache) => {
+                let key = credential.to_bearer();
+                cache.resolve(&key, peer).await.map_err(|e| match e {
+                    AuthError::InvalidToken => {
+                        Refusal::Unauthenticated("the token is not valid".into())
+                    }
+                    AuthError::Forbidden(m) => Refusal::Forbidden(m),
+                    AuthError::Unavailable(m) => Refusal::Unavailable(m),
+                    e @ AuthError::Throttled { .. } => Refusal::Throttled(e.to_string()),
+                })
+            }
+        }
+    }
+}
 
 use super::call::{Call, Rest};
 use super::engine::{CancelOnDrop, EngineHandle};
@@ -37,7 +72,7 @@ pub struct KubernetesApiService {
     /// The engine.
     pub engine: EngineHandle,
     /// Checks callers' tokens.
-    pub tokens: Arc<StaticUserTokens>,
+    pub tokens: UserTokens,
     /// `url_path_prefix`, ending with `/`.
     pub prefix: String,
     /// `routing_timeout`.
@@ -51,7 +86,11 @@ impl KubernetesApiService {
         axum::Router::new().fallback(move |req: Request<Body>| {
             let this = this.clone();
             async move {
-                match this.proxy(req).await {
+                let peer = req
+                    .extensions()
+                    .get::<axum::extract::ConnectInfo<Peer>>()
+                    .map(|c| c.0.0.ip());
+                match this.proxy(req, peer).await {
                     Ok(resp) => resp,
                     Err(refusal) => refusal.into_response(),
                 }
@@ -59,14 +98,18 @@ impl KubernetesApiService {
         })
     }
 
-    async fn proxy(&self, mut req: Request<Body>) -> Result<Response<Body>, Failure> {
+    async fn proxy(
+        &self,
+        mut req: Request<Body>,
+        peer: Option<std::net::IpAddr>,
+    ) -> Result<Response<Body>, Failure> {
         let path = self.path(req.uri())?;
         let auth = req
             .headers()
             .get(header::AUTHORIZATION)
             .and_then(|v| v.to_str().ok());
         let credential = Credential::parse(auth)?;
-        let grant = self.tokens.check(&credential)?;
+        let grant = self.tokens.check(&credential, peer).await?;
         let upgrade =
             http_relay::wants_upgrade(req.headers()).then(|| hyper::upgrade::on(&mut req));
         let mut headers = http_relay::to_values(req.headers());
@@ -285,6 +328,9 @@ impl Failure {
                 (StatusCode::UNAUTHORIZED, "Unauthorized", m)
             }
             Failure::Refused(Refusal::Forbidden(m)) => (StatusCode::FORBIDDEN, "Forbidden", m),
+            Failure::Refused(Refusal::Throttled(m)) => {
+                (StatusCode::TOO_MANY_REQUESTS, "TooManyRequests", m)
+            }
             Failure::Refused(Refusal::Unavailable(m)) => {
                 (StatusCode::SERVICE_UNAVAILABLE, "ServiceUnavailable", m)
             }
@@ -330,6 +376,25 @@ fn kubernetes_status(code: StatusCode, reason: &str, message: &str) -> Response<
     resp
 }
 
+/// A client's address, for the per-address limit on token checks.
+#[derive(Clone, Copy)]
+struct Peer(std::net::SocketAddr);
+
+/// The listener types the address comes from: axum's blanket implementations rule out a
+/// generic one.
+macro_rules! peer_of {
+    ($($listener:ty),*) => {$(
+        impl axum::extract::connect_info::Connected<axum::serve::IncomingStream<'_, $listener>>
+            for Peer
+        {
+            fn connect_info(stream: axum::serve::IncomingStream<'_, $listener>) -> Self {
+                Peer(*stream.remote_addr())
+            }
+        }
+    )*};
+}
+peer_of!(super::listener::Acceptor, super::listener::Incoming);
+
 /// Serves the listener until `signal` resolves: then it takes no new connections, tells
 /// HTTP/2 clients to go elsewhere (GOAWAY) and lets running requests finish.
 pub async fn serve(
@@ -341,7 +406,9 @@ pub async fn serve(
     signal: impl Future<Output = ()> + Send + 'static,
 ) {
     use super::listener::{Acceptor, Guard, Handshakes};
-    let routes = service.router();
+    let routes = service
+        .router()
+        .into_make_service_with_connect_info::<Peer>();
     // Only the start is guarded: a watch or an exec session may rightly stay silent.
     let guard = Guard::FirstByte(handshake_timeout);
     let acceptor = Acceptor::new(listener, guard, "kubernetes_api", metrics);

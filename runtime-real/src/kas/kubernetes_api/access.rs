@@ -51,12 +51,23 @@ pub enum Refusal {
     Forbidden(String),
     /// 503: the token could not be checked now.
     Unavailable(String),
+    /// 429: too many unknown tokens checked; names the limit.
+    Throttled(String),
 }
 
 /// What GitLab's token forms look like, for errors.
 const FORMS: &str = "expected \"Authorization: Bearer pat:<agent id>:<personal access token>\" or \"Bearer ci:<agent id>:<CI job token>\"";
 
 impl Credential {
+    /// The bearer token again (`pat:<agent>:<token>`): the cache key of its check.
+    pub fn to_bearer(&self) -> String {
+        let kind = match self.kind {
+            TokenKind::Pat => "pat",
+            TokenKind::Ci => "ci",
+        };
+        format!("{kind}:{}:{}", self.agent, self.token)
+    }
+
     /// Parses an `Authorization` header value.
     pub fn parse(header: Option<&str>) -> Result<Credential, Refusal> {
         let header = header
