@@ -54,7 +54,7 @@ impl AgentService {
         let header = metadata.get("authorization").and_then(|v| v.to_str().ok());
         let peer = peer.map(|p| p.ip());
         self.auth.resolve_bearer(header, peer).await.map_err(|e| {
-            tracing::info!(error = %e, "agent refused");
+            tracing::info!(error = %e, "agent token refused");
             match e {
                 AuthError::InvalidToken => Status::unauthenticated(format!("agent {e}")),
                 AuthError::Forbidden(_) => Status::permission_denied(e.to_string()),
