@@ -2,6 +2,7 @@
 
 use clap::Parser;
 use kas_proto::registry::AgentMeta;
+use kas_runtime::agent::kubernetes_api::Upstream;
 use kas_runtime::agent::{self, AgentOptions, Modules, PodSource};
 use kas_runtime::tls::KasUrl;
 use std::path::PathBuf;
@@ -10,7 +11,7 @@ use std::sync::Arc;
 use std::time::Duration;
 
 /// GitLab agent for Kubernetes (agentk): connects to kas, keeps a pool of reverse tunnels
-/// open for GitLab's calls, and serves them with its modules (Pods).
+/// open for GitLab's calls, and serves them with its modules (Pods, Kubernetes API).
 ///
 /// The pool keeps `--min-idle-tunnels` idle, opens more as calls claim them (up to
 /// `--max-tunnels`) and closes those idle for `--idle-tunnel-timeout`. Lost connections
@@ -20,6 +21,8 @@ use std::time::Duration;
 ///
 /// Pods come from the Kubernetes API (the in-cluster service account, or the current
 /// kubeconfig context), or from `--pods-fixture FILE` on machines without a cluster.
+/// The Kubernetes API module (kubectl through kas) proxies to the same API server, as this
+/// agent or as the GitLab user kas names; it is off when there is no cluster.
 ///
 /// kas is reached through the HTTP proxy HTTPS_PROXY names (an HTTP CONNECT tunnel)
 /// unless NO_PROXY lists its host; `wss://` suits proxies and CDNs that pass only
@@ -105,7 +108,16 @@ fn main() -> ExitCode {
             Ok(s) => s,
             Err(e) => return fail(e),
         };
-        let modules = Arc::new(Modules::default().with_pods(source));
+        let mut modules = Modules::default().with_pods(source);
+        // The Kubernetes API module needs a cluster; a fixture-only agent has none.
+        match Upstream::infer().await {
+            Ok(upstream) => modules = modules.with_kubernetes_api(upstream),
+            Err(e) if args.pods_fixture.is_some() => {
+                tracing::info!(reason = %e, "not serving the Kubernetes API module");
+            }
+            Err(e) => return fail(e),
+        }
+        let modules = Arc::new(modules);
         let (stop, shutdown) = tokio::sync::watch::channel(false);
         tokio::spawn(async move {
             kas_runtime::signals::terminate_or_interrupt().await;
