@@ -11,6 +11,7 @@ fn kas_bench_runs_every_part_and_writes_its_json() {
         .args(["--agents", "100", "--point", "300ms", "--wakeups", "3"])
         .args(["--waiting", "20", "--waiting-window", "1s", "--ttl", "2s"])
         .args(["--log-mib", "2", "--log-reads", "1", "--tls"])
+        .args(["--kube-mib", "2", "--watches", "20"])
         .arg("--json")
         .arg(&json)
         .output()
@@ -60,4 +61,21 @@ fn kas_bench_runs_every_part_and_writes_its_json() {
     assert!(v["redis_steady"]["sent"].as_u64().unwrap() > 0);
     assert!(stdout.contains("## Unary calls"), "{stdout}");
     assert!(stdout.contains("## Streaming"), "{stdout}");
+    let kube = &v["kubernetes_api"];
+    let paths = |part: &str| -> Vec<String> {
+        kube[part]
+            .as_array()
+            .unwrap()
+            .iter()
+            .map(|r| r["path"].as_str().unwrap().to_string())
+            .collect()
+    };
+    assert_eq!(paths("stream"), ["direct", "local route", "remote route"]);
+    assert_eq!(paths("get_pods").len(), 6, "3 paths x 2 concurrencies");
+    for row in kube["stream"].as_array().unwrap() {
+        // Each read is checked to deliver every byte; a short one fails the bench.
+        assert_eq!(row["bytes"], 2 << 20, "{row}");
+    }
+    assert_eq!(kube["watch_memory"]["watches"], 20);
+    assert!(stdout.contains("## Kubernetes API"), "{stdout}");
 }

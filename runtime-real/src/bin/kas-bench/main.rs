@@ -2,6 +2,7 @@
 //! kas router, measured in one run on loopback, printed as tables and written as JSON.
 
 mod deadlines;
+mod kube;
 mod scale;
 mod setup;
 mod stats;
@@ -36,6 +37,10 @@ use std::time::Duration;
 ///    And the Redis commands per waiting call per second, both ways.
 /// 4. kas resident memory per connected agent and per idle tunnel at --agents agents, and
 ///    Redis commands per agent per minute at steady state.
+/// 5. The Kubernetes API (kas-local's API server behind the agent): `GET /api/v1/pods`
+///    latency and a --kube-mib MiB response's throughput through the local and remote
+///    routes as ratios to the API server dialled directly, and kas memory per open watch
+///    (--watches at once) on both kas of the remote route.
 ///
 /// kas runs as child processes (`kas` next to this binary); agents and GitLab's client run
 /// in this process.
@@ -71,9 +76,15 @@ struct Args {
     #[arg(
         long,
         value_delimiter = ',',
-        default_value = "unary,streaming,wakeup,scale"
+        default_value = "unary,streaming,wakeup,scale,kube"
     )]
     parts: Vec<Part>,
+    /// Size of the response body streamed through the Kubernetes API, in MiB.
+    #[arg(long, value_name = "MIB", default_value_t = 1024)]
+    kube_mib: u64,
+    /// Kubernetes API watches held open at once to measure kas memory per watch.
+    #[arg(long, default_value_t = 1000)]
+    watches: usize,
     /// Where to write the results as JSON.
     #[arg(long, value_name = "FILE", default_value = "kas-bench.json")]
     json: PathBuf,
@@ -94,6 +105,8 @@ enum Part {
     Wakeup,
     /// Idle cost and Redis cost at --agents agents (4).
     Scale,
+    /// The Kubernetes API: latency, a long stream's throughput, memory per watch (5).
+    Kube,
 }
 
 fn main() -> ExitCode {
@@ -199,6 +212,7 @@ async fn run(args: &Args) -> Result<Value, String> {
         pubsub: true,
         ttl: args.ttl,
         tls: false,
+        kubernetes_api: false,
     };
     let mut results = json!({"machine": {"cores": cores, "open_file_limit": files}});
     if args.parts.contains(&Part::Unary) || args.parts.contains(&Part::Streaming) {
@@ -219,23 +233,45 @@ async fn run(args: &Args) -> Result<Value, String> {
     if args.parts.contains(&Part::Scale) {
         scale_section(&mut world, pubsub, agents, args, &mut results).await?;
     }
+    if args.parts.contains(&Part::Kube) {
+        let sizes = kube::Sizes {
+            point: args.point,
+            stream_bytes: args.kube_mib << 20,
+            stream_reads: args.log_reads,
+            watches: args.watches,
+        };
+        results["kubernetes_api"] = kube::part(&mut world, pubsub, &sizes).await?;
+    }
     Ok(results)
 }
 
-/// An agent (a warm pool of 16 tunnels) on kas `kas`, dialled over TLS when `tls`; stops
-/// when the sender is dropped or sent true.
+/// A running agent: stops when the sender is dropped or sent true.
+type RunningAgent = (
+    tokio::sync::watch::Sender<bool>,
+    tokio::task::JoinHandle<()>,
+);
+
+/// An agent (a warm pool of 16 tunnels, at most 256) serving the bench's Pods module on kas
+/// `kas`, dialled over TLS when `tls`.
 async fn warm_agent(
     world: &World,
     kas: &KasProcess,
     agent: i64,
     tls: bool,
-) -> Result<
-    (
-        tokio::sync::watch::Sender<bool>,
-        tokio::task::JoinHandle<()>,
-    ),
-    String,
-> {
+) -> Result<RunningAgent, String> {
+    agent_with(world, kas, agent, tls, setup::modules(|| {}), 256).await
+}
+
+/// An agent (a warm pool of 16 tunnels, at most `max_tunnels`) serving `modules` on kas
+/// `kas`, dialled over TLS when `tls`.
+async fn agent_with(
+    world: &World,
+    kas: &KasProcess,
+    agent: i64,
+    tls: bool,
+    modules: std::sync::Arc<kas_runtime::agent::Modules>,
+    max_tunnels: usize,
+) -> Result<RunningAgent, String> {
     let addr = kas.addresses.agent;
     let url = if tls {
         format!("grpcs://{addr}")
@@ -253,13 +289,9 @@ async fn warm_agent(
     );
     options.ca_cert_file = tls.then(|| world.ca.clone());
     options.pool.min_idle = 16;
-    options.pool.max = 256;
+    options.pool.max = max_tunnels;
     let (stop, shutdown) = tokio::sync::watch::channel(false);
-    let task = tokio::spawn(kas_runtime::agent::run(
-        options,
-        setup::modules(|| {}),
-        shutdown,
-    ));
+    let task = tokio::spawn(kas_runtime::agent::run(options, modules, shutdown));
     await_gauge(kas, "kas_tunnels", 16.0, Duration::from_secs(20)).await?;
     Ok((stop, task))
 }

@@ -21,7 +21,12 @@ pub struct KasOptions {
     pub ttl: Duration,
     /// TLS on the agent, api and private listeners (the world's throwaway certificate).
     pub tls: bool,
+    /// A Kubernetes API listener (plaintext), taking [`USER_TOKEN`] for agent 1.
+    pub kubernetes_api: bool,
 }
+
+/// The Kubernetes API token of the bench's user, for agent 1 (`pat:1:<it>`).
+pub const USER_TOKEN: &str = "bench-user-token-0001";
 
 /// Files, Redis and secrets shared by every kas the bench starts.
 pub struct World {
@@ -66,6 +71,13 @@ impl World {
             );
         }
         write(&dir, "tokens.yaml", &tokens)?;
+        write(
+            &dir,
+            "user-tokens.yaml",
+            &format!(
+                "tokens:\n  - {{token: {USER_TOKEN}, kind: pat, agent_ids: [1], username: bench}}\n"
+            ),
+        )?;
         let local_ca = kas_runtime::tls::LocalCa::new("kas-bench throwaway CA")?;
         let (cert, key) = local_ca.issue()?;
         let ca = write(&dir, "ca.pem", &local_ca.pem)?;
@@ -103,8 +115,16 @@ impl World {
         } else {
             (String::new(), String::new())
         };
+        // Each open watch holds a tunnel of the agent.
+        let kube = if options.kubernetes_api {
+            format!(
+                "  kubernetes_api:\n    listen: {{address: '127.0.0.1:0'}}\n    tokens_file: '{d}/user-tokens.yaml'\n  max_tunnels_per_connection: 10000\n"
+            )
+        } else {
+            String::new()
+        };
         let config = format!(
-            "agent:\n  listen: {{address: '127.0.0.1:0'{tls}}}\n  tokens_file: '{d}/tokens.yaml'\n  redis_conn_info_ttl: {ttl}ms\n  redis_conn_info_refresh: {}ms\n  redis_conn_info_gc: {ttl}ms\napi:\n  listen: {{address: '127.0.0.1:0', authentication_secret_file: '{d}/gitlab.secret'{tls}}}\n  max_timeout: 120s\nprivate_api:\n  listen: {{address: '127.0.0.1:0', authentication_secret_file: '{d}/kas.secret'{private_tls}}}\nobservability:\n  listen: {{address: '127.0.0.1:0'}}\nredis:\n  server: {{address: '{}'}}\n  key_prefix: kas\n  pubsub_wakeups: {}\nshutdown_grace: 1s\n",
+            "agent:\n  listen: {{address: '127.0.0.1:0'{tls}}}\n  tokens_file: '{d}/tokens.yaml'\n{kube}  redis_conn_info_ttl: {ttl}ms\n  redis_conn_info_refresh: {}ms\n  redis_conn_info_gc: {ttl}ms\napi:\n  listen: {{address: '127.0.0.1:0', authentication_secret_file: '{d}/gitlab.secret'{tls}}}\n  max_timeout: 120s\nprivate_api:\n  listen: {{address: '127.0.0.1:0', authentication_secret_file: '{d}/kas.secret'{private_tls}}}\nobservability:\n  listen: {{address: '127.0.0.1:0'}}\nredis:\n  server: {{address: '{}'}}\n  key_prefix: kas\n  pubsub_wakeups: {}\nshutdown_grace: 1s\n",
             ttl / 2,
             self.redis.address(),
             options.pubsub,
