@@ -2,6 +2,7 @@
 
 use crate::jwt::{self, Secret, Signer};
 use crate::tls::{self, KasUrl};
+use kas_proto::http::{HttpRequest, HttpResponse};
 use kas_proto::pods::{LogChunk, Pod};
 use kas_proto::public_api::kas_api_client::KasApiClient;
 use kas_proto::public_api::{
@@ -102,6 +103,30 @@ impl ApiClient {
             namespace: namespace.into(),
         });
         Ok(self.client.clone().get_pods(req).await?.into_inner().pods)
+    }
+
+    /// One HTTP exchange with `agent`'s Kubernetes API (its replica `connection`, when
+    /// given): `requests` is the head, then the body or upgraded bytes, ending when it ends.
+    pub async fn kubernetes_request(
+        &self,
+        agent: i64,
+        connection: Option<i64>,
+        requests: impl tokio_stream::Stream<Item = HttpRequest> + Send + 'static,
+    ) -> Result<Streaming<HttpResponse>, Status> {
+        let mut req = self.request(requests);
+        let ids =
+            std::iter::once(("agent-id", agent)).chain(connection.map(|c| ("connection-id", c)));
+        for (key, id) in ids {
+            if let Ok(v) = id.to_string().parse() {
+                req.metadata_mut().insert(key, v);
+            }
+        }
+        Ok(self
+            .client
+            .clone()
+            .make_kubernetes_request(req)
+            .await?
+            .into_inner())
     }
 
     /// The log of `namespace/pod` (its `container`, when not empty; at most about

@@ -14,7 +14,9 @@
 //!    live replicas, and calls waiting for an agent that connects are delivered (the final
 //!    phase, in `scenario`);
 //! 6. nothing leaks: once agents are gone and records expire, no tunnel, call, connection
-//!    or Redis record is left.
+//!    or Redis record is left;
+//! 8. a two-way call that ends OK carried every request piece to the agent and every
+//!    answer piece back, in order (the echo equals what was sent).
 
 use crate::cluster::{AgentSpec, pod_name};
 use crate::truth::{Delivery, Hold};
@@ -32,7 +34,12 @@ pub const SLACK: Duration = Duration::from_secs(1);
 /// an attempt `ROUTE_GRACE` past it), plus [`SLACK`].
 pub const OUTCOME_BOUND: Duration = ANSWER_GRACE.saturating_add(SLACK);
 
-/// Violations of invariants 1, 2 and 3 by `calls`, given `truth`; `absent` agents never
+/// How much later than its timeout a two-way call may end: its ends finish within a
+/// second, and a kas -> kas link that dies under a delivered one is found by HTTP/2
+/// keepalive (`keepalive_interval` 30 s + `keepalive_timeout` 20 s).
+pub const STREAM_BOUND: Duration = Duration::from_secs(51).saturating_add(OUTCOME_BOUND);
+
+/// Violations of invariants 1, 2, 3 and 8 by `calls`, given `truth`; `absent` agents never
 /// connect; `stalls` are the times the world or one kas stood still.
 pub fn check_calls(
     calls: &[Call],
@@ -65,8 +72,21 @@ pub fn check_calls(
                 ));
             }
         }
+        if let (Ok(_), Some(m)) = (&c.result, &c.echo_mismatch) {
+            violations.push(format!(
+                "inv 8: two-way {} ended OK with a wrong echo: {m}",
+                c.marker
+            ));
+        }
         let stalled = stalled(stalls, Some(c.kas), c.started, c.started + c.took);
-        if c.took > c.timeout + OUTCOME_BOUND + stalled {
+        // A delivered two-way call is not bounded by its deadline: by its ends, and by
+        // HTTP/2 keepalive on a dead link under it.
+        let bound = if c.two_way {
+            STREAM_BOUND
+        } else {
+            OUTCOME_BOUND
+        };
+        if c.took > c.timeout + bound + stalled {
             violations.push(format!(
                 "inv 2: {} (kas{}, agent {}, timeout {:?}) ended after {:?}: {:?}",
                 c.marker, c.kas, c.agent, c.timeout, c.took, c.result
@@ -255,6 +275,8 @@ mod tests {
             timeout: Duration::from_secs(1),
             took: Duration::from_millis(10),
             result: result.map(str::to_string).map_err(|c| (c, String::new())),
+            echo_mismatch: None,
+            two_way: false,
         }
     }
 

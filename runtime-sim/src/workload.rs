@@ -1,7 +1,8 @@
 //! GitLab's calls during a scenario: each call goes to a random kas for a random agent
 //! (connected, absent or late) with a random deadline, some pinned to one replica's
-//! connection, a quarter of them log streams (server-streaming) rather than pod lists, and
-//! its outcome is recorded.
+//! connection, a quarter of them log streams (server-streaming) and an eighth two-way
+//! exchanges (the Kubernetes API's streaming call, echoed) rather than pod lists, and its
+//! outcome is recorded.
 
 use crate::cluster::kas_addr;
 use kas_runtime::api_client::ApiClient;
@@ -31,6 +32,18 @@ pub struct Call {
     pub took: Duration,
     /// The pod name that answered, or the error code and message.
     pub result: Result<String, (tonic::Code, String)>,
+    /// For a two-way exchange that ended OK: what came back differed from what was sent.
+    pub echo_mismatch: Option<String>,
+    /// A two-way exchange: once delivered, it is bounded by its ends, not its deadline.
+    pub two_way: bool,
+}
+
+/// What a call asks for.
+#[derive(Clone, Copy, PartialEq, Eq)]
+enum Kind {
+    List,
+    Logs,
+    Exchange,
 }
 
 /// Issues one call through kas `kas` and records it.
@@ -62,16 +75,31 @@ pub async fn pinned(
     } else {
         agent
     };
-    let streaming = thread_rng().gen_bool(0.25);
+    let kind = match thread_rng().gen_range(0..8) {
+        0 | 1 => Kind::Logs,
+        2 => Kind::Exchange,
+        _ => Kind::List,
+    };
+    let mut echo_mismatch = None;
     let result = match ApiClient::connect(&kas_addr(kas, 8153).to_string(), secret, timeout).await {
         Err(e) => Err((tonic::Code::Unavailable, e)),
         Ok(api) => {
             let connection = pin.map(|p| p.1);
-            let answer = if streaming {
-                logs(&api, routed_to, connection, &marker).await
-            } else {
-                let pods = api.pods(routed_to, connection, &marker).await;
-                pods.map(|p| p.first().map(|p| p.name.clone()).unwrap_or_default())
+            let answer = match kind {
+                Kind::Logs => logs(&api, routed_to, connection, &marker).await,
+                Kind::Exchange => {
+                    // Past this the checker reports it (inv 2); a hung exchange must not
+                    // hang the run.
+                    let limit = timeout + crate::checker::STREAM_BOUND + Duration::from_secs(10);
+                    let two_way = exchange(&api, routed_to, connection, &marker, &mut echo_mismatch);
+                    tokio::time::timeout(limit, two_way).await.unwrap_or_else(|_| {
+                        Err(tonic::Status::deadline_exceeded("the exchange hung"))
+                    })
+                }
+                Kind::List => {
+                    let pods = api.pods(routed_to, connection, &marker).await;
+                    pods.map(|p| p.first().map(|p| p.name.clone()).unwrap_or_default())
+                }
             };
             if bug == Bug::DeliverTwice && answer.is_ok() {
                 let _ = api.pods(routed_to, None, &marker).await;
@@ -88,7 +116,76 @@ pub async fn pinned(
         timeout,
         took: started.elapsed(),
         result,
+        echo_mismatch,
+        two_way: kind == Kind::Exchange,
     }
+}
+
+/// A two-way exchange: the head, then 1-4 body pieces sent 0-50 ms apart while the echo
+/// is read. The pod that answered; `mismatch` says how the echo differed from what was
+/// sent when the call ended OK.
+async fn exchange(
+    api: &ApiClient,
+    agent: i64,
+    connection: Option<i64>,
+    marker: &str,
+    mismatch: &mut Option<String>,
+) -> Result<String, tonic::Status> {
+    use kas_proto::http::{HttpRequest, RequestHead, http_request, http_response};
+    let pieces: Vec<Vec<u8>> = (0..thread_rng().gen_range(1..=4))
+        .map(|i| format!("{marker}/{i};").into_bytes())
+        .collect();
+    let (tx, rx) = tokio::sync::mpsc::channel(8);
+    let head = HttpRequest {
+        kind: Some(http_request::Kind::Head(RequestHead {
+            method: "POST".into(),
+            path: format!("/{marker}"),
+            ..Default::default()
+        })),
+    };
+    let _ = tx.try_send(head);
+    let sent: Vec<u8> = pieces.concat();
+    tokio::spawn(async move {
+        for p in pieces {
+            let gap = Duration::from_millis(thread_rng().gen_range(0..50));
+            tokio::time::sleep(gap).await;
+            let piece = HttpRequest {
+                kind: Some(http_request::Kind::Data(p)),
+            };
+            if tx.send(piece).await.is_err() {
+                return;
+            }
+        }
+    });
+    let mut stream = api
+        .kubernetes_request(
+            agent,
+            connection,
+            tokio_stream::wrappers::ReceiverStream::new(rx),
+        )
+        .await?;
+    let mut pod = None;
+    let mut echoed = Vec::new();
+    while let Some(m) = stream.message().await? {
+        match m.kind {
+            Some(http_response::Kind::Head(h)) if pod.is_none() => {
+                pod = h
+                    .headers
+                    .get("x-pod")
+                    .and_then(|v| v.values.first().cloned());
+            }
+            Some(http_response::Kind::Data(d)) => echoed.extend_from_slice(&d),
+            other => *mismatch = Some(format!("unexpected response message {other:?}")),
+        }
+    }
+    if echoed != sent {
+        *mismatch = Some(format!(
+            "echoed {:?}, sent {:?}",
+            String::from_utf8_lossy(&echoed),
+            String::from_utf8_lossy(&sent)
+        ));
+    }
+    pod.ok_or_else(|| tonic::Status::internal("the exchange ended without a response head"))
 }
 
 /// A log call (server-streaming): the pod that sent every chunk, or the chunks joined

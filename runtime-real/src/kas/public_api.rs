@@ -1,7 +1,7 @@
 //! The public listener (GitLab -> kas): registry queries answered from the store, and
 //! calls routed to agents.
 
-use super::call::Call;
+use super::call::{Call, Rest};
 use super::deadline::deadline;
 use super::engine::{CancelOnDrop, EngineHandle};
 use super::timing::ANSWER_GRACE;
@@ -13,6 +13,7 @@ use kas_core::keys::Keys;
 use kas_core::node::Origin;
 use kas_core::{AgentId, ConnectionId, ProjectId, Time};
 use kas_proto::frame::{Frame, RequestStart, frame::Kind};
+use kas_proto::http::{HttpRequest, HttpResponse, KUBERNETES_API_METHOD, http_request};
 use kas_proto::pods::{ListRequest, ListResponse, LogChunk, LogsRequest};
 use kas_proto::public_api::kas_api_server::KasApi;
 use kas_proto::public_api::{
@@ -24,7 +25,7 @@ use prost::Message;
 use std::sync::Arc;
 use std::time::Duration;
 use tokio::sync::mpsc;
-use tonic::{Request, Response, Status};
+use tonic::{Request, Response, Status, Streaming};
 
 pub use kas_proto::pods::{LIST_METHOD as PODS_LIST, LOGS_METHOD as PODS_LOGS};
 
@@ -81,8 +82,23 @@ impl PublicService {
         request: Vec<u8>,
         deadline: Time,
     ) -> Result<Reply, Status> {
+        let requests = vec![frames::message(0, request), frames::close_send(0)];
+        self.start(agent, connection, method, deadline, requests, None)
+    }
+
+    /// Starts a call with `requests` (a streaming one when it has the `rest`).
+    fn start(
+        &self,
+        agent: AgentId,
+        connection: Option<ConnectionId>,
+        method: &str,
+        deadline: Time,
+        requests: Vec<Frame>,
+        rest: Option<Rest>,
+    ) -> Result<Reply, Status> {
         let id = self.engine.next_request_id();
         let (tx, rx) = mpsc::channel(16);
+        let streaming = rest.is_some();
         let call = Call {
             agent,
             connection,
@@ -94,10 +110,10 @@ impl PublicService {
                 method: method.into(),
                 metadata: Default::default(),
                 hops: 0,
-                streaming: false,
+                streaming,
             },
-            requests: Arc::new(vec![frames::message(0, request), frames::close_send(0)]),
-            rest: None,
+            requests: Arc::new(requests),
+            rest,
             responses: tx,
         };
         self.engine.submit(id, Origin::Public, call)?;
@@ -105,7 +121,8 @@ impl PublicService {
             agent,
             rx,
             cancel: CancelOnDrop::new(self.engine.clone(), id),
-            give_up: tokio::time::Instant::now() + clock::until(deadline) + ANSWER_GRACE,
+            give_up: Some(tokio::time::Instant::now() + clock::until(deadline) + ANSWER_GRACE),
+            streaming,
             ended: false,
         })
     }
@@ -146,7 +163,9 @@ struct Reply {
     agent: AgentId,
     rx: mpsc::Receiver<Result<Frame, Status>>,
     cancel: CancelOnDrop,
-    give_up: tokio::time::Instant,
+    /// When to stop waiting; a streaming call's deadline applies to its first message only.
+    give_up: Option<tokio::time::Instant>,
+    streaming: bool,
     ended: bool,
 }
 
@@ -154,17 +173,20 @@ impl Reply {
     /// The next response message; `None` once the agent ended the call with OK.
     async fn message(&mut self) -> Result<Option<Vec<u8>>, Status> {
         while !self.ended {
-            let left = self
-                .give_up
-                .saturating_duration_since(tokio::time::Instant::now());
-            let item = tokio::time::timeout(left, self.rx.recv())
+            let item = match self.give_up {
+                Some(at) => tokio::time::timeout(
+                    at.saturating_duration_since(tokio::time::Instant::now()),
+                    self.rx.recv(),
+                )
                 .await
                 .map_err(|_| {
                     Status::deadline_exceeded(format!(
                         "agent {} did not answer by the deadline",
                         self.agent
                     ))
-                })?;
+                })?,
+                None => self.rx.recv().await,
+            };
             // Whatever ends the call came from the engine, a tunnel or a forward, which
             // end it themselves.
             let frame = match item {
@@ -175,7 +197,12 @@ impl Reply {
                 }
             };
             match frame.kind {
-                Some(Kind::Message(m)) => return Ok(Some(m.data)),
+                Some(Kind::Message(m)) => {
+                    if self.streaming {
+                        self.give_up = None;
+                    }
+                    return Ok(Some(m.data));
+                }
                 Some(Kind::Trailer(t)) if t.code == 0 => {
                     self.end(Status::ok(""));
                 }
@@ -203,9 +230,81 @@ fn log_chunk(bytes: Vec<u8>) -> Result<LogChunk, Status> {
         .map_err(|e| Status::internal(format!("agent sent a malformed log chunk: {e}")))
 }
 
+/// The response of a Kubernetes API exchange as GitLab receives it.
+pub type HttpResponses = BoxStream<'static, Result<HttpResponse, Status>>;
+
+/// The `id` metadata (`agent-id`, `connection-id`) as a positive number, if present.
+fn id_metadata(metadata: &tonic::metadata::MetadataMap, key: &str) -> Result<Option<i64>, Status> {
+    let Some(v) = metadata.get(key) else {
+        return Ok(None);
+    };
+    v.to_str()
+        .ok()
+        .and_then(|v| v.parse::<i64>().ok())
+        .filter(|n| *n > 0)
+        .map(Some)
+        .ok_or_else(|| Status::invalid_argument(format!("{key} must be a positive number")))
+}
+
 #[tonic::async_trait]
 impl KasApi for PublicService {
     type GetPodLogsStream = LogChunks;
+    type MakeKubernetesRequestStream = HttpResponses;
+
+    async fn make_kubernetes_request(
+        &self,
+        req: Request<Streaming<HttpRequest>>,
+    ) -> Result<Response<HttpResponses>, Status> {
+        let deadline = deadline(req.metadata(), self.default_timeout, self.max_timeout);
+        let agent = id_metadata(req.metadata(), "agent-id")?
+            .ok_or_else(|| Status::invalid_argument("agent-id metadata is required"))?;
+        let connection = id_metadata(req.metadata(), "connection-id")?.map(ConnectionId);
+        let mut inbound = req.into_inner();
+        let head = tokio::time::timeout(clock::until(deadline), inbound.message())
+            .await
+            .map_err(|_| Status::deadline_exceeded("no request head by the deadline"))??
+            .filter(|m| matches!(m.kind, Some(http_request::Kind::Head(_))))
+            .ok_or_else(|| {
+                Status::invalid_argument("the first message must be the request head")
+            })?;
+        let (rest_tx, rest) = Rest::channel();
+        let requests = vec![frames::message(0, head.encode_to_vec())];
+        let mut reply = self.start(
+            AgentId(agent),
+            connection,
+            KUBERNETES_API_METHOD,
+            deadline,
+            requests,
+            Some(rest),
+        )?;
+        tokio::spawn(async move {
+            // A request stream that broke ends unclosed: the caller is gone.
+            while let Ok(next) = inbound.message().await {
+                let frame = match next {
+                    Some(m) => frames::message(0, m.encode_to_vec()),
+                    None => frames::close_send(0),
+                };
+                let close = matches!(frame.kind, Some(Kind::CloseSend(_)));
+                if rest_tx.send(frame).await.is_err() || close {
+                    return;
+                }
+            }
+        });
+        // The response head (or the refusal) before the headers: a call that reached no
+        // agent fails as a plain status.
+        let first = reply.message().await?;
+        let rest = stream::try_unfold(reply, |mut reply| async move {
+            Ok(reply.message().await?.map(|m| (m, reply)))
+        });
+        let messages = stream::iter(first.map(Ok))
+            .chain(rest)
+            .and_then(|bytes| async move {
+                HttpResponse::decode(bytes.as_slice()).map_err(|e| {
+                    Status::internal(format!("agent sent a malformed HTTP message: {e}"))
+                })
+            });
+        Ok(Response::new(messages.boxed()))
+    }
 
     async fn get_pod_logs(
         &self,
