@@ -1,7 +1,8 @@
 //! Model-based property test: three kas — each the production [`KasNode`], the very type
 //! kas's engine drives — and a fake Redis with expiring hashes and lossy pub-sub, driven
 //! by random sequences of agent connects and disconnects (tunnel or connection ending
-//! first), calls with deadlines, callers going away, clock advances, failed Redis batches,
+//! first), calls with deadlines (some two-way: once delivered they outlive their
+//! deadline, and kas must not fail them), callers going away, clock advances, failed Redis batches,
 //! Redis data loss and lost pub-sub messages. The test is the nodes' driver: it carries
 //! their outputs as kas's engine, tunnels and forwards would. A message is lost only with a subscriber's
 //! connection, as with Redis: those routers see the connection go down, and come back at
@@ -52,6 +53,9 @@ enum Op {
         via: usize,
         pin: bool,
         deadline_ms: u64,
+        /// A two-way call: once delivered, its deadline no longer applies; its agent
+        /// answers only after it has passed.
+        streaming: bool,
     },
     Advance {
         ms: u64,
@@ -74,8 +78,10 @@ fn op() -> impl Strategy<Value = Op> {
         3 => (0..4i64, 0..KAS).prop_map(|(agent, kas)| Op::Connect { agent, kas }),
         2 => (any::<usize>(), any::<bool>())
             .prop_map(|(pick, connection_first)| Op::Disconnect { pick, connection_first }),
-        4 => (0..5i64, 0..KAS, any::<bool>(), 1..1500u64)
-            .prop_map(|(agent, via, pin, deadline_ms)| Op::Call { agent, via, pin, deadline_ms }),
+        4 => (0..5i64, 0..KAS, any::<bool>(), 1..1500u64, proptest::bool::weighted(0.3))
+            .prop_map(|(agent, via, pin, deadline_ms, streaming)| {
+                Op::Call { agent, via, pin, deadline_ms, streaming }
+            }),
         4 => (1..400u64).prop_map(|ms| Op::Advance { ms }),
         1 => any::<usize>().prop_map(|pick| Op::Cancel { pick }),
         1 => (0..KAS).prop_map(|kas| Op::FailNextBatch { kas }),
@@ -130,6 +136,7 @@ struct Call {
     connection: Option<ConnectionId>,
     origin: usize,
     deadline: Time,
+    streaming: bool,
     delivered_to: Option<TunnelId>,
     outcome: Option<(Time, Result<(), CallError>)>,
 }
@@ -285,6 +292,7 @@ impl World {
                 via,
                 pin,
                 deadline_ms,
+                streaming,
             } => {
                 let agent = AgentId(agent);
                 let connection = pin
@@ -295,12 +303,9 @@ impl World {
                             .map(|t| t.connection)
                     })
                     .flatten();
-                self.start_call(
-                    agent,
-                    connection,
-                    via,
-                    now + Duration::from_millis(deadline_ms),
-                );
+                let deadline = now + Duration::from_millis(deadline_ms);
+                let request = self.start_call(agent, connection, via, deadline);
+                self.calls.get_mut(&request).unwrap().streaming = streaming;
             }
             Op::Advance { ms } => {
                 self.answer_calls();
@@ -341,6 +346,7 @@ impl World {
             connection,
             origin: via,
             deadline,
+            streaming: false,
             delivered_to: None,
             outcome: None,
         };
@@ -406,14 +412,24 @@ impl World {
         }
     }
 
-    /// Agents answer every call delivered to them since the last advance.
+    /// Agents answer every call delivered to them since the last advance, but a two-way
+    /// call only once its deadline and the grace have passed: it outlives them.
     fn answer_calls(&mut self) {
         if std::mem::take(&mut self.error_next_answer)
             && let Some(&(at, tunnel)) = self.answering.first()
         {
             self.answer_with_error(at, tunnel);
         }
-        for (at, _) in std::mem::take(&mut self.answering) {
+        let now = self.now;
+        let (done, open): (Vec<_>, Vec<_>) = std::mem::take(&mut self.answering)
+            .into_iter()
+            .partition(|(at, _)| {
+                // A forward its origin abandoned is no call of the test's any more.
+                let call = self.calls.get(&self.origin_call(*at));
+                call.is_none_or(|c| !c.streaming || now > c.deadline + GRACE)
+            });
+        self.answering = open;
+        for (at, _) in done {
             self.call_done(at);
         }
     }
@@ -592,7 +608,17 @@ impl World {
                 );
                 assert!(call.outcome.is_none(), "call {id} delivered after it ended");
                 call.delivered_to = Some(tunnel);
+                let streaming = call.streaming;
                 self.answering.push((at, tunnel));
+                if streaming {
+                    // The tunnel says so as it starts sending the call; a serving kas's
+                    // `Delivered` frame tells the routing kas.
+                    input(self, n, NodeInput::Delivered(request));
+                    if id != request || n != self.calls[&id].origin {
+                        let origin = self.calls[&id].origin;
+                        input(self, origin, NodeInput::Delivered(id));
+                    }
+                }
             }
             NodeOutput::Forward { request, kas, .. } => {
                 let holder = (0..KAS).find(|i| kas_id(*i) == kas).expect("a known kas");
@@ -668,6 +694,10 @@ impl World {
         }
         let call = self.calls.get_mut(&request).unwrap();
         assert!(call.outcome.is_none(), "inv 2: call {request} ended twice");
+        assert!(
+            !(call.streaming && call.delivered_to.is_some() && error.is_some()),
+            "a delivered two-way call {request} was failed by kas: {error:?}"
+        );
         if error.is_some() {
             assert!(
                 now <= call.deadline + GRACE || outcome == Outcome::Cancelled,

@@ -91,10 +91,13 @@ pub async fn pinned(
                     // Past this the checker reports it (inv 2); a hung exchange must not
                     // hang the run.
                     let limit = timeout + crate::checker::STREAM_BOUND + Duration::from_secs(10);
-                    let two_way = exchange(&api, routed_to, connection, &marker, &mut echo_mismatch);
-                    tokio::time::timeout(limit, two_way).await.unwrap_or_else(|_| {
-                        Err(tonic::Status::deadline_exceeded("the exchange hung"))
-                    })
+                    let two_way =
+                        exchange(&api, routed_to, connection, &marker, &mut echo_mismatch);
+                    tokio::time::timeout(limit, two_way)
+                        .await
+                        .unwrap_or_else(|_| {
+                            Err(tonic::Status::deadline_exceeded("the exchange hung"))
+                        })
                 }
                 Kind::List => {
                     let pods = api.pods(routed_to, connection, &marker).await;
