@@ -411,3 +411,101 @@ async fn a_100_mib_response_arrives_whole_through_a_remote_kas() {
     assert_eq!(at, N);
     d.stop().await;
 }
+
+/// SIGTERM while a watch streams through kas (a kas process, agentk proxying to a local
+/// API server named by its KUBECONFIG): kas stops within `shutdown_grace` (2 s) and a
+/// little, ending the watch rather than waiting for it, and the client sees its stream end.
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn sigterm_ends_an_open_watch_within_the_shutdown_grace() {
+    use support::{AgentkProc, Extra, KasProc, Secrets, agent_token, eventually};
+    let secrets = Secrets::new();
+    let users = secrets.path("users.yaml");
+    std::fs::write(
+        &users,
+        "tokens:\n  - {token: watch-user-token-0001, kind: pat, agent_ids: [1], username: w}\n",
+    )
+    .unwrap();
+    let fixture = secrets.path("pods.yaml");
+    std::fs::write(
+        &fixture,
+        "- {namespace: default, name: web-1, phase: Running}\n",
+    )
+    .unwrap();
+    let pods = kas_runtime::agent::pods::read_fixture(&fixture).unwrap();
+    let cluster = kas_runtime::local::kube_server::KubeServer::start(&pods)
+        .await
+        .unwrap();
+    let kubeconfig = secrets.path("agent-kubeconfig");
+    std::fs::write(
+        &kubeconfig,
+        format!(
+            "apiVersion: v1\nkind: Config\ncurrent-context: c\nclusters:\n- name: c\n  cluster:\n    server: {}\ncontexts:\n- name: c\n  context:\n    cluster: c\n    user: u\nusers:\n- name: u\n  user: {{}}\n",
+            cluster.url()
+        ),
+    )
+    .unwrap();
+    let agent_lines = format!(
+        "  kubernetes_api:\n    listen:\n      address: 127.0.0.1:0\n    tokens_file: {}\n",
+        users.display()
+    );
+    let extra = Extra {
+        agent: &agent_lines,
+        ..Extra::default()
+    };
+    let mut kas = KasProc::start_extra(&secrets, "kas", None, 10_000, extra, None).await;
+    let _agentk = AgentkProc::start_env(
+        &secrets,
+        &kas.agent.to_string(),
+        &agent_token(1),
+        "agent1",
+        "[]",
+        &[],
+        &[("KUBECONFIG", kubeconfig.to_str().unwrap())],
+    );
+    let url = format!(
+        "http://{}",
+        kas.kubernetes_api.expect("a Kubernetes API listener")
+    );
+    let _ = rustls::crypto::ring::default_provider().install_default();
+    let client = reqwest::Client::new();
+    let get = |path: &str| {
+        client
+            .get(format!("{url}{path}"))
+            .bearer_auth("pat:1:watch-user-token-0001")
+            .send()
+    };
+    eventually(
+        Duration::from_secs(20),
+        "the agent to serve its API",
+        || async { get("/api/v1/pods").await.ok().filter(|r| r.status() == 200) },
+    )
+    .await;
+    let mut watch = get("/api/v1/pods?watch=true").await.expect("a watch");
+    assert_eq!(watch.status(), 200);
+    let first = watch
+        .chunk()
+        .await
+        .expect("the watch streams")
+        .expect("an event");
+    assert!(String::from_utf8_lossy(&first).contains("web-1"));
+    let started = std::time::Instant::now();
+    let status = tokio::task::spawn_blocking(move || kas.terminate())
+        .await
+        .unwrap();
+    let took = started.elapsed();
+    assert!(status.success(), "kas exited {status}");
+    assert!(
+        took < Duration::from_secs(4),
+        "kas took {took:?} to stop with a watch open"
+    );
+    let end = tokio::time::timeout(Duration::from_secs(2), async {
+        loop {
+            match watch.chunk().await {
+                Ok(Some(_)) => continue,
+                other => return other.map(|_| ()),
+            }
+        }
+    })
+    .await;
+    assert!(end.is_ok(), "the watch was still open after kas stopped");
+}

@@ -126,6 +126,8 @@ pub struct KasProc {
     pub api: SocketAddr,
     pub private: SocketAddr,
     pub observability: SocketAddr,
+    /// The Kubernetes API listener, when configured.
+    pub kubernetes_api: Option<SocketAddr>,
     pub log: PathBuf,
 }
 
@@ -224,6 +226,7 @@ impl KasProc {
             api: a.api,
             private: a.private_api,
             observability: a.observability,
+            kubernetes_api: a.kubernetes_api,
             log,
         }
     }
