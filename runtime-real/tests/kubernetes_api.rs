@@ -509,3 +509,71 @@ async fn sigterm_ends_an_open_watch_within_the_shutdown_grace() {
     .await;
     assert!(end.is_ok(), "the watch was still open after kas stopped");
 }
+
+/// The Python `kubernetes` client (PyPI's, installed with pip when missing) lists pods
+/// through a remote kas: a second outside client.
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn the_python_kubernetes_client_lists_pods_through_kas() {
+    ensure_python_kubernetes();
+    let (d, dir) = deployment().await;
+    let script = dir.path().join("list.py");
+    std::fs::write(
+        &script,
+        "import sys\n\
+         from kubernetes import client\n\
+         c = client.Configuration()\n\
+         c.host, c.ssl_ca_cert = sys.argv[1], sys.argv[2]\n\
+         c.api_key = {'authorization': 'Bearer ' + sys.argv[3]}\n\
+         pods = client.CoreV1Api(client.ApiClient(c)).list_pod_for_all_namespaces().items\n\
+         for p in sorted(pods, key=lambda p: (p.metadata.namespace, p.metadata.name)):\n\
+         \x20   print(p.metadata.namespace, p.metadata.name, p.status.phase, p.spec.node_name)\n",
+    )
+    .unwrap();
+    // Agent 1 is on kas0: kas2 forwards.
+    let out = Command::new("python3")
+        .arg(&script)
+        .arg(d.kubernetes_api_url(2).expect("a Kubernetes API listener"))
+        .arg(d.kube_ca_file())
+        .arg(d.user_bearer(1))
+        .output()
+        .await
+        .expect("python3 runs");
+    assert!(
+        out.status.success(),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    let listed = String::from_utf8_lossy(&out.stdout).into_owned();
+    let expected: String = fixture(1)
+        .into_iter()
+        .map(|(ns, name, phase, node)| format!("{ns} {name} {phase} {node}\n"))
+        .collect();
+    assert_eq!(listed, expected);
+    d.stop().await;
+}
+
+/// Installs PyPI's `kubernetes` for python3 when it is missing; fails the test, naming
+/// it, when that is not possible: never a silent skip.
+fn ensure_python_kubernetes() {
+    let present = || {
+        std::process::Command::new("python3")
+            .args(["-c", "import kubernetes"])
+            .output()
+            .is_ok_and(|o| o.status.success())
+    };
+    support::ensure_package("python3", "python3");
+    support::ensure_package("pip3", "python3-pip");
+    for extra in [&[][..], &["--break-system-packages"][..]] {
+        if present() {
+            break;
+        }
+        let _ = std::process::Command::new("pip3")
+            .args(["install", "--quiet", "kubernetes"])
+            .args(extra)
+            .status();
+    }
+    assert!(
+        present(),
+        "python3's kubernetes is missing: pip3 install kubernetes"
+    );
+}
