@@ -577,3 +577,94 @@ fn ensure_python_kubernetes() {
         "python3's kubernetes is missing: pip3 install kubernetes"
     );
 }
+
+/// An agent's answers that are not HTTP are refused as 502, naming the agent, and kas
+/// goes on serving: garbage, a body before its head, a 101 nobody asked for.
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn an_agents_answers_that_are_not_http_are_a_bad_gateway() {
+    use kas_proto::http::{HttpRequest, HttpResponse, ResponseHead, http_request, http_response};
+    use prost::Message;
+    use support::{Extra, KasProc, Secrets, TestAgent};
+    let secrets = Secrets::new();
+    let users = secrets.path("users.yaml");
+    std::fs::write(
+        &users,
+        "tokens:\n  - {token: hostile-user-token-01, kind: pat, agent_ids: [1], username: h}\n",
+    )
+    .unwrap();
+    let agent_lines = format!(
+        "  kubernetes_api:\n    listen:\n      address: 127.0.0.1:0\n    tokens_file: {}\n",
+        users.display()
+    );
+    let extra = Extra {
+        agent: &agent_lines,
+        ..Extra::default()
+    };
+    let kas = KasProc::start_extra(&secrets, "kas", None, 10_000, extra, None).await;
+    let mut modules = kas_runtime::agent::Modules::default();
+    modules.streaming(kas_proto::http::KUBERNETES_API_METHOD, |mut requests| {
+        let answer = async move {
+            let head = requests.recv().await.unwrap_or_default();
+            let path = match HttpRequest::decode(head.as_slice())
+                .ok()
+                .and_then(|m| m.kind)
+            {
+                Some(http_request::Kind::Head(h)) => h.path,
+                _ => String::new(),
+            };
+            let head = |status| HttpResponse {
+                kind: Some(http_response::Kind::Head(ResponseHead {
+                    status,
+                    headers: Default::default(),
+                })),
+            };
+            let messages: Vec<Vec<u8>> = match path.as_str() {
+                "/garbage" => vec![vec![0xff, 0xff, 0xff]],
+                "/body-first" => vec![
+                    HttpResponse {
+                        kind: Some(http_response::Kind::Data(b"x".to_vec())),
+                    }
+                    .encode_to_vec(),
+                ],
+                "/switch" => vec![head(101).encode_to_vec()],
+                _ => vec![head(200).encode_to_vec()],
+            };
+            futures::stream::iter(messages.into_iter().map(Ok))
+        };
+        futures::StreamExt::boxed(futures::StreamExt::flatten(futures::stream::once(answer)))
+    });
+    let _agent = TestAgent::connect_with(kas.agent, 1, "hostile", 2, modules).await;
+    let url = format!(
+        "http://{}",
+        kas.kubernetes_api.expect("a Kubernetes API listener")
+    );
+    let _ = rustls::crypto::ring::default_provider().install_default();
+    let client = reqwest::Client::new();
+    let get = |path: &str| {
+        let r = client
+            .get(format!("{url}{path}"))
+            .bearer_auth("pat:1:hostile-user-token-01")
+            .send();
+        async move {
+            let r = r.await.expect("kas answers");
+            (r.status().as_u16(), r.text().await.unwrap_or_default())
+        }
+    };
+    support::eventually(Duration::from_secs(20), "the agent to answer", || async {
+        (get("/ok").await.0 == 200).then_some(())
+    })
+    .await;
+    for (path, says) in [
+        ("/garbage", "agent 1 sent a malformed HTTP response"),
+        (
+            "/body-first",
+            "agent 1 answered without an HTTP response head",
+        ),
+        ("/switch", "agent 1 answered with HTTP status 101"),
+    ] {
+        let (code, body) = get(path).await;
+        assert_eq!(code, 502, "{path}: {body}");
+        assert!(body.contains(says), "{path}: {body}");
+    }
+    assert_eq!(get("/ok").await.0, 200, "kas goes on serving");
+}

@@ -170,8 +170,14 @@ impl KubernetesApiService {
             }
         };
         let head = from_agent.head().await?;
-        let status =
-            StatusCode::from_u16(u16::try_from(head.status).unwrap_or(0)).map_err(|_| {
+        // 1xx heads other than an asked-for upgrade's 101 have no place here.
+        let status = StatusCode::from_u16(u16::try_from(head.status).unwrap_or(0))
+            .ok()
+            .filter(|s| {
+                !s.is_informational()
+                    || (*s == StatusCode::SWITCHING_PROTOCOLS && upgrading.is_some())
+            })
+            .ok_or_else(|| {
                 Failure::Agent(format!(
                     "agent {agent} answered with HTTP status {}",
                     head.status

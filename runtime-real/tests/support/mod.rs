@@ -386,17 +386,6 @@ impl TestAgent {
         tunnels: usize,
         delay: Duration,
     ) -> TestAgent {
-        let client = AgentClient::new(channel(kas_agent).await, agent_token(agent));
-        let meta = AgentMeta {
-            version: "test".into(),
-            commit: String::new(),
-            pod_namespace: "default".into(),
-            pod_name: pod.into(),
-        };
-        let (connection, _, mut stream) = client.connect(meta).await.expect("GetConfiguration");
-        let mut tasks = vec![tokio::spawn(async move {
-            while let Ok(Some(_)) = stream.message().await {}
-        })];
         let pods = vec![Pod {
             namespace: "default".into(),
             name: pod.into(),
@@ -426,6 +415,28 @@ impl TestAgent {
                 Ok(kas_runtime::agent::pods::chunks(log, limit))
             }
         });
+        Self::connect_with(kas_agent, agent, pod, tunnels, modules).await
+    }
+
+    /// Connects as replica `pod` of `agent` with `tunnels` tunnels serving `modules`.
+    pub async fn connect_with(
+        kas_agent: SocketAddr,
+        agent: i64,
+        pod: &str,
+        tunnels: usize,
+        modules: Modules,
+    ) -> TestAgent {
+        let client = AgentClient::new(channel(kas_agent).await, agent_token(agent));
+        let meta = AgentMeta {
+            version: "test".into(),
+            commit: String::new(),
+            pod_namespace: "default".into(),
+            pod_name: pod.into(),
+        };
+        let (connection, _, mut stream) = client.connect(meta).await.expect("GetConfiguration");
+        let mut tasks = vec![tokio::spawn(async move {
+            while let Ok(Some(_)) = stream.message().await {}
+        })];
         let modules = Arc::new(modules);
         for _ in 0..tunnels {
             let (client, modules) = (client.clone(), modules.clone());
