@@ -191,9 +191,9 @@ impl Forwarder {
             // Capacity holds every frame; a closed stream shows as the answer's error below.
             let _ = frames_tx.try_send(f);
         }
-        // A buffered request is complete: its end goes with it. A streaming call's request
-        // goes on once the serving kas says it delivered the call.
-        let mut frames_tx = call.is_streaming().then_some(frames_tx);
+        // A buffered request is complete: its end goes with it. The rest of a streaming
+        // call's request goes on once the serving kas says it delivered the call.
+        let mut frames_tx = call.rest.is_some().then_some(frames_tx);
         let mut rest = None;
         let mut to_peer = None;
         let mut to_caller = None;

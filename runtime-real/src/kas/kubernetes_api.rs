@@ -55,6 +55,7 @@ use crate::frames;
 use crate::http_relay::{self, Incoming, Outgoing, UpgradedEnd};
 use axum::body::Body;
 use http::{HeaderValue, Request, Response, StatusCode, header};
+use http_body::Body as _;
 use kas_core::AgentId;
 use kas_core::node::Origin;
 use kas_proto::frame::{Frame, RequestStart, frame::Kind};
@@ -124,7 +125,17 @@ impl KubernetesApiService {
         };
         let wait =
             request_timeout(&path).map_or(self.routing_timeout, |t| t.min(self.routing_timeout));
-        let (rest_tx, rest) = Rest::channel();
+        // A request without a body (most: a get, a watch, a log) goes whole, its close-send
+        // too, so that a forward need not wait to hear the call delivered before the agent
+        // has all of it; another streams its body, an upgrade's the upgraded bytes.
+        let mut requests = vec![frames::message(0, head.encode_to_vec())];
+        let (rest_tx, rest) = if upgrade.is_none() && req.body().is_end_stream() {
+            requests.push(frames::close_send(0));
+            (None, None)
+        } else {
+            let (tx, rest) = Rest::channel();
+            (Some(ToAgent(tx)), Some(rest))
+        };
         let (tx, rx) = mpsc::channel(16);
         let agent = credential.agent;
         let call = Call {
@@ -140,8 +151,8 @@ impl KubernetesApiService {
                 hops: 0,
                 streaming: true,
             },
-            requests: Arc::new(vec![frames::message(0, head.encode_to_vec())]),
-            rest: Some(rest),
+            requests: Arc::new(requests),
+            rest,
             responses: tx,
         };
         let id = self.engine.next_request_id();
@@ -153,11 +164,9 @@ impl KubernetesApiService {
             rx,
             _cancel: CancelOnDrop::new(self.engine.clone(), id),
         };
-        let mut out = ToAgent(rest_tx);
-        // An upgrade's request has no body: what follows its head is the upgraded stream.
-        let upgrading = match upgrade {
-            Some(on_upgrade) => Some((on_upgrade, out)),
-            None => {
+        let upgrading = match (upgrade, rest_tx) {
+            (Some(on_upgrade), Some(out)) => Some((on_upgrade, out)),
+            (None, Some(mut out)) => {
                 let body = req.into_body();
                 tokio::spawn(async move {
                     // A body that broke drops the request unclosed: the caller is gone.
@@ -168,6 +177,7 @@ impl KubernetesApiService {
                 });
                 None
             }
+            _ => None,
         };
         let head = from_agent.head().await?;
         // 1xx heads other than an asked-for upgrade's 101 have no place here.

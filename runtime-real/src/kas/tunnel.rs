@@ -168,23 +168,24 @@ impl Tunnel {
         // ends it, or until a grace after its caller went away.
         let mut give_up =
             (!streaming).then(|| Instant::now() + clock::until(call.deadline) + TUNNEL_GRACE);
-        let mut rest = match &call.rest {
-            Some(rest) => {
-                self.engine.input(NodeInput::Delivered(request));
-                if call.start.hops > 0 {
-                    // The routing kas streams the rest of the request once it hears this;
-                    // the channel is fresh, so there is room.
-                    let _ = responses.try_send(Ok(frames::delivered(id)));
-                }
-                match rest.take() {
-                    Some(rx) => Some(rx),
-                    None => {
-                        let status = Status::internal("kas delivered a streaming call twice");
-                        hand(&responses, Err(status), give_up).await;
-                        return Err(End::Fault(Status::internal("kas sent a malformed call")));
-                    }
-                }
+        // A streaming call is delivered from here on: off the router's clock, and the
+        // routing kas, if it came from one, hears so and streams the rest of its request.
+        if streaming {
+            self.engine.input(NodeInput::Delivered(request));
+            if call.start.hops > 0 {
+                // The channel is fresh, so there is room.
+                let _ = responses.try_send(Ok(frames::delivered(id)));
             }
+        }
+        let mut rest = match &call.rest {
+            Some(rest) => match rest.take() {
+                Some(rx) => Some(rx),
+                None => {
+                    let status = Status::internal("kas delivered a streaming call twice");
+                    hand(&responses, Err(status), give_up).await;
+                    return Err(End::Fault(Status::internal("kas sent a malformed call")));
+                }
+            },
             None => None,
         };
         for frame in call.frames(id, call.start.hops) {

@@ -247,10 +247,17 @@ async fn watch_memory(
                 .request(remote.request("/api/v1/pods?watch=true"))
                 .await
                 .map_err(|e| format!("watch: {e}"))?;
-            if !resp.status().is_success() {
-                return Err(format!("watch: HTTP {}", resp.status()));
-            }
+            let status = resp.status();
             let mut body = resp.into_body();
+            if !status.is_success() {
+                let why = body
+                    .collect()
+                    .await
+                    .map(|b| b.to_bytes())
+                    .unwrap_or_default();
+                let why = String::from_utf8_lossy(&why);
+                return Err(format!("watch {}: HTTP {status}: {why}", open.len() + 1));
+            }
             // Its first event: the watch is through.
             match body.frame().await {
                 Some(Ok(_)) => open.push(body),

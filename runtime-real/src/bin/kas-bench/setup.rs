@@ -115,16 +115,18 @@ impl World {
         } else {
             (String::new(), String::new())
         };
-        // Each open watch holds a tunnel of the agent.
-        let kube = if options.kubernetes_api {
-            format!(
+        // Each open watch holds a tunnel of the agent: a stream on its connection, and
+        // on the connection between the two kas.
+        let (kube, streams) = if options.kubernetes_api {
+            let kube = format!(
                 "  kubernetes_api:\n    listen: {{address: '127.0.0.1:0'}}\n    tokens_file: '{d}/user-tokens.yaml'\n  max_tunnels_per_connection: 10000\n"
-            )
+            );
+            (kube, ", max_concurrent_streams: 10000")
         } else {
-            String::new()
+            (String::new(), "")
         };
         let config = format!(
-            "agent:\n  listen: {{address: '127.0.0.1:0'{tls}}}\n  tokens_file: '{d}/tokens.yaml'\n{kube}  redis_conn_info_ttl: {ttl}ms\n  redis_conn_info_refresh: {}ms\n  redis_conn_info_gc: {ttl}ms\napi:\n  listen: {{address: '127.0.0.1:0', authentication_secret_file: '{d}/gitlab.secret'{tls}}}\n  max_timeout: 120s\nprivate_api:\n  listen: {{address: '127.0.0.1:0', authentication_secret_file: '{d}/kas.secret'{private_tls}}}\nobservability:\n  listen: {{address: '127.0.0.1:0'}}\nredis:\n  server: {{address: '{}'}}\n  key_prefix: kas\n  pubsub_wakeups: {}\nshutdown_grace: 1s\n",
+            "agent:\n  listen: {{address: '127.0.0.1:0'{tls}{streams}}}\n  tokens_file: '{d}/tokens.yaml'\n{kube}  redis_conn_info_ttl: {ttl}ms\n  redis_conn_info_refresh: {}ms\n  redis_conn_info_gc: {ttl}ms\napi:\n  listen: {{address: '127.0.0.1:0', authentication_secret_file: '{d}/gitlab.secret'{tls}}}\n  max_timeout: 120s\nprivate_api:\n  listen: {{address: '127.0.0.1:0', authentication_secret_file: '{d}/kas.secret'{private_tls}{streams}}}\nobservability:\n  listen: {{address: '127.0.0.1:0'}}\nredis:\n  server: {{address: '{}'}}\n  key_prefix: kas\n  pubsub_wakeups: {}\nshutdown_grace: 1s\n",
             ttl / 2,
             self.redis.address(),
             options.pubsub,
