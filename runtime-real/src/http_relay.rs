@@ -255,13 +255,12 @@ where
             }
         }
         data.clear();
-        if let Some(t) = trailers.take() {
-            if !out
+        if let Some(t) = trailers.take()
+            && !out
                 .send(H::piece(Piece::Trailers(to_values(&t))).encode_to_vec())
                 .await
-            {
-                return Ok(false);
-            }
+        {
+            return Ok(false);
         }
     }
     Ok(true)
