@@ -125,49 +125,35 @@ pub trait Half: Message + Default + Sized {
     fn into_piece(self) -> Option<Piece>;
 }
 
-impl Half for HttpRequest {
-    fn piece(piece: Piece) -> Self {
-        use http_request::Kind;
-        let kind = match piece {
-            Piece::Data(d) => Kind::Data(d),
-            Piece::Trailers(headers) => Kind::Trailers(Trailers { headers }),
-            Piece::Upgrade(d) => Kind::Upgrade(d),
-        };
-        HttpRequest { kind: Some(kind) }
-    }
+/// [`Half`] for a message type and its generated `oneof` module: the two directions'
+/// messages have the same shape past their heads.
+macro_rules! half {
+    ($message:ident, $oneof:ident) => {
+        impl Half for $message {
+            fn piece(piece: Piece) -> Self {
+                use $oneof::Kind;
+                let kind = match piece {
+                    Piece::Data(d) => Kind::Data(d),
+                    Piece::Trailers(headers) => Kind::Trailers(Trailers { headers }),
+                    Piece::Upgrade(d) => Kind::Upgrade(d),
+                };
+                $message { kind: Some(kind) }
+            }
 
-    fn into_piece(self) -> Option<Piece> {
-        use http_request::Kind;
-        match self.kind? {
-            Kind::Head(_) => None,
-            Kind::Data(d) => Some(Piece::Data(d)),
-            Kind::Trailers(t) => Some(Piece::Trailers(t.headers)),
-            Kind::Upgrade(d) => Some(Piece::Upgrade(d)),
+            fn into_piece(self) -> Option<Piece> {
+                use $oneof::Kind;
+                match self.kind? {
+                    Kind::Head(_) => None,
+                    Kind::Data(d) => Some(Piece::Data(d)),
+                    Kind::Trailers(t) => Some(Piece::Trailers(t.headers)),
+                    Kind::Upgrade(d) => Some(Piece::Upgrade(d)),
+                }
+            }
         }
-    }
+    };
 }
-
-impl Half for HttpResponse {
-    fn piece(piece: Piece) -> Self {
-        use http_response::Kind;
-        let kind = match piece {
-            Piece::Data(d) => Kind::Data(d),
-            Piece::Trailers(headers) => Kind::Trailers(Trailers { headers }),
-            Piece::Upgrade(d) => Kind::Upgrade(d),
-        };
-        HttpResponse { kind: Some(kind) }
-    }
-
-    fn into_piece(self) -> Option<Piece> {
-        use http_response::Kind;
-        match self.kind? {
-            Kind::Head(_) => None,
-            Kind::Data(d) => Some(Piece::Data(d)),
-            Kind::Trailers(t) => Some(Piece::Trailers(t.headers)),
-            Kind::Upgrade(d) => Some(Piece::Upgrade(d)),
-        }
-    }
-}
+half!(HttpRequest, http_request);
+half!(HttpResponse, http_response);
 
 /// Where one side sends its encoded messages.
 pub trait Outgoing: Send {

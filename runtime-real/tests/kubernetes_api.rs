@@ -68,16 +68,25 @@ async fn ok(d: &LocalDeployment, cache: &Path, context: &str, args: &[&str]) -> 
     out
 }
 
-/// A running kubectl's standard output, read line by line.
+/// A running kubectl (a watch, a followed log), its standard output read line by line;
+/// killed when dropped.
 struct Output {
+    child: Child,
     lines: tokio::io::Lines<BufReader<tokio::process::ChildStdout>>,
     seen: Vec<String>,
 }
 
 impl Output {
-    fn of(child: &mut Child) -> Output {
+    /// Starts `kubectl --context CONTEXT ARGS` against the deployment.
+    fn spawn(d: &LocalDeployment, cache: &Path, context: &str, args: &[&str]) -> Output {
+        let mut child = kubectl(&d.kubeconfig(), cache, context, args)
+            .stdout(Stdio::piped())
+            .stderr(Stdio::null())
+            .spawn()
+            .expect("kubectl runs");
         let stdout = child.stdout.take().expect("piped stdout");
         Output {
+            child,
             lines: BufReader::new(stdout).lines(),
             seen: Vec::new(),
         }
@@ -95,6 +104,29 @@ impl Output {
         }
         &self.seen
     }
+}
+
+/// A plaintext HTTP client.
+fn http_client() -> reqwest::Client {
+    let _ = rustls::crypto::ring::default_provider().install_default();
+    reqwest::Client::new()
+}
+
+/// A kas process (in-memory registry) whose plaintext Kubernetes API listener takes
+/// `pat:1:<token>`.
+async fn kas_with_kubernetes_api(secrets: &support::Secrets, token: &str) -> support::KasProc {
+    let users = secrets.path("users.yaml");
+    let line = format!("tokens:\n  - {{token: {token}, kind: pat, agent_ids: [1], username: u}}\n");
+    std::fs::write(&users, line).unwrap();
+    let agent_lines = format!(
+        "  kubernetes_api:\n    listen:\n      address: 127.0.0.1:0\n    tokens_file: {}\n",
+        users.display()
+    );
+    let extra = support::Extra {
+        agent: &agent_lines,
+        ..support::Extra::default()
+    };
+    support::KasProc::start_extra(secrets, "kas", None, 10_000, extra, None).await
 }
 
 /// A client of kas's Kubernetes API listener, trusting the deployment's CA.
@@ -188,25 +220,14 @@ async fn kubectl_reaches_every_agent_through_a_local_and_a_remote_kas() {
             "{context}: exec over WebSocket"
         );
 
-        let mut follow = kubectl(
-            &d.kubeconfig(),
-            cache,
-            &context,
-            &["logs", "-f", "-n", namespace, pod],
-        )
-        .stdout(Stdio::piped())
-        .stderr(Stdio::null())
-        .spawn()
-        .expect("kubectl logs -f runs");
         // The fixture log, then lines the pod writes while we read.
-        let mut out = Output::of(&mut follow);
+        let mut out = Output::spawn(&d, cache, &context, &["logs", "-f", "-n", namespace, pod]);
         let lines = out
             .until(Duration::from_secs(20), |seen| {
                 seen.iter().filter(|l| l.contains("tick at")).count() >= 3
             })
             .await;
         assert_eq!(lines[0], format!("{pod}: started"), "{context}: logs -f");
-        let _ = follow.kill().await;
     }
     d.stop().await;
 }
@@ -218,17 +239,12 @@ async fn kubectl_reaches_every_agent_through_a_local_and_a_remote_kas() {
 async fn a_followed_log_outlives_its_routing_deadline_and_ends_with_its_caller() {
     let (d, dir) = deployment().await;
     let cache = dir.path();
-    let mut follow = kubectl(
-        &d.kubeconfig(),
+    let mut out = Output::spawn(
+        &d,
         cache,
         "agent1-kas2",
         &["logs", "-f", "-n", "default", "web-1"],
-    )
-    .stdout(Stdio::piped())
-    .stderr(Stdio::null())
-    .spawn()
-    .expect("kubectl logs -f runs");
-    let mut out = Output::of(&mut follow);
+    );
     out.until(Duration::from_secs(20), |seen| {
         seen.iter().any(|l| l.contains("tick at"))
     })
@@ -246,7 +262,7 @@ async fn a_followed_log_outlives_its_routing_deadline_and_ends_with_its_caller()
     let calls = |i: usize| observability::gauge(&d.kas()[i].health().metrics_text(), "kas_calls");
     assert_eq!(calls(2), Some(1.0), "the routing kas holds the call");
     assert_eq!(calls(0), Some(1.0), "the serving kas holds the call");
-    let _ = follow.kill().await;
+    let _ = out.child.kill().await;
     support::eventually(
         Duration::from_secs(10),
         "both kas to end the call",
@@ -261,17 +277,7 @@ async fn a_followed_log_outlives_its_routing_deadline_and_ends_with_its_caller()
 async fn a_watch_through_a_remote_kas_sees_an_event_the_test_causes() {
     let (d, dir) = deployment().await;
     let cache = dir.path();
-    let mut watch = kubectl(
-        &d.kubeconfig(),
-        cache,
-        "agent1-kas2",
-        &["get", "pods", "-A", "-w"],
-    )
-    .stdout(Stdio::piped())
-    .stderr(Stdio::null())
-    .spawn()
-    .expect("kubectl get -w runs");
-    let mut out = Output::of(&mut watch);
+    let mut out = Output::spawn(&d, cache, "agent1-kas2", &["get", "pods", "-A", "-w"]);
     let coredns = |n: usize| {
         move |seen: &[String]| seen.iter().filter(|l| l.contains("coredns-1")).count() >= n
     };
@@ -291,7 +297,7 @@ async fn a_watch_through_a_remote_kas_sees_an_event_the_test_causes() {
     )
     .await;
     out.until(Duration::from_secs(20), coredns(2)).await; // the deletion's event
-    let _ = watch.kill().await;
+    drop(out);
     let after = ok(&d, cache, "agent1-kas0", &["get", "pods", "-A"]).await;
     assert!(
         !after.contains("coredns-1"),
@@ -417,14 +423,8 @@ async fn a_100_mib_response_arrives_whole_through_a_remote_kas() {
 /// little, ending the watch rather than waiting for it, and the client sees its stream end.
 #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
 async fn sigterm_ends_an_open_watch_within_the_shutdown_grace() {
-    use support::{AgentkProc, Extra, KasProc, Secrets, agent_token, eventually};
+    use support::{AgentkProc, Secrets, agent_token, eventually};
     let secrets = Secrets::new();
-    let users = secrets.path("users.yaml");
-    std::fs::write(
-        &users,
-        "tokens:\n  - {token: watch-user-token-0001, kind: pat, agent_ids: [1], username: w}\n",
-    )
-    .unwrap();
     let fixture = secrets.path("pods.yaml");
     std::fs::write(
         &fixture,
@@ -444,15 +444,7 @@ async fn sigterm_ends_an_open_watch_within_the_shutdown_grace() {
         ),
     )
     .unwrap();
-    let agent_lines = format!(
-        "  kubernetes_api:\n    listen:\n      address: 127.0.0.1:0\n    tokens_file: {}\n",
-        users.display()
-    );
-    let extra = Extra {
-        agent: &agent_lines,
-        ..Extra::default()
-    };
-    let mut kas = KasProc::start_extra(&secrets, "kas", None, 10_000, extra, None).await;
+    let mut kas = kas_with_kubernetes_api(&secrets, "watch-user-token-0001").await;
     let _agentk = AgentkProc::start_env(
         &secrets,
         &kas.agent.to_string(),
@@ -466,8 +458,7 @@ async fn sigterm_ends_an_open_watch_within_the_shutdown_grace() {
         "http://{}",
         kas.kubernetes_api.expect("a Kubernetes API listener")
     );
-    let _ = rustls::crypto::ring::default_provider().install_default();
-    let client = reqwest::Client::new();
+    let client = http_client();
     let get = |path: &str| {
         client
             .get(format!("{url}{path}"))
@@ -584,23 +575,9 @@ fn ensure_python_kubernetes() {
 async fn an_agents_answers_that_are_not_http_are_a_bad_gateway() {
     use kas_proto::http::{HttpRequest, HttpResponse, ResponseHead, http_request, http_response};
     use prost::Message;
-    use support::{Extra, KasProc, Secrets, TestAgent};
+    use support::{Secrets, TestAgent};
     let secrets = Secrets::new();
-    let users = secrets.path("users.yaml");
-    std::fs::write(
-        &users,
-        "tokens:\n  - {token: hostile-user-token-01, kind: pat, agent_ids: [1], username: h}\n",
-    )
-    .unwrap();
-    let agent_lines = format!(
-        "  kubernetes_api:\n    listen:\n      address: 127.0.0.1:0\n    tokens_file: {}\n",
-        users.display()
-    );
-    let extra = Extra {
-        agent: &agent_lines,
-        ..Extra::default()
-    };
-    let kas = KasProc::start_extra(&secrets, "kas", None, 10_000, extra, None).await;
+    let kas = kas_with_kubernetes_api(&secrets, "hostile-user-token-01").await;
     let mut modules = kas_runtime::agent::Modules::default();
     modules.streaming(kas_proto::http::KUBERNETES_API_METHOD, |mut requests| {
         let answer = async move {
@@ -638,8 +615,7 @@ async fn an_agents_answers_that_are_not_http_are_a_bad_gateway() {
         "http://{}",
         kas.kubernetes_api.expect("a Kubernetes API listener")
     );
-    let _ = rustls::crypto::ring::default_provider().install_default();
-    let client = reqwest::Client::new();
+    let client = http_client();
     let get = |path: &str| {
         let r = client
             .get(format!("{url}{path}"))

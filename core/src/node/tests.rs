@@ -91,6 +91,20 @@ fn route(n: &mut KasNode<&'static str>, request: u64, deadline: u64) {
     n.handle_input(Time(0), input).unwrap();
 }
 
+/// The routed call's subscription is confirmed, then the lookup finds `AGENT` at `kas`.
+fn found_at(n: &mut KasNode<&'static str>, kas: &KasId) {
+    let channel = Keys::new("kas").tunnel_events(AGENT);
+    n.handle_input(Time(1), NodeInput::PubSub(PubSubEvent::Up))
+        .unwrap();
+    let sub = NodeInput::PubSub(PubSubEvent::Subscribed(channel));
+    n.handle_input(Time(1), sub).unwrap();
+    let found = NodeInput::LookupDone {
+        agent: AGENT,
+        kas: Some(vec![kas.clone()]),
+    };
+    n.handle_input(Time(2), found).unwrap();
+}
+
 fn ended(outs: &[NodeOutput<&'static str>]) -> Vec<(RequestId, Outcome, Option<CallError>)> {
     outs.iter()
         .filter_map(|o| match o {
@@ -155,17 +169,7 @@ fn a_refused_forward_goes_back_to_the_router_and_a_delivered_one_never_does() {
     let mut n = node();
     let other = KasId("10.0.0.2:8155".into());
     route(&mut n, 1, 10_000);
-    // Subscribed, then the lookup finds the agent at another kas.
-    let channel = Keys::new("kas").tunnel_events(AGENT);
-    n.handle_input(Time(1), NodeInput::PubSub(PubSubEvent::Up))
-        .unwrap();
-    let sub = NodeInput::PubSub(PubSubEvent::Subscribed(channel));
-    n.handle_input(Time(1), sub).unwrap();
-    let found = NodeInput::LookupDone {
-        agent: AGENT,
-        kas: Some(vec![other.clone()]),
-    };
-    n.handle_input(Time(2), found).unwrap();
+    found_at(&mut n, &other);
     let forwards = |outs: &[NodeOutput<&'static str>]| {
         outs.iter()
             .filter(|o| matches!(o, NodeOutput::Forward { kas, .. } if *kas == other))
@@ -284,16 +288,7 @@ fn a_delivered_streaming_call_outlives_its_deadline_and_is_never_offered_again()
     // Remote: the serving kas said so; a refusal after that is the driver's bug, ignored.
     let mut n = node();
     route(&mut n, 2, 1_000);
-    let channel = Keys::new("kas").tunnel_events(AGENT);
-    n.handle_input(Time(1), NodeInput::PubSub(PubSubEvent::Up))
-        .unwrap();
-    let sub = NodeInput::PubSub(PubSubEvent::Subscribed(channel));
-    n.handle_input(Time(1), sub).unwrap();
-    let found = NodeInput::LookupDone {
-        agent: AGENT,
-        kas: Some(vec![KasId("10.0.0.2:8155".into())]),
-    };
-    n.handle_input(Time(2), found).unwrap();
+    found_at(&mut n, &KasId("10.0.0.2:8155".into()));
     outputs(&mut n);
     n.handle_input(Time(3), NodeInput::Delivered(RequestId(2)))
         .unwrap();

@@ -89,7 +89,7 @@ impl KubernetesApiService {
             async move {
                 let peer = req
                     .extensions()
-                    .get::<axum::extract::ConnectInfo<Peer>>()
+                    .get::<axum::extract::ConnectInfo<super::listener::Peer>>()
                     .map(|c| c.0.0.ip());
                 match this.proxy(req, peer).await {
                     Ok(resp) => resp,
@@ -392,25 +392,6 @@ fn kubernetes_status(code: StatusCode, reason: &str, message: &str) -> Response<
     resp
 }
 
-/// A client's address, for the per-address limit on token checks.
-#[derive(Clone, Copy)]
-struct Peer(std::net::SocketAddr);
-
-/// The listener types the address comes from: axum's blanket implementations rule out a
-/// generic one.
-macro_rules! peer_of {
-    ($($listener:ty),*) => {$(
-        impl axum::extract::connect_info::Connected<axum::serve::IncomingStream<'_, $listener>>
-            for Peer
-        {
-            fn connect_info(stream: axum::serve::IncomingStream<'_, $listener>) -> Self {
-                Peer(*stream.remote_addr())
-            }
-        }
-    )*};
-}
-peer_of!(super::listener::Acceptor, super::listener::Incoming);
-
 /// Serves the listener until `signal` resolves: then it takes no new connections, tells
 /// HTTP/2 clients to go elsewhere (GOAWAY) and lets running requests finish.
 pub async fn serve(
@@ -421,30 +402,12 @@ pub async fn serve(
     metrics: super::metrics::Metrics,
     signal: impl Future<Output = ()> + Send + 'static,
 ) {
-    use super::listener::{Acceptor, Guard, Handshakes};
-    let routes = service
-        .router()
-        .into_make_service_with_connect_info::<Peer>();
+    use super::listener::{Acceptor, Guard};
     // Only the start is guarded: a watch or an exec session may rightly stay silent.
     let guard = Guard::FirstByte(handshake_timeout);
     let acceptor = Acceptor::new(listener, guard, "kubernetes_api", metrics);
-    let r = match tls {
-        None => {
-            axum::serve(acceptor, routes)
-                .with_graceful_shutdown(signal)
-                .await
-        }
-        Some(tls) => {
-            let incoming = acceptor.handshaking(Handshakes {
-                tls: Some(tls),
-                websocket: false,
-                timeout: handshake_timeout,
-            });
-            axum::serve(incoming, routes)
-                .with_graceful_shutdown(signal)
-                .await
-        }
-    };
+    let r = super::listener::serve_http(acceptor, service.router(), tls, handshake_timeout, signal)
+        .await;
     if let Err(e) = r {
         tracing::error!(error = %e, "kubernetes_api listener failed");
     }

@@ -273,6 +273,56 @@ impl axum::serve::Listener for Acceptor {
     }
 }
 
+/// A client's address, as an HTTP listener's handlers see it (`ConnectInfo<Peer>`).
+#[derive(Clone, Copy, Debug)]
+pub struct Peer(pub SocketAddr);
+
+/// The listener types the address comes from: axum's blanket implementations rule out a
+/// generic one.
+macro_rules! peer_of {
+    ($($listener:ty),*) => {$(
+        impl axum::extract::connect_info::Connected<axum::serve::IncomingStream<'_, $listener>>
+            for Peer
+        {
+            fn connect_info(stream: axum::serve::IncomingStream<'_, $listener>) -> Self {
+                Peer(*stream.remote_addr())
+            }
+        }
+    )*};
+}
+peer_of!(Acceptor, Incoming);
+
+/// Serves `router` (HTTP/1.1 and HTTP/2) on `acceptor`'s connections, after a TLS
+/// handshake within `handshake_timeout` when `tls` is set, until `signal` resolves: then
+/// it takes no new connections, tells HTTP/2 clients to go elsewhere (GOAWAY) and lets
+/// running requests finish.
+pub async fn serve_http(
+    acceptor: Acceptor,
+    router: axum::Router,
+    tls: Option<Arc<rustls::ServerConfig>>,
+    handshake_timeout: Duration,
+    signal: impl Future<Output = ()> + Send + 'static,
+) -> io::Result<()> {
+    let service = router.into_make_service_with_connect_info::<Peer>();
+    match tls {
+        None => {
+            axum::serve(acceptor, service)
+                .with_graceful_shutdown(signal)
+                .await
+        }
+        Some(tls) => {
+            let incoming = acceptor.handshaking(Handshakes {
+                tls: Some(tls),
+                websocket: false,
+                timeout: handshake_timeout,
+            });
+            axum::serve(incoming, service)
+                .with_graceful_shutdown(signal)
+                .await
+        }
+    }
+}
+
 /// What a listener does with a connection before serving it.
 pub struct Handshakes {
     /// TLS with this configuration.

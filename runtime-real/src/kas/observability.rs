@@ -74,23 +74,7 @@ pub async fn serve(
         .with_state(health.clone());
     let guard = super::listener::Guard::ReadIdle(read_timeout);
     let acceptor = super::listener::Acceptor::new(listener, guard, "observability", health.metrics);
-    let r = match tls {
-        None => {
-            axum::serve(acceptor, routes)
-                .with_graceful_shutdown(signal)
-                .await
-        }
-        Some(tls) => {
-            let incoming = acceptor.handshaking(super::listener::Handshakes {
-                tls: Some(tls),
-                websocket: false,
-                timeout: read_timeout,
-            });
-            axum::serve(incoming, routes)
-                .with_graceful_shutdown(signal)
-                .await
-        }
-    };
+    let r = super::listener::serve_http(acceptor, routes, tls, read_timeout, signal).await;
     if let Err(e) = r {
         tracing::error!(error = %e, "observability listener failed");
     }
