@@ -60,10 +60,13 @@ impl Path {
             .request(self.request(path_and_query))
             .await
             .map_err(|e| format!("{}: {e}", self.name))?;
-        if !resp.status().is_success() {
-            return Err(format!("{}: HTTP {}", self.name, resp.status()));
-        }
+        let status = resp.status();
         let mut body = resp.into_body();
+        if !status.is_success() {
+            let why = body.collect().await.map(|b| b.to_bytes()).unwrap_or_default();
+            let why = String::from_utf8_lossy(&why);
+            return Err(format!("{}: HTTP {status}: {why}", self.name));
+        }
         let mut n = 0u64;
         while let Some(frame) = body.frame().await {
             let frame = frame.map_err(|e| format!("{}: the body broke: {e}", self.name))?;
