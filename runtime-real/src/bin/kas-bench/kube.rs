@@ -63,7 +63,11 @@ impl Path {
         let status = resp.status();
         let mut body = resp.into_body();
         if !status.is_success() {
-            let why = body.collect().await.map(|b| b.to_bytes()).unwrap_or_default();
+            let why = body
+                .collect()
+                .await
+                .map(|b| b.to_bytes())
+                .unwrap_or_default();
             let why = String::from_utf8_lossy(&why);
             return Err(format!("{}: HTTP {status}: {why}", self.name));
         }
