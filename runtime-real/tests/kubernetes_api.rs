@@ -644,3 +644,43 @@ async fn an_agents_answers_that_are_not_http_are_a_bad_gateway() {
     }
     assert_eq!(get("/ok").await.0, 200, "kas goes on serving");
 }
+
+/// Requests that ended normally are counted delivered, through a remote kas too, not
+/// cancelled: a caller that read its whole answer did not go away. (Counted cancelled, their
+/// forwards were aborted mid-stream, resetting HTTP/2 streams between the kas until the
+/// serving kas's reset-flood guard closed the connection: a 429 for every call on it.)
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn requests_that_end_normally_are_delivered_not_cancelled() {
+    let (d, _dir) = deployment().await;
+    let url = d.kubernetes_api_url(0).expect("a Kubernetes API listener");
+    let client = https_client(&d);
+    // Agent 2 is on kas1 and kas2: kas0 forwards every one.
+    const N: usize = 20;
+    for _ in 0..N {
+        let resp = client
+            .get(format!("{url}/api/v1/pods"))
+            .bearer_auth(d.user_bearer(2))
+            .send()
+            .await
+            .expect("kas answers");
+        assert_eq!(resp.status().as_u16(), 200);
+        resp.bytes().await.expect("the whole answer");
+    }
+    let routed = |outcome: &str| -> f64 {
+        d.kas()[0]
+            .health()
+            .metrics_text()
+            .lines()
+            .filter(|l| l.starts_with(&format!("kas_routed_requests_total{{outcome=\"{outcome}\"")))
+            .filter_map(|l| l.rsplit(' ').next()?.parse::<f64>().ok())
+            .sum()
+    };
+    support::eventually(
+        Duration::from_secs(10),
+        "every request counted delivered",
+        || async { (routed("delivered") >= N as f64).then_some(()) },
+    )
+    .await;
+    assert_eq!(routed("cancelled"), 0.0);
+    d.stop().await;
+}

@@ -162,7 +162,7 @@ impl KubernetesApiService {
         let mut from_agent = FromAgent {
             agent,
             rx,
-            _cancel: CancelOnDrop::new(self.engine.clone(), id),
+            cancel: CancelOnDrop::new(self.engine.clone(), id),
         };
         let upgrading = match (upgrade, rest_tx) {
             (Some(on_upgrade), Some(out)) => Some((on_upgrade, out)),
@@ -266,25 +266,30 @@ impl Outgoing for ToAgent {
 struct FromAgent {
     agent: AgentId,
     rx: mpsc::Receiver<Result<Frame, Status>>,
-    _cancel: CancelOnDrop,
+    /// Disarmed at the call's end: a caller that read its whole answer did not go away.
+    cancel: CancelOnDrop,
 }
 
 impl FromAgent {
     /// The next answer message; `None` at the agent's clean end.
     async fn message(&mut self) -> Result<Option<Vec<u8>>, Status> {
         loop {
-            let frame = match self.rx.recv().await {
-                Some(Ok(frame)) => frame,
-                Some(Err(status)) => return Err(status),
-                None => return Err(Status::unavailable("the call ended without an answer")),
+            // Whatever ends the call came from the engine, a tunnel or a forward, which
+            // end it themselves: cancelling it then would abort a forward still reading
+            // its stream's end, resetting it.
+            let ended = match self.rx.recv().await {
+                Some(Ok(frame)) => match frame.kind {
+                    Some(Kind::Message(m)) => return Ok(Some(m.data)),
+                    Some(Kind::Trailer(t)) if t.code == 0 => Ok(None),
+                    Some(Kind::Trailer(t)) => Err(frames::status(t.code, &t.message)),
+                    Some(Kind::Error(e)) => Err(frames::status(e.code, &e.message)),
+                    _ => continue,
+                },
+                Some(Err(status)) => Err(status),
+                None => Err(Status::unavailable("the call ended without an answer")),
             };
-            match frame.kind {
-                Some(Kind::Message(m)) => return Ok(Some(m.data)),
-                Some(Kind::Trailer(t)) if t.code == 0 => return Ok(None),
-                Some(Kind::Trailer(t)) => return Err(frames::status(t.code, &t.message)),
-                Some(Kind::Error(e)) => return Err(frames::status(e.code, &e.message)),
-                _ => {}
-            }
+            self.cancel.disarm();
+            return ended;
         }
     }
 
