@@ -582,8 +582,11 @@ impl<C: Clone> KasNode<C> {
                 let Some(state) = self.calls.get(&request) else {
                     return Ok(()); // ended first: the caller's guard fires after every end
                 };
-                if state.in_tunnel {
-                    return Ok(()); // the tunnel drains the agent's answer and ends the call
+                if state.in_tunnel || state.delivered {
+                    // The tunnel, or the forward of a delivered streaming call, sees its
+                    // caller gone, drains the answer's end and ends the call: aborting a
+                    // forward there would reset its stream between the kas.
+                    return Ok(());
                 }
                 self.registry(now, RegistryInput::Release { request })?;
                 self.router

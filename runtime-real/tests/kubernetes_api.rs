@@ -675,12 +675,16 @@ async fn requests_that_end_normally_are_delivered_not_cancelled() {
             .filter_map(|l| l.rsplit(' ').next()?.parse::<f64>().ok())
             .sum()
     };
-    support::eventually(
-        Duration::from_secs(10),
-        "every request counted delivered",
-        || async { (routed("delivered") >= N as f64).then_some(()) },
-    )
+    let counted = support::eventually(Duration::from_secs(10), "every request counted", || async {
+        let counted = routed("delivered") + routed("cancelled");
+        (counted >= N as f64).then_some(counted)
+    })
     .await;
-    assert_eq!(routed("cancelled"), 0.0);
+    let metrics = d.kas()[0].health().metrics_text();
+    let lines: Vec<&str> = metrics
+        .lines()
+        .filter(|l| l.starts_with("kas_routed"))
+        .collect();
+    assert_eq!(routed("cancelled"), 0.0, "{counted} counted: {lines:?}");
     d.stop().await;
 }

@@ -309,16 +309,22 @@ fn a_delivered_streaming_call_outlives_its_deadline_and_is_never_offered_again()
     );
     n.handle_timeout(Time(1_000) + GRACE);
     assert!(ended(&outputs(&mut n)).is_empty());
-    // Its caller going away ends it (the driver then abandons the forward).
+    // Its caller going away is the forward's to see: it ends the call.
     n.handle_input(Time(5_000), NodeInput::Cancel(RequestId(2)))
+        .unwrap();
+    assert!(
+        ended(&outputs(&mut n)).is_empty(),
+        "ended under its forward"
+    );
+    n.handle_input(Time(5_001), NodeInput::CallDone(RequestId(2)))
         .unwrap();
     assert_eq!(
         ended(&outputs(&mut n)),
-        [(RequestId(2), Outcome::Cancelled, None)]
+        [(RequestId(2), Outcome::Delivered, None)]
     );
     // Reported for a call no tunnel or forward holds: a driver mistake.
     route(&mut n, 3, 1_000);
-    let early = n.handle_input(Time(5_001), NodeInput::Delivered(RequestId(3)));
+    let early = n.handle_input(Time(5_002), NodeInput::Delivered(RequestId(3)));
     assert!(
         matches!(early, Err(NodeError::DriverMistake(_))),
         "{early:?}"

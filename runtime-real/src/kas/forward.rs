@@ -205,8 +205,13 @@ impl Forwarder {
                 biased;
                 permit = call.responses.reserve(), if to_caller.is_some() => match permit {
                     Ok(permit) => permit.send(Ok(to_caller.take().expect("guarded"))),
-                    Err(_) => return Forwarded::Done, // the caller went away; dropping the stream cancels
+                    Err(_) => return caller_gone(&mut inbound, &mut sequence, id).await,
                 },
+                // A delivered streaming call is this forward's to end when its caller goes
+                // away (kas's node leaves it here), even while nothing comes back.
+                () = call.responses.closed(), if call.is_streaming() && !first => {
+                    return caller_gone(&mut inbound, &mut sequence, id).await;
+                }
                 permit = reserve(&frames_tx), if to_peer.is_some() => match permit {
                     Some(permit) => permit.send(to_peer.take().expect("guarded")),
                     // The stream is closed: its answer says why.
@@ -281,6 +286,29 @@ impl Forwarder {
             }
         }
     }
+}
+
+/// The caller went away: reads what the serving kas still sends, for at most
+/// [`FORWARD_DRAIN`], to the call's end (a caller that read a response's announced length
+/// lets go before its trailer comes), then drops the stream, cancelling the call there if
+/// it has not ended.
+async fn caller_gone(
+    inbound: &mut tonic::Streaming<Frame>,
+    sequence: &mut FrameSequence,
+    id: u64,
+) -> Forwarded {
+    let _ = tokio::time::timeout(FORWARD_DRAIN, async {
+        while let Ok(Some(frame)) = inbound.message().await {
+            let frame = frames::with_request_id(frame, id);
+            if let Ok(Progress::Finished(_)) = sequence.check(Direction::FromAgent, &frame) {
+                // The end: read the stream's own, as after a relayed trailer.
+                while let Ok(Some(_)) = inbound.message().await {}
+                return;
+            }
+        }
+    })
+    .await;
+    Forwarded::Done
 }
 
 /// What the caller is told when the stream to the serving kas broke mid-call. A broken
