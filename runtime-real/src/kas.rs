@@ -18,6 +18,7 @@ mod metrics;
 pub mod observability;
 mod private_api;
 mod public_api;
+mod reply;
 pub mod timing;
 mod tunnel;
 

@@ -5,6 +5,7 @@ pub mod agent;
 pub mod agent_auth;
 pub mod api_client;
 pub mod buggify;
+pub mod channel_ends;
 pub mod clock;
 pub mod config;
 pub mod errors;

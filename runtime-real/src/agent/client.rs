@@ -2,6 +2,7 @@
 //! calls with the agent's [`Modules`].
 
 use super::modules::Modules;
+use crate::channel_ends::reserve;
 use crate::frames;
 use futures::StreamExt;
 use kas_core::ConnectionId;
@@ -271,11 +272,3 @@ impl Tunnel {
 
 /// How many request messages wait for a module before kas is held back.
 const REQUEST_MESSAGES: usize = 16;
-
-/// Room for one request message to the module; `None` once it stopped reading.
-async fn reserve(tx: &Option<mpsc::Sender<Vec<u8>>>) -> Option<mpsc::Permit<'_, Vec<u8>>> {
-    match tx {
-        Some(tx) => tx.reserve().await.ok(),
-        None => None,
-    }
-}

@@ -8,8 +8,8 @@ use super::call::{Call, REST_FRAMES};
 use super::engine::EngineHandle;
 use super::metrics::Metrics;
 use super::timing::FORWARD_DRAIN;
-use super::tunnel::recv;
 use crate::buggify::{self, Point};
+use crate::channel_ends::{recv, reserve};
 use crate::clock;
 use crate::frames;
 use crate::jwt::Signer;
@@ -205,12 +205,12 @@ impl Forwarder {
                 biased;
                 permit = call.responses.reserve(), if to_caller.is_some() => match permit {
                     Ok(permit) => permit.send(Ok(to_caller.take().expect("guarded"))),
-                    Err(_) => return caller_gone(&mut inbound, &mut sequence, id).await,
+                    Err(_) => return drain(&mut inbound).await,
                 },
                 // A delivered streaming call is this forward's to end when its caller goes
                 // away (kas's node leaves it here), even while nothing comes back.
                 () = call.responses.closed(), if call.is_streaming() && !first => {
-                    return caller_gone(&mut inbound, &mut sequence, id).await;
+                    return drain(&mut inbound).await;
                 }
                 permit = reserve(&frames_tx), if to_peer.is_some() => match permit {
                     Some(permit) => permit.send(to_peer.take().expect("guarded")),
@@ -274,38 +274,22 @@ impl Forwarder {
                 (frames_tx, rest, to_peer) = (None, None, None);
             }
             if finished && to_caller.is_none() {
-                // Read the stream to its end (the serving kas ends it right after): dropping
-                // it here would reset the HTTP/2 stream, and a server that sees many resets
-                // on one connection closes it with ENHANCE_YOUR_CALM (h2's reset-flood
-                // guard), failing every call on it. Found by kas-bench at concurrency 16.
-                let _ = tokio::time::timeout(FORWARD_DRAIN, async {
-                    while let Ok(Some(_)) = inbound.message().await {}
-                })
-                .await;
-                return Forwarded::Done;
+                return drain(&mut inbound).await;
             }
         }
     }
 }
 
-/// The caller went away: reads what the serving kas still sends, for at most
-/// [`FORWARD_DRAIN`], to the call's end (a caller that read a response's announced length
-/// lets go before its trailer comes), then drops the stream, cancelling the call there if
-/// it has not ended.
-async fn caller_gone(
-    inbound: &mut tonic::Streaming<Frame>,
-    sequence: &mut FrameSequence,
-    id: u64,
-) -> Forwarded {
+/// Reads the stream to its end (the serving kas ends it right after the call's), for at
+/// most [`FORWARD_DRAIN`], then lets it go. Dropping it before would reset the HTTP/2
+/// stream, and a server that sees many resets on one connection closes it with
+/// ENHANCE_YOUR_CALM (h2's reset-flood guard), failing every call on it: found by kas-bench
+/// at concurrency 16, after a relayed trailer, and again when callers that had read a
+/// response's announced length let go before its trailer came. A call that has not ended
+/// by then is cancelled by the reset.
+async fn drain(inbound: &mut tonic::Streaming<Frame>) -> Forwarded {
     let _ = tokio::time::timeout(FORWARD_DRAIN, async {
-        while let Ok(Some(frame)) = inbound.message().await {
-            let frame = frames::with_request_id(frame, id);
-            if let Ok(Progress::Finished(_)) = sequence.check(Direction::FromAgent, &frame) {
-                // The end: read the stream's own, as after a relayed trailer.
-                while let Ok(Some(_)) = inbound.message().await {}
-                return;
-            }
-        }
+        while let Ok(Some(_)) = inbound.message().await {}
     })
     .await;
     Forwarded::Done
@@ -326,14 +310,6 @@ fn lost(kas: &KasId, status: Status) -> Status {
         ))
     } else {
         status
-    }
-}
-
-/// Room for one frame to the serving kas; `None` once the stream is closed or done.
-async fn reserve(tx: &Option<mpsc::Sender<Frame>>) -> Option<mpsc::Permit<'_, Frame>> {
-    match tx {
-        Some(tx) => tx.reserve().await.ok(),
-        None => None,
     }
 }
 

@@ -15,6 +15,28 @@ mod gitlab;
 pub use access::{Credential, Grant, Refusal, StaticUserTokens};
 pub use gitlab::GitLabAccess;
 
+use super::call::{Call, Rest};
+use super::engine::{CancelOnDrop, EngineHandle};
+use super::reply::Reply;
+use crate::clock;
+use crate::frames;
+use crate::http_relay::{self, Incoming, Outgoing, UpgradedEnd};
+use axum::body::Body;
+use http::{HeaderValue, Request, Response, StatusCode, header};
+use http_body::Body as _;
+use kas_core::AgentId;
+use kas_core::node::Origin;
+use kas_proto::frame::{Frame, RequestStart};
+use kas_proto::http::{
+    HttpRequest, HttpResponse, KUBERNETES_API_METHOD, RequestHead, ResponseHead, http_request,
+    http_response,
+};
+use prost::Message;
+use std::sync::Arc;
+use std::time::Duration;
+use tokio::sync::mpsc;
+use tonic::Status;
+
 /// Where callers' tokens are checked.
 pub enum UserTokens {
     /// A static file.
@@ -47,26 +69,6 @@ impl UserTokens {
         }
     }
 }
-
-use super::call::{Call, Rest};
-use super::engine::{CancelOnDrop, EngineHandle};
-use crate::clock;
-use crate::frames;
-use crate::http_relay::{self, Incoming, Outgoing, UpgradedEnd};
-use axum::body::Body;
-use http::{HeaderValue, Request, Response, StatusCode, header};
-use http_body::Body as _;
-use kas_core::AgentId;
-use kas_core::node::Origin;
-use kas_proto::frame::{Frame, RequestStart, frame::Kind};
-use kas_proto::http::{
-    HttpRequest, HttpResponse, KUBERNETES_API_METHOD, RequestHead, http_request, http_response,
-};
-use prost::Message;
-use std::sync::Arc;
-use std::time::Duration;
-use tokio::sync::mpsc;
-use tonic::Status;
 
 /// What the listener needs.
 pub struct KubernetesApiService {
@@ -138,10 +140,11 @@ impl KubernetesApiService {
         };
         let (tx, rx) = mpsc::channel(16);
         let agent = credential.agent;
+        let deadline = clock::now() + wait;
         let call = Call {
             agent,
             connection: None,
-            deadline: clock::now() + wait,
+            deadline,
             start: RequestStart {
                 request_id: 0,
                 agent_id: agent.0,
@@ -159,11 +162,9 @@ impl KubernetesApiService {
         self.engine
             .submit(id, Origin::Public, call)
             .map_err(Failure::Call)?;
-        let mut from_agent = FromAgent {
-            agent,
-            rx,
-            cancel: CancelOnDrop::new(self.engine.clone(), id),
-        };
+        let cancel = CancelOnDrop::new(self.engine.clone(), id);
+        // The head may take the API server as long as it takes once the call is delivered.
+        let mut from_agent = Reply::new(agent, rx, cancel, None, true);
         let upgrading = match (upgrade, rest_tx) {
             (Some(on_upgrade), Some(out)) => Some((on_upgrade, out)),
             (None, Some(mut out)) => {
@@ -179,7 +180,7 @@ impl KubernetesApiService {
             }
             _ => None,
         };
-        let head = from_agent.head().await?;
+        let head = response_head(&mut from_agent, agent).await?;
         // 1xx heads other than an asked-for upgrade's 101 have no place here.
         let status = StatusCode::from_u16(u16::try_from(head.status).unwrap_or(0))
             .ok()
@@ -262,62 +263,29 @@ impl Outgoing for ToAgent {
     }
 }
 
-/// The answer's messages as they come; dropping it cancels the call.
-struct FromAgent {
-    agent: AgentId,
-    rx: mpsc::Receiver<Result<Frame, Status>>,
-    /// Disarmed at the call's end: a caller that read its whole answer did not go away.
-    cancel: CancelOnDrop,
-}
-
-impl FromAgent {
-    /// The next answer message; `None` at the agent's clean end.
-    async fn message(&mut self) -> Result<Option<Vec<u8>>, Status> {
-        loop {
-            // Whatever ends the call came from the engine, a tunnel or a forward, which
-            // end it themselves: cancelling it then would abort a forward still reading
-            // its stream's end, resetting it.
-            let ended = match self.rx.recv().await {
-                Some(Ok(frame)) => match frame.kind {
-                    Some(Kind::Message(m)) => return Ok(Some(m.data)),
-                    Some(Kind::Trailer(t)) if t.code == 0 => Ok(None),
-                    Some(Kind::Trailer(t)) => Err(frames::status(t.code, &t.message)),
-                    Some(Kind::Error(e)) => Err(frames::status(e.code, &e.message)),
-                    _ => continue,
-                },
-                Some(Err(status)) => Err(status),
-                None => Err(Status::unavailable("the call ended without an answer")),
-            };
-            self.cancel.disarm();
-            return ended;
-        }
-    }
-
-    /// The response head, which comes first.
-    async fn head(&mut self) -> Result<kas_proto::http::ResponseHead, Failure> {
-        let agent = self.agent;
-        let first = self
-            .message()
-            .await
-            .map_err(Failure::Call)?
-            .ok_or_else(|| {
-                Failure::Agent(format!(
-                    "agent {agent} ended the call without an HTTP response"
-                ))
-            })?;
-        match HttpResponse::decode(first.as_slice()).map(|m| m.kind) {
-            Ok(Some(http_response::Kind::Head(head))) => Ok(head),
-            Ok(_) => Err(Failure::Agent(format!(
-                "agent {agent} answered without an HTTP response head"
-            ))),
-            Err(e) => Err(Failure::Agent(format!(
-                "agent {agent} sent a malformed HTTP response: {e}"
-            ))),
-        }
+/// The response head, which comes first.
+async fn response_head(reply: &mut Reply, agent: AgentId) -> Result<ResponseHead, Failure> {
+    let first = reply
+        .message()
+        .await
+        .map_err(Failure::Call)?
+        .ok_or_else(|| {
+            Failure::Agent(format!(
+                "agent {agent} ended the call without an HTTP response"
+            ))
+        })?;
+    match HttpResponse::decode(first.as_slice()).map(|m| m.kind) {
+        Ok(Some(http_response::Kind::Head(head))) => Ok(head),
+        Ok(_) => Err(Failure::Agent(format!(
+            "agent {agent} answered without an HTTP response head"
+        ))),
+        Err(e) => Err(Failure::Agent(format!(
+            "agent {agent} sent a malformed HTTP response: {e}"
+        ))),
     }
 }
 
-impl Incoming for FromAgent {
+impl Incoming for Reply {
     async fn recv(&mut self) -> Result<Option<Vec<u8>>, String> {
         self.message().await.map_err(|s| s.message().to_string())
     }

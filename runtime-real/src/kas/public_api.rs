@@ -4,11 +4,11 @@
 use super::call::{Call, Rest};
 use super::deadline::deadline;
 use super::engine::{CancelOnDrop, EngineHandle};
-use super::timing::ANSWER_GRACE;
+use super::reply::Reply;
 use crate::clock;
 use crate::frames;
 use crate::store::Store;
-use futures::stream::{self, BoxStream, StreamExt, TryStreamExt};
+use futures::stream::{BoxStream, StreamExt, TryStreamExt};
 use kas_core::keys::Keys;
 use kas_core::node::Origin;
 use kas_core::{AgentId, ConnectionId, ProjectId, Time};
@@ -117,14 +117,8 @@ impl PublicService {
             responses: tx,
         };
         self.engine.submit(id, Origin::Public, call)?;
-        Ok(Reply {
-            agent,
-            rx,
-            cancel: CancelOnDrop::new(self.engine.clone(), id),
-            give_up: Some(tokio::time::Instant::now() + clock::until(deadline) + ANSWER_GRACE),
-            streaming,
-            ended: false,
-        })
+        let cancel = CancelOnDrop::new(self.engine.clone(), id);
+        Ok(Reply::new(agent, rx, cancel, Some(deadline), streaming))
     }
 
     /// Routes a unary call to the agent and returns its one response message.
@@ -156,70 +150,6 @@ fn kas_id_of(info: &ConnectedAgentInfo) -> Option<String> {
     let ip: std::net::IpAddr = a.ip.parse().ok()?;
     let port = u16::try_from(a.port).ok()?;
     Some(std::net::SocketAddr::new(ip, port).to_string())
-}
-
-/// The answer of a routed call as it arrives; dropping it before the end cancels the call.
-struct Reply {
-    agent: AgentId,
-    rx: mpsc::Receiver<Result<Frame, Status>>,
-    cancel: CancelOnDrop,
-    /// When to stop waiting; a streaming call's deadline applies to its first message only.
-    give_up: Option<tokio::time::Instant>,
-    streaming: bool,
-    ended: bool,
-}
-
-impl Reply {
-    /// The next response message; `None` once the agent ended the call with OK.
-    async fn message(&mut self) -> Result<Option<Vec<u8>>, Status> {
-        while !self.ended {
-            let item = match self.give_up {
-                Some(at) => tokio::time::timeout(
-                    at.saturating_duration_since(tokio::time::Instant::now()),
-                    self.rx.recv(),
-                )
-                .await
-                .map_err(|_| {
-                    Status::deadline_exceeded(format!(
-                        "agent {} did not answer by the deadline",
-                        self.agent
-                    ))
-                })?,
-                None => self.rx.recv().await,
-            };
-            // Whatever ends the call came from the engine, a tunnel or a forward, which
-            // end it themselves.
-            let frame = match item {
-                Some(Ok(frame)) => frame,
-                Some(Err(status)) => return Err(self.end(status)),
-                None => {
-                    return Err(self.end(Status::unavailable("the call ended without an answer")));
-                }
-            };
-            match frame.kind {
-                Some(Kind::Message(m)) => {
-                    if self.streaming {
-                        self.give_up = None;
-                    }
-                    return Ok(Some(m.data));
-                }
-                Some(Kind::Trailer(t)) if t.code == 0 => {
-                    self.end(Status::ok(""));
-                }
-                Some(Kind::Trailer(t)) => return Err(self.end(frames::status(t.code, &t.message))),
-                Some(Kind::Error(e)) => return Err(self.end(frames::status(e.code, &e.message))),
-                _ => {}
-            }
-        }
-        Ok(None)
-    }
-
-    /// Marks the call ended by `status`, which it returns.
-    fn end(&mut self, status: Status) -> Status {
-        self.ended = true;
-        self.cancel.disarm();
-        status
-    }
 }
 
 /// A pod log as GitLab receives it.
@@ -269,7 +199,7 @@ impl KasApi for PublicService {
             })?;
         let (rest_tx, rest) = Rest::channel();
         let requests = vec![frames::message(0, head.encode_to_vec())];
-        let mut reply = self.start(
+        let reply = self.start(
             AgentId(agent),
             connection,
             KUBERNETES_API_METHOD,
@@ -290,19 +220,10 @@ impl KasApi for PublicService {
                 }
             }
         });
-        // The response head (or the refusal) before the headers: a call that reached no
-        // agent fails as a plain status.
-        let first = reply.message().await?;
-        let rest = stream::try_unfold(reply, |mut reply| async move {
-            Ok(reply.message().await?.map(|m| (m, reply)))
+        let messages = reply.into_stream().await?.and_then(|bytes| async move {
+            HttpResponse::decode(bytes.as_slice())
+                .map_err(|e| Status::internal(format!("agent sent a malformed HTTP message: {e}")))
         });
-        let messages = stream::iter(first.map(Ok))
-            .chain(rest)
-            .and_then(|bytes| async move {
-                HttpResponse::decode(bytes.as_slice()).map_err(|e| {
-                    Status::internal(format!("agent sent a malformed HTTP message: {e}"))
-                })
-            });
         Ok(Response::new(messages.boxed()))
     }
 
@@ -323,21 +244,16 @@ impl KasApi for PublicService {
             limit_bytes: r.limit_bytes,
         }
         .encode_to_vec();
-        let mut reply = self.call_agent(
+        let reply = self.call_agent(
             AgentId(r.agent_id),
             r.connection_id.map(ConnectionId),
             PODS_LOGS,
             logs,
             deadline,
         )?;
-        // The first piece (or the refusal) before the headers: a call that reached no agent
-        // fails as a plain status.
-        let first = reply.message().await?;
-        let rest = stream::try_unfold(reply, |mut reply| async move {
-            Ok(reply.message().await?.map(|m| (m, reply)))
-        });
-        let chunks = stream::iter(first.map(Ok))
-            .chain(rest)
+        let chunks = reply
+            .into_stream()
+            .await?
             .and_then(|bytes| async move { log_chunk(bytes) });
         Ok(Response::new(chunks.boxed()))
     }

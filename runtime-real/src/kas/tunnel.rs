@@ -6,6 +6,7 @@ use super::engine::EngineHandle;
 use super::limits::Slot;
 use super::timing::TUNNEL_GRACE;
 use crate::buggify::{self, Point};
+use crate::channel_ends::recv;
 use crate::clock;
 use crate::frames;
 use kas_core::frame_sequence::{Direction, FrameSequence, Progress};
@@ -361,14 +362,6 @@ async fn hand(responses: &Responses, item: Result<Frame, Status>, by: Option<Ins
 async fn until(at: Option<Instant>) {
     match at {
         Some(at) => tokio::time::sleep_until(at).await,
-        None => std::future::pending().await,
-    }
-}
-
-/// The next frame of a streaming call's request; never without one.
-pub async fn recv(rest: &mut Option<mpsc::Receiver<Frame>>) -> Option<Frame> {
-    match rest {
-        Some(rx) => rx.recv().await,
         None => std::future::pending().await,
     }
 }

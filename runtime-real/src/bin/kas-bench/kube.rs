@@ -54,14 +54,18 @@ impl Path {
         r.body(Empty::new()).expect("a valid request")
     }
 
-    /// One whole `GET`, body read; its byte count.
-    async fn get(&self, client: &HttpClient, path_and_query: &str) -> Result<u64, String> {
+    /// Sends a `GET`; its response's body, or what the refusal said.
+    async fn open(
+        &self,
+        client: &HttpClient,
+        path_and_query: &str,
+    ) -> Result<hyper::body::Incoming, String> {
         let resp = client
             .request(self.request(path_and_query))
             .await
-            .map_err(|e| format!("{}: {e}", self.name))?;
+            .map_err(|e| format!("{} {path_and_query}: {e}", self.name))?;
         let status = resp.status();
-        let mut body = resp.into_body();
+        let body = resp.into_body();
         if !status.is_success() {
             let why = body
                 .collect()
@@ -69,8 +73,17 @@ impl Path {
                 .map(|b| b.to_bytes())
                 .unwrap_or_default();
             let why = String::from_utf8_lossy(&why);
-            return Err(format!("{}: HTTP {status}: {why}", self.name));
+            return Err(format!(
+                "{} {path_and_query}: HTTP {status}: {why}",
+                self.name
+            ));
         }
+        Ok(body)
+    }
+
+    /// One whole `GET`, body read; its byte count.
+    async fn get(&self, client: &HttpClient, path_and_query: &str) -> Result<u64, String> {
+        let mut body = self.open(client, path_and_query).await?;
         let mut n = 0u64;
         while let Some(frame) = body.frame().await {
             let frame = frame.map_err(|e| format!("{}: the body broke: {e}", self.name))?;
@@ -250,21 +263,7 @@ async fn watch_memory(
     for chunk in 0..watches.div_ceil(100) {
         let client = client(true);
         for _ in 0..100.min(watches - chunk * 100) {
-            let resp = client
-                .request(remote.request("/api/v1/pods?watch=true"))
-                .await
-                .map_err(|e| format!("watch: {e}"))?;
-            let status = resp.status();
-            let mut body = resp.into_body();
-            if !status.is_success() {
-                let why = body
-                    .collect()
-                    .await
-                    .map(|b| b.to_bytes())
-                    .unwrap_or_default();
-                let why = String::from_utf8_lossy(&why);
-                return Err(format!("watch {}: HTTP {status}: {why}", open.len() + 1));
-            }
+            let mut body = remote.open(&client, "/api/v1/pods?watch=true").await?;
             // Its first event: the watch is through.
             match body.frame().await {
                 Some(Ok(_)) => open.push(body),
