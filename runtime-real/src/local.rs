@@ -5,6 +5,7 @@
 
 pub mod kas_process;
 pub mod kube_server;
+pub mod port_forward;
 pub mod redis_server;
 
 use crate::agent::kubernetes_api::Upstream;
@@ -457,6 +458,9 @@ impl LocalDeployment {
             format!(
                 "--context agent2-kas{} exec -n shop cart-1 -- echo hello",
                 1 % n
+            ),
+            format!(
+                "--context agent1-kas{last} port-forward -n default web-1 :8080   # its ports echo"
             ),
         ] {
             let _ = writeln!(s, "  kubectl {cmd}");

@@ -11,7 +11,7 @@ use serde_json::Value;
 use std::path::Path;
 use std::process::Stdio;
 use std::time::Duration;
-use tokio::io::{AsyncBufReadExt, BufReader};
+use tokio::io::{AsyncBufReadExt, AsyncReadExt, AsyncWriteExt, BufReader};
 use tokio::process::{Child, Command};
 
 /// The deployment, in a temporary directory kept alive beside it.
@@ -79,9 +79,14 @@ struct Output {
 impl Output {
     /// Starts `kubectl --context CONTEXT ARGS` against the deployment.
     fn spawn(d: &LocalDeployment, cache: &Path, context: &str, args: &[&str]) -> Output {
-        let mut child = kubectl(&d.kubeconfig(), cache, context, args)
+        let mut command = kubectl(&d.kubeconfig(), cache, context, args);
+        command.stderr(Stdio::null());
+        Output::start(command)
+    }
+
+    fn start(mut command: Command) -> Output {
+        let mut child = command
             .stdout(Stdio::piped())
-            .stderr(Stdio::null())
             .spawn()
             .expect("kubectl runs");
         let stdout = child.stdout.take().expect("piped stdout");
@@ -162,18 +167,22 @@ fn fixture(agent: i64) -> Vec<(String, String, String, String)> {
     pods
 }
 
+/// (agent, kas, namespace, pod): agent 1 (on kas0) through kas0 (local) and kas2 (remote),
+/// agent 2 (on kas1 and kas2) through kas1 (local) and kas0 (remote).
+const ROUTES: [(i64, usize, &str, &str); 4] = [
+    (1, 0, "default", "web-1"),
+    (1, 2, "default", "web-1"),
+    (2, 1, "shop", "cart-1"),
+    (2, 0, "shop", "cart-1"),
+];
+
 /// Agent 1 (on kas0) through kas0 (local route) and kas2 (remote); agent 2 (on kas1 and
 /// kas2) through kas1 (local) and kas0 (remote): get, get -o json, logs -f and exec.
 #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
 async fn kubectl_reaches_every_agent_through_a_local_and_a_remote_kas() {
     let (d, dir) = deployment().await;
     let cache = dir.path();
-    for (agent, kas, namespace, pod) in [
-        (1, 0, "default", "web-1"),
-        (1, 2, "default", "web-1"),
-        (2, 1, "shop", "cart-1"),
-        (2, 0, "shop", "cart-1"),
-    ] {
+    for (agent, kas, namespace, pod) in ROUTES {
         let context = format!("agent{agent}-kas{kas}");
         let table = ok(&d, cache, &context, &["get", "pods", "-A"]).await;
         for (ns, name, phase, _) in fixture(agent) {
@@ -228,6 +237,90 @@ async fn kubectl_reaches_every_agent_through_a_local_and_a_remote_kas() {
             })
             .await;
         assert_eq!(lines[0], format!("{pod}: started"), "{context}: logs -f");
+    }
+    d.stop().await;
+}
+
+/// `kubectl port-forward` through a local and a remote kas, for each agent, both in
+/// SPDY tunnelled in WebSocket (kubectl's default since 1.31) and on a plain SPDY upgrade:
+/// two connections one after the other each get back exactly the 1 MiB they sent (the
+/// local API server's pod ports echo).
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn port_forward_carries_bytes_both_ways_over_websocket_and_spdy() {
+    let (d, dir) = deployment().await;
+    let cache = dir.path();
+    let sent: Vec<u8> = (0..1u32 << 20).map(|i| (i % 251) as u8).collect();
+    for (agent, kas, namespace, pod) in ROUTES {
+        let context = format!("agent{agent}-kas{kas}");
+        for websocket in [true, false] {
+            let what = format!("{context}, websocket {websocket}");
+            let mut command = kubectl(
+                &d.kubeconfig(),
+                cache,
+                &context,
+                &["port-forward", "-n", namespace, pod, ":8080"],
+            );
+            // At -v=6 kubectl says when it falls back from WebSocket to SPDY.
+            let log = dir
+                .path()
+                .join(format!("port-forward-{agent}-{kas}-{websocket}.log"));
+            command
+                .env("KUBECTL_PORT_FORWARD_WEBSOCKETS", websocket.to_string())
+                .arg("-v=6")
+                .stderr(std::fs::File::create(&log).expect("a log file"));
+            let mut out = Output::start(command);
+            let lines = out
+                .until(Duration::from_secs(20), |seen| {
+                    seen.iter()
+                        .any(|l| l.starts_with("Forwarding from 127.0.0.1:"))
+                })
+                .await;
+            let port: u16 = lines
+                .iter()
+                .find_map(|l| l.strip_prefix("Forwarding from 127.0.0.1:"))
+                .and_then(|l| l.split_whitespace().next())
+                .and_then(|p| p.parse().ok())
+                .unwrap_or_else(|| panic!("{what}: no local port in {lines:?}"));
+            for connection in 0..2 {
+                let stream = tokio::net::TcpStream::connect(("127.0.0.1", port))
+                    .await
+                    .expect("kubectl's local port");
+                let (mut read, mut write) = stream.into_split();
+                let to_send = sent.clone();
+                let writer = tokio::spawn(async move {
+                    write.write_all(&to_send).await.expect("sent");
+                    write.shutdown().await.expect("half-closed");
+                });
+                let mut got = Vec::new();
+                tokio::time::timeout(Duration::from_secs(20), read.read_to_end(&mut got))
+                    .await
+                    .unwrap_or_else(|_| panic!("{what}: connection {connection} hung"))
+                    .expect("read");
+                writer.await.unwrap();
+                assert!(
+                    got == sent,
+                    "{what}: connection {connection} echoed {} of {} bytes{}",
+                    got.len(),
+                    sent.len(),
+                    if got.len() == sent.len() {
+                        ", different"
+                    } else {
+                        ""
+                    }
+                );
+            }
+            let log = std::fs::read_to_string(&log).expect("kubectl's log");
+            // A WebSocket upgrade is a GET, SPDY's a POST.
+            let method = if websocket { "GET" } else { "POST" };
+            assert!(
+                log.lines()
+                    .any(|l| l.contains(&format!("{method} https://"))
+                        && l.contains("/portforward")
+                        && l.contains("101 Switching Protocols"))
+                    && !log.contains("fallback to secondary dialer"),
+                "{what}: not the transport asked for:\n{log}"
+            );
+        }
     }
     d.stop().await;
 }

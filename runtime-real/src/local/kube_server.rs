@@ -3,9 +3,11 @@
 //! list or, when asked, as a server-side printed table), watch, create and delete (which
 //! the watchers see), logs with follow (each pod writes a line every
 //! [`LOG_LINE_EVERY`]), and exec over WebSocket (`v5.channel.k8s.io`/`v4.channel.k8s.io`)
-//! that echoes its command's arguments. Plain HTTP/1.1 on loopback: what the agent dials.
+//! that echoes its command's arguments, and port-forward (see [`port_forward`]) whose ports
+//! echo. Plain HTTP/1.1 on loopback: what the agent dials.
 //! One path is test data, not Kubernetes: `/kas-local/bytes?n=N` streams N bytes.
 
+use super::port_forward;
 use crate::agent::pods::FixturePodLog;
 use axum::body::Body;
 use futures::{SinkExt, StreamExt};
@@ -278,6 +280,12 @@ impl Cluster {
                 }
                 exec(req, &query)
             }
+            ("GET" | "POST", ["api", "v1", "namespaces", ns, "pods", name, "portforward"]) => {
+                if self.find(ns, name).is_none() {
+                    return not_found(&format!("pods \"{name}\""));
+                }
+                port_forward(req)
+            }
             _ => not_found(&format!("{method} {path}")),
         }
     }
@@ -525,33 +533,88 @@ fn resources() -> Value {
     })
 }
 
-/// Exec: a WebSocket in Kubernetes' channel protocol whose stdout is the command's
-/// arguments after the first, joined by spaces (`echo` behaviour), then success.
-fn exec(mut req: Request<Body>, query: &str) -> Response<Body> {
-    let offered: Vec<String> = req
-        .headers()
+/// Subprotocols offered in `Sec-WebSocket-Protocol`.
+fn offered_protocols(req: &Request<Body>) -> Vec<String> {
+    req.headers()
         .get_all(header::SEC_WEBSOCKET_PROTOCOL)
         .iter()
         .filter_map(|v| v.to_str().ok())
         .flat_map(|v| v.split(','))
         .map(|p| p.trim().to_string())
-        .collect();
-    let Some(protocol) = ["v5.channel.k8s.io", "v4.channel.k8s.io"]
-        .into_iter()
-        .find(|p| offered.iter().any(|o| o == p))
-    else {
-        return status(
+        .collect()
+}
+
+/// Accepts a WebSocket upgrade in the first of `protocols` the client offers: the 101 to
+/// answer with, and the WebSocket once the connection is handed over.
+#[allow(clippy::result_large_err)] // the Err is the refusal to answer with
+fn accept_websocket(
+    req: &mut Request<Body>,
+    protocols: &[&'static str],
+    what: &str,
+) -> Result<(Response<Body>, impl Future<Output = Option<Ws>> + use<>), Response<Body>> {
+    let offered = offered_protocols(req);
+    let Some(protocol) = protocols.iter().find(|p| offered.iter().any(|o| o == *p)) else {
+        return Err(status(
             StatusCode::BAD_REQUEST,
             "BadRequest",
-            "exec here speaks WebSocket v5.channel.k8s.io or v4.channel.k8s.io only",
-        );
+            &format!(
+                "{what} here speaks WebSocket {} only",
+                protocols.join(" or ")
+            ),
+        ));
     };
     let Some(key) = req.headers().get(header::SEC_WEBSOCKET_KEY).cloned() else {
-        return status(
+        return Err(status(
             StatusCode::BAD_REQUEST,
             "BadRequest",
             "not a WebSocket upgrade",
-        );
+        ));
+    };
+    let on_upgrade = hyper::upgrade::on(req);
+    let ws = async move {
+        let io = on_upgrade.await.ok()?;
+        Some(
+            tokio_tungstenite::WebSocketStream::from_raw_socket(
+                hyper_util::rt::TokioIo::new(io),
+                tokio_tungstenite::tungstenite::protocol::Role::Server,
+                None,
+            )
+            .await,
+        )
+    };
+    let accept = tokio_tungstenite::tungstenite::handshake::derive_accept_key(key.as_bytes());
+    let mut resp = switching(HeaderValue::from_static("websocket"));
+    let h = resp.headers_mut();
+    h.insert(
+        header::SEC_WEBSOCKET_ACCEPT,
+        HeaderValue::from_str(&accept).expect("base64 is a valid header value"),
+    );
+    h.insert(
+        header::SEC_WEBSOCKET_PROTOCOL,
+        HeaderValue::from_static(protocol),
+    );
+    Ok((resp, ws))
+}
+
+type Ws = tokio_tungstenite::WebSocketStream<hyper_util::rt::TokioIo<hyper::upgrade::Upgraded>>;
+
+/// A 101 switching to `protocol`.
+fn switching(protocol: HeaderValue) -> Response<Body> {
+    let mut resp = Response::new(Body::empty());
+    *resp.status_mut() = StatusCode::SWITCHING_PROTOCOLS;
+    let h = resp.headers_mut();
+    h.insert(header::CONNECTION, HeaderValue::from_static("Upgrade"));
+    h.insert(header::UPGRADE, protocol);
+    resp
+}
+
+/// Exec: a WebSocket in Kubernetes' channel protocol whose stdout is the command's
+/// arguments after the first, joined by spaces (`echo` behaviour), then success.
+fn exec(mut req: Request<Body>, query: &str) -> Response<Body> {
+    let protocols = ["v5.channel.k8s.io", "v4.channel.k8s.io"];
+    let (resp, ws) = match accept_websocket(&mut req, &protocols, "exec") {
+        Ok(accepted) => accepted,
+        Err(refusal) => return refusal,
     };
     let command: Vec<String> = params(query, "command").collect();
     let output = command
@@ -561,15 +624,8 @@ fn exec(mut req: Request<Body>, query: &str) -> Response<Body> {
         .collect::<Vec<_>>()
         .join(" ")
         + "\n";
-    let on_upgrade = hyper::upgrade::on(&mut req);
     tokio::spawn(async move {
-        let Ok(io) = on_upgrade.await else { return };
-        let mut ws = tokio_tungstenite::WebSocketStream::from_raw_socket(
-            hyper_util::rt::TokioIo::new(io),
-            tokio_tungstenite::tungstenite::protocol::Role::Server,
-            None,
-        )
-        .await;
+        let Some(mut ws) = ws.await else { return };
         let mut stdout = vec![1u8];
         stdout.extend_from_slice(output.as_bytes());
         let mut done = vec![3u8];
@@ -587,19 +643,54 @@ fn exec(mut req: Request<Body>, query: &str) -> Response<Body> {
         // Read until the client closes too.
         while let Some(Ok(_)) = ws.next().await {}
     });
-    let accept = tokio_tungstenite::tungstenite::handshake::derive_accept_key(key.as_bytes());
-    let mut resp = Response::new(Body::empty());
-    *resp.status_mut() = StatusCode::SWITCHING_PROTOCOLS;
-    let h = resp.headers_mut();
-    h.insert(header::CONNECTION, HeaderValue::from_static("Upgrade"));
-    h.insert(header::UPGRADE, HeaderValue::from_static("websocket"));
-    h.insert(
-        header::SEC_WEBSOCKET_ACCEPT,
-        HeaderValue::from_str(&accept).expect("base64 is a valid header value"),
-    );
-    h.insert(
-        header::SEC_WEBSOCKET_PROTOCOL,
-        HeaderValue::from_static(protocol),
+    resp
+}
+
+/// Port-forward: SPDY in a WebSocket (kubectl 1.31+) or on a plain SPDY upgrade; every
+/// port echoes (see [`port_forward`]).
+fn port_forward(mut req: Request<Body>) -> Response<Body> {
+    let upgrade = req
+        .headers()
+        .get(header::UPGRADE)
+        .and_then(|v| v.to_str().ok())
+        .unwrap_or("")
+        .to_ascii_lowercase();
+    if upgrade == "websocket" {
+        return match accept_websocket(&mut req, &[port_forward::WS_PROTOCOL], "port-forward") {
+            Ok((resp, ws)) => {
+                tokio::spawn(async move {
+                    if let Some(ws) = ws.await {
+                        let _ = port_forward::serve_websocket(ws).await;
+                    }
+                });
+                resp
+            }
+            Err(refusal) => refusal,
+        };
+    }
+    let offers_protocol = req
+        .headers()
+        .get_all("x-stream-protocol-version")
+        .iter()
+        .filter_map(|v| v.to_str().ok())
+        .any(|v| v.split(',').any(|p| p.trim() == port_forward::PROTOCOL));
+    if !upgrade.eq_ignore_ascii_case(port_forward::SPDY) || !offers_protocol {
+        return status(
+            StatusCode::BAD_REQUEST,
+            "BadRequest",
+            "port-forward here speaks portforward.k8s.io over SPDY/3.1 or WebSocket only",
+        );
+    }
+    let on_upgrade = hyper::upgrade::on(&mut req);
+    tokio::spawn(async move {
+        if let Ok(io) = on_upgrade.await {
+            let _ = port_forward::serve(hyper_util::rt::TokioIo::new(io)).await;
+        }
+    });
+    let mut resp = switching(HeaderValue::from_static(port_forward::SPDY));
+    resp.headers_mut().insert(
+        "x-stream-protocol-version",
+        HeaderValue::from_static(port_forward::PROTOCOL),
     );
     resp
 }
