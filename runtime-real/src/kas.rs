@@ -516,6 +516,7 @@ impl Kas {
         let observability_server = tokio::spawn(observability::serve(
             obs_l,
             obs_listening.handshake,
+            config.observability.listen.max_concurrent_streams,
             obs_listening.tls,
             health.clone(),
             async {
@@ -633,15 +634,15 @@ fn kubernetes_api_server(
             };
             let what = "agent.kubernetes_api";
             let tls = tls_config(&k.listen, what, ALPN_GRPC_OR_HTTP1)?;
-            Some((listener, service, tls, k.listen.handshake_timeout))
+            Some((listener, service, tls, k.listen.clone()))
         }
         _ => None,
     };
     let metrics = metrics.clone();
     Ok(async move {
         match setup {
-            Some((listener, service, tls, handshake)) => {
-                kubernetes_api::serve(listener, service, tls, handshake, metrics, signal).await
+            Some((listener, service, tls, listen)) => {
+                kubernetes_api::serve(listener, service, tls, &listen, metrics, signal).await
             }
             None => signal.await,
         }

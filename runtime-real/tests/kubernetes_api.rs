@@ -118,13 +118,13 @@ fn http_client() -> reqwest::Client {
 }
 
 /// A kas process (in-memory registry) whose plaintext Kubernetes API listener takes
-/// `pat:1:<token>`.
+/// `pat:1:<token>` and [`KUBE_MAX_STREAMS`] requests at once per HTTP/2 connection.
 async fn kas_with_kubernetes_api(secrets: &support::Secrets, token: &str) -> support::KasProc {
     let users = secrets.path("users.yaml");
     let line = format!("tokens:\n  - {{token: {token}, kind: pat, agent_ids: [1], username: u}}\n");
     std::fs::write(&users, line).unwrap();
     let agent_lines = format!(
-        "  kubernetes_api:\n    listen:\n      address: 127.0.0.1:0\n    tokens_file: {}\n",
+        "  kubernetes_api:\n    listen:\n      address: 127.0.0.1:0\n      max_concurrent_streams: {KUBE_MAX_STREAMS}\n    tokens_file: {}\n",
         users.display()
     );
     let extra = support::Extra {
@@ -133,6 +133,8 @@ async fn kas_with_kubernetes_api(secrets: &support::Secrets, token: &str) -> sup
     };
     support::KasProc::start_extra(secrets, "kas", None, 10_000, extra, None).await
 }
+
+const KUBE_MAX_STREAMS: u32 = 64;
 
 /// A client of kas's Kubernetes API listener, trusting the deployment's CA.
 fn https_client(d: &LocalDeployment) -> reqwest::Client {
@@ -513,7 +515,8 @@ async fn a_100_mib_response_arrives_whole_through_a_remote_kas() {
 
 /// SIGTERM while a watch streams through kas (a kas process, agentk proxying to a local
 /// API server named by its KUBECONFIG): kas stops within `shutdown_grace` (2 s) and a
-/// little, ending the watch rather than waiting for it, and the client sees its stream end.
+/// little, ending the watch rather than waiting for it; the client sees its stream end, and
+/// an HTTP/2 client is told to go elsewhere (GOAWAY) first.
 #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
 async fn sigterm_ends_an_open_watch_within_the_shutdown_grace() {
     use support::{AgentkProc, Secrets, agent_token, eventually};
@@ -572,6 +575,31 @@ async fn sigterm_ends_an_open_watch_within_the_shutdown_grace() {
         .expect("the watch streams")
         .expect("an event");
     assert!(String::from_utf8_lossy(&first).contains("web-1"));
+    // A second watch on an HTTP/2 connection spoken by hand, to see kas's frames.
+    let address = kas.kubernetes_api.expect("a Kubernetes API listener");
+    let mut frames = h2_watch(address, "pat:1:watch-user-token-0001").await;
+    let first_data = tokio::time::timeout(Duration::from_secs(10), async {
+        let mut limit = None;
+        while let Some((kind, stream, payload)) = frames.recv().await {
+            if kind == H2_SETTINGS {
+                // Entries of six bytes: a 16-bit id, a 32-bit value.
+                limit = limit.or(payload
+                    .chunks_exact(6)
+                    .find(|e| e[..2] == [0, 3]) // SETTINGS_MAX_CONCURRENT_STREAMS
+                    .map(|e| u32::from_be_bytes(e[2..].try_into().unwrap())));
+            }
+            if (kind, stream) == (H2_DATA, 1) {
+                assert_eq!(
+                    limit,
+                    Some(KUBE_MAX_STREAMS),
+                    "listen.max_concurrent_streams"
+                );
+                return;
+            }
+        }
+        panic!("the HTTP/2 connection ended before the watch streamed");
+    });
+    first_data.await.expect("the HTTP/2 watch streams");
     let started = std::time::Instant::now();
     let status = tokio::task::spawn_blocking(move || kas.terminate())
         .await
@@ -592,6 +620,79 @@ async fn sigterm_ends_an_open_watch_within_the_shutdown_grace() {
     })
     .await;
     assert!(end.is_ok(), "the watch was still open after kas stopped");
+    let mut after = Vec::new();
+    while let Ok(Some(frame)) = tokio::time::timeout(Duration::from_secs(2), frames.recv()).await {
+        after.push(frame);
+    }
+    assert!(
+        after.iter().any(|(kind, _, _)| *kind == H2_GOAWAY),
+        "kas stopped without a GOAWAY telling the client to go elsewhere: {after:?}"
+    );
+}
+
+const H2_DATA: u8 = 0;
+const H2_HEADERS: u8 = 1;
+const H2_SETTINGS: u8 = 4;
+const H2_GOAWAY: u8 = 7;
+
+fn h2_frame(kind: u8, flags: u8, stream: u32, payload: &[u8]) -> Vec<u8> {
+    let mut f = (payload.len() as u32).to_be_bytes()[1..].to_vec();
+    f.extend_from_slice(&[kind, flags]);
+    f.extend_from_slice(&stream.to_be_bytes());
+    f.extend_from_slice(payload);
+    f
+}
+
+/// `GET /api/v1/pods?watch=true` as stream 1 of a prior-knowledge HTTP/2 connection:
+/// the (type, stream, payload) of each frame kas sends, until the connection ends. Settings are
+/// acknowledged; the watch's few bytes fit the default windows.
+async fn h2_watch(
+    address: std::net::SocketAddr,
+    token: &str,
+) -> tokio::sync::mpsc::UnboundedReceiver<(u8, u32, Vec<u8>)> {
+    let mut io = tokio::net::TcpStream::connect(address).await.expect("kas");
+    let mut block = Vec::new();
+    let authority = address.to_string();
+    let bearer = format!("Bearer {token}");
+    for (name, value) in [
+        (":method", "GET"),
+        (":scheme", "http"),
+        (":authority", authority.as_str()),
+        (":path", "/api/v1/pods?watch=true"),
+        ("authorization", bearer.as_str()),
+    ] {
+        // HPACK: a literal field not indexed, with a literal name; all shorter than 127.
+        block.push(0);
+        for w in [name, value] {
+            block.push(w.len() as u8);
+            block.extend_from_slice(w.as_bytes());
+        }
+    }
+    let mut hello = b"PRI * HTTP/2.0\r\n\r\nSM\r\n\r\n".to_vec();
+    hello.extend(h2_frame(H2_SETTINGS, 0, 0, &[]));
+    hello.extend(h2_frame(H2_HEADERS, 0x4 | 0x1, 1, &block)); // END_HEADERS, END_STREAM
+    io.write_all(&hello).await.expect("sent");
+    let (tx, rx) = tokio::sync::mpsc::unbounded_channel();
+    tokio::spawn(async move {
+        loop {
+            let mut head = [0u8; 9];
+            if io.read_exact(&mut head).await.is_err() {
+                return;
+            }
+            let len = u32::from_be_bytes([0, head[0], head[1], head[2]]) as usize;
+            let mut payload = vec![0; len];
+            if io.read_exact(&mut payload).await.is_err() {
+                return;
+            }
+            let (kind, flags) = (head[3], head[4]);
+            let stream = u32::from_be_bytes(head[5..9].try_into().unwrap()) & 0x7fff_ffff;
+            if kind == H2_SETTINGS && flags & 1 == 0 {
+                let _ = io.write_all(&h2_frame(H2_SETTINGS, 1, 0, &[])).await;
+            }
+            let _ = tx.send((kind, stream, payload));
+        }
+    });
+    rx
 }
 
 /// The Python `kubernetes` client (PyPI's, installed with pip when missing) lists pods

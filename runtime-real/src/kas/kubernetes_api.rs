@@ -371,16 +371,17 @@ pub async fn serve(
     listener: tokio::net::TcpListener,
     service: KubernetesApiService,
     tls: Option<Arc<rustls::ServerConfig>>,
-    handshake_timeout: Duration,
+    listen: &crate::config::Listen,
     metrics: super::metrics::Metrics,
     signal: impl Future<Output = ()> + Send + 'static,
 ) {
     use super::listener::{Acceptor, Guard};
     // Only the start is guarded: a watch or an exec session may rightly stay silent.
-    let guard = Guard::FirstByte(handshake_timeout);
+    let guard = Guard::FirstByte(listen.handshake_timeout);
     let acceptor = Acceptor::new(listener, guard, "kubernetes_api", metrics);
-    let r = super::listener::serve_http(acceptor, service.router(), tls, handshake_timeout, signal)
-        .await;
+    let router = service.router();
+    let (handshake, streams) = (listen.handshake_timeout, listen.max_concurrent_streams);
+    let r = super::listener::serve_http(acceptor, router, tls, handshake, streams, signal).await;
     if let Err(e) = r {
         tracing::error!(error = %e, "kubernetes_api listener failed");
     }

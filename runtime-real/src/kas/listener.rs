@@ -277,50 +277,68 @@ impl axum::serve::Listener for Acceptor {
 #[derive(Clone, Copy, Debug)]
 pub struct Peer(pub SocketAddr);
 
-/// The listener types the address comes from: axum's blanket implementations rule out a
-/// generic one.
-macro_rules! peer_of {
-    ($($listener:ty),*) => {$(
-        impl axum::extract::connect_info::Connected<axum::serve::IncomingStream<'_, $listener>>
-            for Peer
-        {
-            fn connect_info(stream: axum::serve::IncomingStream<'_, $listener>) -> Self {
-                Peer(*stream.remote_addr())
-            }
-        }
-    )*};
-}
-peer_of!(Acceptor, Incoming);
-
 /// Serves `router` (HTTP/1.1 and HTTP/2) on `acceptor`'s connections, after a TLS
-/// handshake within `handshake_timeout` when `tls` is set, until `signal` resolves: then
-/// it takes no new connections, tells HTTP/2 clients to go elsewhere (GOAWAY) and lets
-/// running requests finish.
+/// handshake within `handshake_timeout` when `tls` is set, at most `max_streams` requests
+/// at once per HTTP/2 connection, until `signal` resolves: then it takes no new
+/// connections, tells HTTP/2 clients to go elsewhere (GOAWAY) and lets running requests
+/// finish.
 pub async fn serve_http(
     acceptor: Acceptor,
     router: axum::Router,
     tls: Option<Arc<rustls::ServerConfig>>,
     handshake_timeout: Duration,
+    max_streams: u32,
     signal: impl Future<Output = ()> + Send + 'static,
 ) -> io::Result<()> {
-    let service = router.into_make_service_with_connect_info::<Peer>();
     match tls {
-        None => {
-            axum::serve(acceptor, service)
-                .with_graceful_shutdown(signal)
-                .await
-        }
+        None => serve_connections(acceptor, router, max_streams, signal).await,
         Some(tls) => {
             let incoming = acceptor.handshaking(Handshakes {
                 tls: Some(tls),
                 websocket: false,
                 timeout: handshake_timeout,
             });
-            axum::serve(incoming, service)
-                .with_graceful_shutdown(signal)
-                .await
+            serve_connections(incoming, router, max_streams, signal).await
         }
     }
+}
+
+async fn serve_connections<L>(
+    mut listener: L,
+    router: axum::Router,
+    max_streams: u32,
+    signal: impl Future<Output = ()> + Send + 'static,
+) -> io::Result<()>
+where
+    L: axum::serve::Listener<Addr = SocketAddr>,
+{
+    use hyper_util::rt::{TokioExecutor, TokioIo};
+    let mut builder = hyper_util::server::conn::auto::Builder::new(TokioExecutor::new());
+    builder.http2().max_concurrent_streams(max_streams);
+    let graceful = hyper_util::server::graceful::GracefulShutdown::new();
+    tokio::pin!(signal);
+    loop {
+        let (io, peer) = tokio::select! {
+            accepted = listener.accept() => accepted,
+            () = &mut signal => break,
+        };
+        let service = router
+            .clone()
+            .layer(axum::Extension(axum::extract::ConnectInfo(Peer(peer))));
+        let service = hyper_util::service::TowerToHyperService::new(service);
+        let connection = builder
+            .serve_connection_with_upgrades(TokioIo::new(io), service)
+            .into_owned();
+        let connection = graceful.watch(connection);
+        tokio::spawn(async move {
+            if let Err(e) = connection.await {
+                tracing::debug!(%peer, error = %e, "HTTP connection ended");
+            }
+        });
+    }
+    drop(listener);
+    graceful.shutdown().await;
+    Ok(())
 }
 
 /// What a listener does with a connection before serving it.

@@ -46,6 +46,7 @@ pub fn gauge(metrics: &str, name: &str) -> Option<f64> {
 pub async fn serve(
     listener: tokio::net::TcpListener,
     read_timeout: std::time::Duration,
+    max_streams: u32,
     tls: Option<std::sync::Arc<rustls::ServerConfig>>,
     health: Health,
     signal: impl Future<Output = ()> + Send + 'static,
@@ -74,7 +75,8 @@ pub async fn serve(
         .with_state(health.clone());
     let guard = super::listener::Guard::ReadIdle(read_timeout);
     let acceptor = super::listener::Acceptor::new(listener, guard, "observability", health.metrics);
-    let r = super::listener::serve_http(acceptor, routes, tls, read_timeout, signal).await;
+    let r =
+        super::listener::serve_http(acceptor, routes, tls, read_timeout, max_streams, signal).await;
     if let Err(e) = r {
         tracing::error!(error = %e, "observability listener failed");
     }
@@ -86,6 +88,7 @@ pub async fn serve(
 pub async fn serve(
     listener: tokio::net::TcpListener,
     _read_timeout: std::time::Duration,
+    _max_streams: u32,
     _tls: Option<std::sync::Arc<rustls::ServerConfig>>,
     _health: Health,
     signal: impl Future<Output = ()> + Send + 'static,
