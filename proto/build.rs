@@ -3,6 +3,10 @@
 //! With the `grpc` feature the files go through tonic's generator (the real one, or
 //! madsim's under `--cfg madsim`) and get clients and servers; without it prost emits
 //! the messages alone, so `kas-core` can use them without any network crate.
+//!
+//! A call's messages and the HTTP exchange's pieces are `Bytes`: decoded from a received
+//! buffer they are slices of it, not copies (a streamed response's pieces pass through
+//! three processes).
 
 use std::path::PathBuf;
 
@@ -14,6 +18,13 @@ const FILES: &[&str] = &[
     "kas/agent_api.proto",
     "kas/pods.proto",
     "kas/http.proto",
+];
+
+/// The fields decoded as `Bytes`.
+const BYTES: [&str; 3] = [
+    ".kas.frame.Message.data",
+    ".kas.http.HttpRequest",
+    ".kas.http.HttpResponse",
 ];
 
 fn main() -> Result<(), Box<dyn std::error::Error>> {
@@ -34,6 +45,11 @@ fn compile(fds_path: &std::path::Path) -> Result<(), Box<dyn std::error::Error>>
     // madsim's generator passes messages without encoding them, so it has no codec.
     #[cfg(not(madsim))]
     let builder = builder.codec_path("crate::codec::LeanCodec");
+    #[cfg(not(madsim))]
+    let builder = BYTES.into_iter().fold(builder, |b, path| b.bytes(path));
+    // madsim's takes them all at once.
+    #[cfg(madsim)]
+    let builder = builder.bytes(BYTES);
     builder
         .file_descriptor_set_path(fds_path)
         .skip_protoc_run()
@@ -44,6 +60,7 @@ fn compile(fds_path: &std::path::Path) -> Result<(), Box<dyn std::error::Error>>
 #[cfg(not(feature = "grpc"))]
 fn compile(fds_path: &std::path::Path) -> Result<(), Box<dyn std::error::Error>> {
     prost_build::Config::new()
+        .bytes(BYTES)
         .file_descriptor_set_path(fds_path)
         .skip_protoc_run()
         .compile_protos(FILES, &["proto"])?;

@@ -353,7 +353,7 @@ mod tests {
     fn msg(id: u64) -> Frame {
         fr(Kind::Message(f::Message {
             request_id: id,
-            data: vec![1],
+            data: vec![1].into(),
         }))
     }
     fn close(id: u64) -> Frame {

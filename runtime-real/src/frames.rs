@@ -1,5 +1,6 @@
 //! Building and re-addressing the frames of the tunnel and forward protocols.
 
+use bytes::Bytes;
 use kas_proto::frame::{self as f, Frame, frame::Kind};
 
 /// Wraps one frame kind.
@@ -23,7 +24,8 @@ pub fn with_request_id(mut frame: Frame, id: u64) -> Frame {
 }
 
 /// A message frame.
-pub fn message(request_id: u64, data: Vec<u8>) -> Frame {
+pub fn message(request_id: u64, data: impl Into<Bytes>) -> Frame {
+    let data = data.into();
     frame(Kind::Message(f::Message { request_id, data }))
 }
 

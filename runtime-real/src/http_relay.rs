@@ -110,11 +110,11 @@ pub fn wants_upgrade(headers: &HeaderMap) -> bool {
 /// share past their heads.
 pub enum Piece {
     /// Body bytes.
-    Data(Vec<u8>),
+    Data(Bytes),
     /// The body ended with these trailers.
     Trailers(HashMap<String, Values>),
     /// Bytes of the upgraded connection.
-    Upgrade(Vec<u8>),
+    Upgrade(Bytes),
 }
 
 /// A message type of one direction: requests towards the agent, responses back.
@@ -158,7 +158,7 @@ half!(HttpResponse, http_response);
 /// Where one side sends its encoded messages.
 pub trait Outgoing: Send {
     /// Sends one; false once the other side is gone.
-    fn send(&mut self, message: Vec<u8>) -> impl Future<Output = bool> + Send;
+    fn send(&mut self, message: Bytes) -> impl Future<Output = bool> + Send;
 
     /// Says that no more will come, when that is not the end of the whole call (the
     /// caller's half-close of an upgraded connection).
@@ -180,13 +180,18 @@ pub enum UpgradedEnd {
 /// Where one side reads the other's encoded messages.
 pub trait Incoming: Send {
     /// The next one; `None` at the other side's clean end, an error when it failed.
-    fn recv(&mut self) -> impl Future<Output = Result<Option<Vec<u8>>, String>> + Send;
+    fn recv(&mut self) -> impl Future<Output = Result<Option<Bytes>, String>> + Send;
+}
+
+/// `message` encoded, to be sent.
+pub fn encode(message: impl Message) -> Bytes {
+    message.encode_to_vec().into()
 }
 
 /// Decodes the next message of `incoming` as an `H`.
 pub async fn next<H: Half>(incoming: &mut impl Incoming) -> Result<Option<H>, String> {
     match incoming.recv().await? {
-        Some(bytes) => H::decode(bytes.as_slice())
+        Some(bytes) => H::decode(bytes)
             .map(Some)
             .map_err(|e| format!("malformed HTTP message: {e}")),
         None => Ok(None),
@@ -201,15 +206,15 @@ where
     B::Error: std::fmt::Display,
 {
     let mut body = body;
-    let mut data: Vec<u8> = Vec::new();
     let mut trailers = None;
     let mut ended = false;
     while !ended {
         // Waits for one frame, then takes what else is ready at once, up to a message:
         // fewer, fuller messages for a fast body, no waiting for a slow one.
-        let mut first = true;
-        while data.len() < CHUNK && trailers.is_none() {
-            let next = if first {
+        let mut pieces: Vec<Bytes> = Vec::new();
+        let mut len = 0;
+        while len < CHUNK && trailers.is_none() {
+            let next = if pieces.is_empty() {
                 body.frame().await
             } else {
                 match body.frame().now_or_never() {
@@ -217,7 +222,6 @@ where
                     None => break,
                 }
             };
-            first = false;
             match next {
                 None => {
                     ended = true;
@@ -227,23 +231,29 @@ where
                     .map_err(|e| format!("the body broke: {e}"))?
                     .into_data()
                 {
-                    Ok(bytes) => data.extend_from_slice(&bytes),
+                    Ok(bytes) => {
+                        len += bytes.len();
+                        pieces.push(bytes);
+                    }
                     Err(frame) => trailers = frame.into_trailers().ok(),
                 },
             }
         }
-        for chunk in data.chunks(CHUNK) {
-            if !out
-                .send(H::piece(Piece::Data(chunk.to_vec())).encode_to_vec())
-                .await
-            {
+        // One piece that fits goes as it is; several are joined (and a long one cut).
+        let mut data = match pieces.len() {
+            0 => Bytes::new(),
+            1 => pieces.pop().expect("one piece"),
+            _ => pieces.concat().into(),
+        };
+        while !data.is_empty() {
+            let chunk = data.split_to(data.len().min(CHUNK));
+            if !out.send(encode(H::piece(Piece::Data(chunk)))).await {
                 return Ok(false);
             }
         }
-        data.clear();
         if let Some(t) = trailers.take()
             && !out
-                .send(H::piece(Piece::Trailers(to_values(&t))).encode_to_vec())
+                .send(encode(H::piece(Piece::Trailers(to_values(&t)))))
                 .await
         {
             return Ok(false);
@@ -262,7 +272,7 @@ pub fn recv_body<H: Half + 'static, I: Incoming + 'static>(
         let frame = match next::<H>(&mut incoming).await {
             Ok(None) => return None,
             Ok(Some(m)) => match m.into_piece() {
-                Some(Piece::Data(d)) => Ok(http_body::Frame::data(Bytes::from(d))),
+                Some(Piece::Data(d)) => Ok(http_body::Frame::data(d)),
                 Some(Piece::Trailers(t)) => {
                     let mut map = HeaderMap::new();
                     match add_values(&t, &mut map) {
@@ -310,7 +320,8 @@ pub async fn relay_upgraded<In: Half, Out: Half>(
                         }
                     }
                 }
-                if !out.send(Out::piece(Piece::Upgrade(buf[..n].to_vec())).encode_to_vec()).await {
+                let piece = Piece::Upgrade(Bytes::copy_from_slice(&buf[..n]));
+                if !out.send(encode(Out::piece(piece))).await {
                     return Ok(());
                 }
             }

@@ -776,10 +776,7 @@ async fn an_agents_answers_that_are_not_http_are_a_bad_gateway() {
     modules.streaming(kas_proto::http::KUBERNETES_API_METHOD, |mut requests| {
         let answer = async move {
             let head = requests.recv().await.unwrap_or_default();
-            let path = match HttpRequest::decode(head.as_slice())
-                .ok()
-                .and_then(|m| m.kind)
-            {
+            let path = match HttpRequest::decode(head).ok().and_then(|m| m.kind) {
                 Some(http_request::Kind::Head(h)) => h.path,
                 _ => String::new(),
             };
@@ -793,14 +790,14 @@ async fn an_agents_answers_that_are_not_http_are_a_bad_gateway() {
                 "/garbage" => vec![vec![0xff, 0xff, 0xff]],
                 "/body-first" => vec![
                     HttpResponse {
-                        kind: Some(http_response::Kind::Data(b"x".to_vec())),
+                        kind: Some(http_response::Kind::Data(bytes::Bytes::from_static(b"x"))),
                     }
                     .encode_to_vec(),
                 ],
                 "/switch" => vec![head(101).encode_to_vec()],
                 _ => vec![head(200).encode_to_vec()],
             };
-            futures::stream::iter(messages.into_iter().map(Ok))
+            futures::stream::iter(messages.into_iter().map(|m| Ok(m.into())))
         };
         futures::StreamExt::boxed(futures::StreamExt::flatten(futures::stream::once(answer)))
     });

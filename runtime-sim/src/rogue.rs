@@ -144,9 +144,7 @@ async fn tunnel(channel: Channel, token: &str, connection: i64, agent: i64, trut
             Some(Kind::RequestStart(start)) => streaming = start.method == PODS_LOGS,
             Some(Kind::Message(m)) => {
                 // A log request's namespace is its field 1 too.
-                marker = ListRequest::decode(m.data.as_slice())
-                    .ok()
-                    .map(|r| r.namespace);
+                marker = ListRequest::decode(m.data).ok().map(|r| r.namespace);
             }
             Some(Kind::CloseSend(c)) => {
                 let marker = marker.take().unwrap_or_default();

@@ -58,7 +58,7 @@ fn echo(
         let head = requests
             .recv()
             .await
-            .and_then(|b| HttpRequest::decode(b.as_slice()).ok())
+            .and_then(|b| HttpRequest::decode(b).ok())
             .and_then(|m| match m.kind {
                 Some(http_request::Kind::Head(h)) => Some(h),
                 _ => None,
@@ -87,11 +87,11 @@ fn echo(
                 headers,
             })),
         };
-        if tx.send(Ok(head.encode_to_vec())).await.is_err() {
+        if tx.send(Ok(head.encode_to_vec().into())).await.is_err() {
             return;
         }
         while let Some(bytes) = requests.recv().await {
-            let data = match HttpRequest::decode(bytes.as_slice()).map(|m| m.kind) {
+            let data = match HttpRequest::decode(bytes).map(|m| m.kind) {
                 Ok(Some(http_request::Kind::Data(d))) => d,
                 _ => {
                     let _ = tx
@@ -105,7 +105,7 @@ fn echo(
             let piece = HttpResponse {
                 kind: Some(http_response::Kind::Data(data)),
             };
-            if tx.send(Ok(piece.encode_to_vec())).await.is_err() {
+            if tx.send(Ok(piece.encode_to_vec().into())).await.is_err() {
                 return;
             }
         }

@@ -153,7 +153,7 @@ async fn exchange(
             let gap = Duration::from_millis(thread_rng().gen_range(0..50));
             tokio::time::sleep(gap).await;
             let piece = HttpRequest {
-                kind: Some(http_request::Kind::Data(p)),
+                kind: Some(http_request::Kind::Data(p.into())),
             };
             if tx.send(piece).await.is_err() {
                 return;

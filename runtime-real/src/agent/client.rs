@@ -219,7 +219,7 @@ impl Tunnel {
         let (requests, rx) = mpsc::channel(REQUEST_MESSAGES);
         let mut requests = Some(requests);
         let mut answer = self.modules.call(method, rx);
-        let mut to_module: Option<Vec<u8>> = None;
+        let mut to_module: Option<bytes::Bytes> = None;
         let mut to_kas: Option<(Frame, bool)> = None;
         let tx = self.tx.clone();
         loop {

@@ -131,12 +131,12 @@ fn proxy(upstream: Upstream, requests: Requests) -> Answer {
 
 /// The answer of one exchange; dropping it aborts the exchange.
 struct Exchange {
-    answers: tokio_stream::wrappers::ReceiverStream<Result<Vec<u8>, Status>>,
+    answers: tokio_stream::wrappers::ReceiverStream<Result<Bytes, Status>>,
     task: tokio::task::AbortHandle,
 }
 
 impl futures::Stream for Exchange {
-    type Item = Result<Vec<u8>, Status>;
+    type Item = Result<Bytes, Status>;
     fn poll_next(
         mut self: std::pin::Pin<&mut Self>,
         cx: &mut std::task::Context<'_>,
@@ -152,10 +152,10 @@ impl Drop for Exchange {
 }
 
 /// The answer's messages.
-struct Answers(mpsc::Sender<Result<Vec<u8>, Status>>);
+struct Answers(mpsc::Sender<Result<Bytes, Status>>);
 
 impl Outgoing for Answers {
-    async fn send(&mut self, message: Vec<u8>) -> bool {
+    async fn send(&mut self, message: Bytes) -> bool {
         self.0.send(Ok(message)).await.is_ok()
     }
 }
@@ -164,7 +164,7 @@ impl Outgoing for Answers {
 struct Pieces(Requests);
 
 impl Incoming for Pieces {
-    async fn recv(&mut self) -> Result<Option<Vec<u8>>, String> {
+    async fn recv(&mut self) -> Result<Option<Bytes>, String> {
         Ok(self.0.recv().await)
     }
 }
@@ -178,7 +178,7 @@ async fn exchange(
         .recv()
         .await
         .ok_or_else(|| Status::invalid_argument("the HTTP request had no head"))?;
-    let head = match HttpRequest::decode(first.as_slice()).map(|m| m.kind) {
+    let head = match HttpRequest::decode(first).map(|m| m.kind) {
         Ok(Some(http_request::Kind::Head(head))) => head,
         Ok(_) => {
             return Err(Status::invalid_argument(
@@ -239,7 +239,7 @@ async fn exchange(
             headers: http_relay::to_values(resp.headers()),
         })),
     };
-    if !out.send(head.encode_to_vec()).await {
+    if !out.send(http_relay::encode(head)).await {
         return Ok(());
     }
     if status == http::StatusCode::SWITCHING_PROTOCOLS {

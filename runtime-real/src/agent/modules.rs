@@ -1,5 +1,6 @@
 //! The methods an agent serves, registered in one place.
 
+use bytes::Bytes;
 use futures::stream::{self, BoxStream, Stream, StreamExt, TryStreamExt};
 use prost::Message;
 use std::collections::BTreeMap;
@@ -8,11 +9,11 @@ use tokio::sync::mpsc;
 use tonic::Status;
 
 /// The encoded response messages of one call, in order; an error ends the call with it.
-pub type Answer = BoxStream<'static, Result<Vec<u8>, Status>>;
+pub type Answer = BoxStream<'static, Result<Bytes, Status>>;
 
 /// The encoded request messages of one call as kas sends them; the end is the caller's
 /// close-send.
-pub type Requests = mpsc::Receiver<Vec<u8>>;
+pub type Requests = mpsc::Receiver<Bytes>;
 
 type Handler = Arc<dyn Fn(Requests) -> Answer + Send + Sync>;
 
@@ -47,9 +48,12 @@ impl Modules {
         let f = Arc::new(f);
         let handler: Handler = Arc::new(move |requests: Requests| {
             let f = f.clone();
-            stream::once(
-                async move { Ok(f(single::<Req>(requests).await?).await?.encode_to_vec()) },
-            )
+            stream::once(async move {
+                Ok(f(single::<Req>(requests).await?)
+                    .await?
+                    .encode_to_vec()
+                    .into())
+            })
             .boxed()
         });
         self.handlers.insert(method.to_string(), handler);
@@ -70,7 +74,7 @@ impl Modules {
             let f = f.clone();
             stream::once(async move { f(single::<Req>(requests).await?).await })
                 .try_flatten()
-                .map_ok(|m| m.encode_to_vec())
+                .map_ok(|m| m.encode_to_vec().into())
                 .boxed()
         });
         self.handlers.insert(method.to_string(), handler);

@@ -22,6 +22,7 @@ use crate::clock;
 use crate::frames;
 use crate::http_relay::{self, Incoming, Outgoing, UpgradedEnd};
 use axum::body::Body;
+use bytes::Bytes;
 use http::{HeaderValue, Request, Response, StatusCode, header};
 use http_body::Body as _;
 use kas_core::AgentId;
@@ -254,7 +255,7 @@ fn request_timeout(path: &str) -> Option<Duration> {
 struct ToAgent(mpsc::Sender<Frame>);
 
 impl Outgoing for ToAgent {
-    async fn send(&mut self, message: Vec<u8>) -> bool {
+    async fn send(&mut self, message: Bytes) -> bool {
         self.0.send(frames::message(0, message)).await.is_ok()
     }
 
@@ -274,7 +275,7 @@ async fn response_head(reply: &mut Reply, agent: AgentId) -> Result<ResponseHead
                 "agent {agent} ended the call without an HTTP response"
             ))
         })?;
-    match HttpResponse::decode(first.as_slice()).map(|m| m.kind) {
+    match HttpResponse::decode(first).map(|m| m.kind) {
         Ok(Some(http_response::Kind::Head(head))) => Ok(head),
         Ok(_) => Err(Failure::Agent(format!(
             "agent {agent} answered without an HTTP response head"
@@ -286,7 +287,7 @@ async fn response_head(reply: &mut Reply, agent: AgentId) -> Result<ResponseHead
 }
 
 impl Incoming for Reply {
-    async fn recv(&mut self) -> Result<Option<Vec<u8>>, String> {
+    async fn recv(&mut self) -> Result<Option<Bytes>, String> {
         self.message().await.map_err(|s| s.message().to_string())
     }
 }

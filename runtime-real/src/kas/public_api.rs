@@ -8,6 +8,7 @@ use super::reply::Reply;
 use crate::clock;
 use crate::frames;
 use crate::store::Store;
+use bytes::Bytes;
 use futures::stream::{BoxStream, StreamExt, TryStreamExt};
 use kas_core::keys::Keys;
 use kas_core::node::Origin;
@@ -129,7 +130,7 @@ impl PublicService {
         method: &str,
         request: Vec<u8>,
         deadline: Time,
-    ) -> Result<Vec<u8>, Status> {
+    ) -> Result<Bytes, Status> {
         let mut reply = self.call_agent(agent, connection, method, request, deadline)?;
         let body = reply
             .message()
@@ -155,8 +156,8 @@ fn kas_id_of(info: &ConnectedAgentInfo) -> Option<String> {
 /// A pod log as GitLab receives it.
 pub type LogChunks = BoxStream<'static, Result<LogChunk, Status>>;
 
-fn log_chunk(bytes: Vec<u8>) -> Result<LogChunk, Status> {
-    LogChunk::decode(bytes.as_slice())
+fn log_chunk(bytes: Bytes) -> Result<LogChunk, Status> {
+    LogChunk::decode(bytes)
         .map_err(|e| Status::internal(format!("agent sent a malformed log chunk: {e}")))
 }
 
@@ -221,7 +222,7 @@ impl KasApi for PublicService {
             }
         });
         let messages = reply.into_stream().await?.and_then(|bytes| async move {
-            HttpResponse::decode(bytes.as_slice())
+            HttpResponse::decode(bytes)
                 .map_err(|e| Status::internal(format!("agent sent a malformed HTTP message: {e}")))
         });
         Ok(Response::new(messages.boxed()))
@@ -298,7 +299,7 @@ impl KasApi for PublicService {
                 deadline,
             )
             .await?;
-        let list = ListResponse::decode(answer.as_slice())
+        let list = ListResponse::decode(answer)
             .map_err(|e| Status::internal(format!("agent sent a malformed pod list: {e}")))?;
         Ok(Response::new(GetPodsResponse { pods: list.pods }))
     }

@@ -4,6 +4,7 @@ use super::engine::CancelOnDrop;
 use super::timing::ANSWER_GRACE;
 use crate::clock;
 use crate::frames;
+use bytes::Bytes;
 use futures::stream::{self, StreamExt};
 use kas_core::{AgentId, Time};
 use kas_proto::frame::{Frame, frame::Kind};
@@ -46,7 +47,7 @@ impl Reply {
     }
 
     /// The next response message; `None` once the agent ended the call with OK.
-    pub async fn message(&mut self) -> Result<Option<Vec<u8>>, Status> {
+    pub async fn message(&mut self) -> Result<Option<Bytes>, Status> {
         while !self.ended {
             let item = match self.give_up {
                 Some(at) => tokio::time::timeout(
@@ -93,7 +94,7 @@ impl Reply {
     /// agent fails as a plain status, before any response headers.
     pub async fn into_stream(
         mut self,
-    ) -> Result<impl futures::Stream<Item = Result<Vec<u8>, Status>> + Send + 'static, Status> {
+    ) -> Result<impl futures::Stream<Item = Result<Bytes, Status>> + Send + 'static, Status> {
         let first = self.message().await?;
         let rest = stream::try_unfold(self, |mut reply| async move {
             Ok(reply.message().await?.map(|m| (m, reply)))

@@ -5,7 +5,8 @@
 //! [`LOG_LINE_EVERY`]), and exec over WebSocket (`v5.channel.k8s.io`/`v4.channel.k8s.io`)
 //! that echoes its command's arguments, and port-forward (see [`port_forward`]) whose ports
 //! echo. Plain HTTP/1.1 on loopback: what the agent dials.
-//! One path is test data, not Kubernetes: `/kas-local/bytes?n=N` streams N bytes.
+//! One path is test data, not Kubernetes: `/kas-local/bytes?n=N` streams N bytes (byte i
+//! is i % 251).
 
 use super::port_forward;
 use crate::agent::pods::FixturePodLog;
@@ -491,12 +492,19 @@ impl Cluster {
 fn bytes(query: &str) -> Response<Body> {
     let total: u64 = param(query, "n").and_then(|n| n.parse().ok()).unwrap_or(0);
     const PIECE: u64 = 64 * 1024;
-    let pieces = futures::stream::unfold(0u64, move |at| async move {
-        (at < total).then(|| {
-            let end = (at + PIECE).min(total);
-            let piece: Vec<u8> = (at..end).map(|i| (i % 251) as u8).collect();
-            (Ok::<_, std::io::Error>(piece), end)
-        })
+    // Byte i is i % 251: each piece is a slice of one pattern, so that making the bytes
+    // costs nothing beside what carries them (a benchmark measures the carrying).
+    let pattern = bytes::Bytes::from_iter((0..PIECE + 251).map(|i| (i % 251) as u8));
+    let pieces = futures::stream::unfold(0u64, move |at| {
+        let pattern = pattern.clone();
+        async move {
+            (at < total).then(|| {
+                let end = (at + PIECE).min(total);
+                let from = (at % 251) as usize;
+                let piece = pattern.slice(from..from + (end - at) as usize);
+                (Ok::<_, std::io::Error>(piece), end)
+            })
+        }
     });
     let mut resp = Response::new(Body::from_stream(pieces));
     resp.headers_mut().insert(
