@@ -106,6 +106,7 @@ fn server(listen: &Listen) -> Server {
     Server::builder()
         .tcp_nodelay(true)
         .max_concurrent_streams(listen.max_concurrent_streams)
+        .max_frame_size(crate::MAX_FRAME_SIZE)
         .http2_keepalive_interval(Some(listen.keepalive_interval))
         .http2_keepalive_timeout(Some(listen.keepalive_timeout))
 }

@@ -2,6 +2,11 @@
 //! `kasctl` binaries.
 
 pub mod agent;
+
+/// The largest HTTP/2 DATA frame kas and agentk take (`SETTINGS_MAX_FRAME_SIZE`), as
+/// servers and as clients: a streamed body's 256 KiB messages go in one frame each
+/// rather than sixteen of the protocol's default 16 KiB.
+pub const MAX_FRAME_SIZE: u32 = 256 * 1024 + 64;
 pub mod agent_auth;
 pub mod api_client;
 pub mod buggify;

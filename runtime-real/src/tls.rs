@@ -237,8 +237,11 @@ pub fn connect_lazy(
 
 /// `http://host:port`: HTTP/2 in the clear over whatever [`Dialer`] gives.
 fn plain_endpoint(url: &KasUrl) -> Result<tonic::transport::Endpoint, String> {
-    tonic::transport::Endpoint::from_shared(format!("http://{}", url.authority))
-        .map_err(|e| format!("{url}: {e}"))
+    let endpoint = tonic::transport::Endpoint::from_shared(format!("http://{}", url.authority))
+        .map_err(|e| format!("{url}: {e}"))?;
+    #[cfg(not(madsim))] // madsim's channels have no frames
+    let endpoint = endpoint.max_frame_size(crate::MAX_FRAME_SIZE);
+    Ok(endpoint)
 }
 
 /// How a client reaches kas when plain TCP is not enough: TCP (through the proxy's tunnel,
