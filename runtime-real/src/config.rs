@@ -108,6 +108,9 @@ pub struct KubernetesApi {
     /// 503; a request's own `?timeout=` shortens it.
     #[serde(with = "humantime_serde")]
     pub routing_timeout: Duration,
+    /// Requests one caller token may have open at once on this kas (watches, logs and
+    /// exec sessions included); beyond it a request is answered 429.
+    pub max_requests_per_token: usize,
 }
 
 impl Default for KubernetesApi {
@@ -120,6 +123,7 @@ impl Default for KubernetesApi {
             url_path_prefix: "/".into(),
             tokens_file: None,
             routing_timeout: Duration::from_secs(20),
+            max_requests_per_token: 500,
         }
     }
 }
@@ -656,6 +660,11 @@ impl Config {
             }
             if k.routing_timeout.is_zero() {
                 p.push("agent.kubernetes_api.routing_timeout must be greater than zero".into());
+            }
+            if k.max_requests_per_token == 0 {
+                p.push(
+                    "agent.kubernetes_api.max_requests_per_token must be greater than zero".into(),
+                );
             }
             match &k.tokens_file {
                 Some(f) => {

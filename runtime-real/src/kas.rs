@@ -632,6 +632,7 @@ fn kubernetes_api_server(
                 tokens,
                 prefix,
                 routing_timeout: k.routing_timeout,
+                open: kubernetes_api::OpenRequests::new(k.max_requests_per_token, metrics.clone()),
             };
             let what = "agent.kubernetes_api";
             let tls = tls_config(&k.listen, what, ALPN_GRPC_OR_HTTP1)?;

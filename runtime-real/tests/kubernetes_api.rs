@@ -118,13 +118,14 @@ fn http_client() -> reqwest::Client {
 }
 
 /// A kas process (in-memory registry) whose plaintext Kubernetes API listener takes
-/// `pat:1:<token>` and [`KUBE_MAX_STREAMS`] requests at once per HTTP/2 connection.
+/// `pat:1:<token>`, [`KUBE_MAX_STREAMS`] requests at once per HTTP/2 connection and
+/// [`KUBE_MAX_REQUESTS`] per token.
 async fn kas_with_kubernetes_api(secrets: &support::Secrets, token: &str) -> support::KasProc {
     let users = secrets.path("users.yaml");
     let line = format!("tokens:\n  - {{token: {token}, kind: pat, agent_ids: [1], username: u}}\n");
     std::fs::write(&users, line).unwrap();
     let agent_lines = format!(
-        "  kubernetes_api:\n    listen:\n      address: 127.0.0.1:0\n      max_concurrent_streams: {KUBE_MAX_STREAMS}\n    tokens_file: {}\n",
+        "  kubernetes_api:\n    listen:\n      address: 127.0.0.1:0\n      max_concurrent_streams: {KUBE_MAX_STREAMS}\n    max_requests_per_token: {KUBE_MAX_REQUESTS}\n    tokens_file: {}\n",
         users.display()
     );
     let extra = support::Extra {
@@ -135,6 +136,54 @@ async fn kas_with_kubernetes_api(secrets: &support::Secrets, token: &str) -> sup
 }
 
 const KUBE_MAX_STREAMS: u32 = 64;
+const KUBE_MAX_REQUESTS: usize = 3;
+
+/// A caller token with `max_requests_per_token` requests open (waiting for an agent that
+/// is not connected) is answered 429 naming the key, and counted; a request that ends
+/// (its caller gone) gives its place back.
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn a_token_with_too_many_requests_open_is_answered_429() {
+    let secrets = support::Secrets::new();
+    let token = "busy-user-token-0001";
+    let kas = kas_with_kubernetes_api(&secrets, token).await;
+    let url = format!(
+        "http://{}/api/v1/pods",
+        kas.kubernetes_api.expect("a Kubernetes API listener")
+    );
+    let get = |timeout: &str| {
+        http_client()
+            .get(format!("{url}?timeout={timeout}"))
+            .bearer_auth(format!("pat:1:{token}"))
+            .send()
+    };
+    let waiting: Vec<_> = (0..KUBE_MAX_REQUESTS)
+        .map(|_| tokio::spawn(get("30s")))
+        .collect();
+    kas.await_metric(&format!("kas_routing_calls {KUBE_MAX_REQUESTS}"))
+        .await;
+    let refused = get("30s").await.expect("an answer");
+    assert_eq!(refused.status(), 429);
+    let status: Value = refused.json().await.expect("a Status object");
+    assert_eq!(status["kind"], "Status");
+    let message = status["message"].as_str().unwrap_or_default();
+    assert!(
+        message.contains("agent.kubernetes_api.max_requests_per_token"),
+        "{message}"
+    );
+    kas.await_metric(
+        "kas_limit_refusals_total{limit=\"agent.kubernetes_api.max_requests_per_token\"} 1",
+    )
+    .await;
+    for w in waiting {
+        w.abort();
+    }
+    // With the waiting callers gone, the token's next request waits for the agent again.
+    support::eventually(Duration::from_secs(10), "a place back", || async {
+        let r = get("1s").await.ok()?;
+        (r.status() == 503).then_some(())
+    })
+    .await;
+}
 
 /// A client of kas's Kubernetes API listener, trusting the deployment's CA.
 fn https_client(d: &LocalDeployment) -> reqwest::Client {

@@ -17,6 +17,8 @@ pub use gitlab::GitLabAccess;
 
 use super::call::{Call, Rest};
 use super::engine::{CancelOnDrop, EngineHandle};
+use super::limits::{release, take};
+use super::metrics::Metrics;
 use super::reply::Reply;
 use crate::clock;
 use crate::frames;
@@ -26,6 +28,7 @@ use bytes::Bytes;
 use http::{HeaderValue, Request, Response, StatusCode, header};
 use http_body::Body as _;
 use kas_core::AgentId;
+use kas_core::fixed_hash::Map;
 use kas_core::node::Origin;
 use kas_proto::frame::{Frame, RequestStart};
 use kas_proto::http::{
@@ -33,6 +36,7 @@ use kas_proto::http::{
     http_response,
 };
 use prost::Message;
+use sha2::{Digest, Sha256};
 use std::sync::Arc;
 use std::time::Duration;
 use tokio::sync::mpsc;
@@ -81,6 +85,75 @@ pub struct KubernetesApiService {
     pub prefix: String,
     /// `routing_timeout`.
     pub routing_timeout: Duration,
+    /// What each caller token has open.
+    pub open: OpenRequests,
+}
+
+/// The configuration key of [`OpenRequests`]'s limit.
+const MAX_REQUESTS_PER_TOKEN: &str = "agent.kubernetes_api.max_requests_per_token";
+
+/// Requests each caller token has open at once, under `max_requests_per_token`; keyed by
+/// a digest of the token, so that the tokens themselves are not kept.
+#[derive(Clone)]
+pub struct OpenRequests {
+    max: usize,
+    counts: Arc<std::sync::Mutex<Map<[u8; 32], usize>>>,
+    metrics: Metrics,
+}
+
+/// One open request, counted until dropped: with its response's body or upgraded stream.
+struct Open {
+    of: OpenRequests,
+    key: [u8; 32],
+}
+
+impl Drop for Open {
+    fn drop(&mut self) {
+        release(&mut self.of.lock(), self.key);
+    }
+}
+
+impl OpenRequests {
+    /// At most `max` requests per token; refusals counted in `metrics`.
+    pub fn new(max: usize, metrics: Metrics) -> Self {
+        OpenRequests {
+            max,
+            counts: Arc::default(),
+            metrics,
+        }
+    }
+
+    fn lock(&self) -> std::sync::MutexGuard<'_, Map<[u8; 32], usize>> {
+        self.counts.lock().unwrap_or_else(|p| p.into_inner())
+    }
+
+    fn open(&self, credential: &Credential) -> Result<Open, Refusal> {
+        let key: [u8; 32] = Sha256::digest(credential.to_bearer().as_bytes()).into();
+        if !take(&mut self.lock(), key, self.max) {
+            self.metrics.limit_refused(MAX_REQUESTS_PER_TOKEN);
+            return Err(Refusal::Throttled(format!(
+                "this token already has {} requests open on this kas (limit {MAX_REQUESTS_PER_TOKEN})",
+                self.max
+            )));
+        }
+        Ok(Open {
+            of: self.clone(),
+            key,
+        })
+    }
+}
+
+/// The agent's answer, and the caller's place under its token's limit for as long as the
+/// answer is read.
+struct Answer {
+    reply: Reply,
+    _open: Open,
+}
+
+impl Incoming for Answer {
+    async fn recv(&mut self) -> Result<Option<Bytes>, String> {
+        self.reply.recv().await
+    }
 }
 
 impl KubernetesApiService {
@@ -114,6 +187,7 @@ impl KubernetesApiService {
             .and_then(|v| v.to_str().ok());
         let credential = Credential::parse(auth)?;
         let grant = self.tokens.check(&credential, peer).await?;
+        let open = self.open.open(&credential)?;
         let upgrade =
             http_relay::wants_upgrade(req.headers()).then(|| hyper::upgrade::on(&mut req));
         let mut headers = http_relay::to_values(req.headers());
@@ -165,7 +239,10 @@ impl KubernetesApiService {
             .map_err(Failure::Call)?;
         let cancel = CancelOnDrop::new(self.engine.clone(), id);
         // The head may take the API server as long as it takes once the call is delivered.
-        let mut from_agent = Reply::new(agent, rx, cancel, None, true);
+        let mut from_agent = Answer {
+            reply: Reply::new(agent, rx, cancel, None, true),
+            _open: open,
+        };
         let upgrading = match (upgrade, rest_tx) {
             (Some(on_upgrade), Some(out)) => Some((on_upgrade, out)),
             (None, Some(mut out)) => {
@@ -181,7 +258,7 @@ impl KubernetesApiService {
             }
             _ => None,
         };
-        let head = response_head(&mut from_agent, agent).await?;
+        let head = response_head(&mut from_agent.reply, agent).await?;
         // 1xx heads other than an asked-for upgrade's 101 have no place here.
         let status = StatusCode::from_u16(u16::try_from(head.status).unwrap_or(0))
             .ok()

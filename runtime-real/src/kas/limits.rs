@@ -64,7 +64,7 @@ impl Drop for Slot {
     }
 }
 
-fn release<K: std::hash::Hash + Eq>(counts: &mut Map<K, usize>, key: K) {
+pub(super) fn release<K: std::hash::Hash + Eq>(counts: &mut Map<K, usize>, key: K) {
     if let Some(n) = counts.get_mut(&key) {
         *n -= 1;
         if *n == 0 {
@@ -74,7 +74,11 @@ fn release<K: std::hash::Hash + Eq>(counts: &mut Map<K, usize>, key: K) {
 }
 
 /// Takes a place under `max` in `counts[key]`.
-fn take<K: std::hash::Hash + Eq>(counts: &mut Map<K, usize>, key: K, max: usize) -> bool {
+pub(super) fn take<K: std::hash::Hash + Eq>(
+    counts: &mut Map<K, usize>,
+    key: K,
+    max: usize,
+) -> bool {
     let n = counts.entry(key).or_default();
     if *n >= max {
         return false;
