@@ -108,8 +108,9 @@ pub struct KubernetesApi {
     /// 503; a request's own `?timeout=` shortens it.
     #[serde(with = "humantime_serde")]
     pub routing_timeout: Duration,
-    /// Requests one caller token may have open at once on this kas (watches, logs and
-    /// exec sessions included); beyond it a request is answered 429.
+    /// Requests one caller token may have open at once on this kas, whatever agents they
+    /// name (watches, logs and exec sessions included); beyond it a request is answered
+    /// 429.
     pub max_requests_per_token: usize,
 }
 

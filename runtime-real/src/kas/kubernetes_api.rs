@@ -128,7 +128,8 @@ impl OpenRequests {
     }
 
     fn open(&self, credential: &Credential) -> Result<Open, Refusal> {
-        let key: [u8; 32] = Sha256::digest(credential.to_bearer().as_bytes()).into();
+        // The token alone: one caller's requests count together whatever agents they name.
+        let key: [u8; 32] = Sha256::digest(credential.token.as_bytes()).into();
         if !take(&mut self.lock(), key, self.max) {
             self.metrics.limit_refused(MAX_REQUESTS_PER_TOKEN);
             return Err(Refusal::Throttled(format!(
