@@ -17,7 +17,7 @@ pub use gitlab::GitLabAccess;
 
 use super::call::{Call, Rest};
 use super::engine::{CancelOnDrop, EngineHandle};
-use super::limits::{release, take};
+use super::limits::{Place, Places};
 use super::metrics::Metrics;
 use super::reply::Reply;
 use crate::clock;
@@ -28,7 +28,6 @@ use bytes::Bytes;
 use http::{HeaderValue, Request, Response, StatusCode, header};
 use http_body::Body as _;
 use kas_core::AgentId;
-use kas_core::fixed_hash::Map;
 use kas_core::node::Origin;
 use kas_proto::frame::{Frame, RequestStart};
 use kas_proto::http::{
@@ -96,50 +95,30 @@ const MAX_REQUESTS_PER_TOKEN: &str = "agent.kubernetes_api.max_requests_per_toke
 /// a digest of the token, so that the tokens themselves are not kept.
 #[derive(Clone)]
 pub struct OpenRequests {
-    max: usize,
-    counts: Arc<std::sync::Mutex<Map<[u8; 32], usize>>>,
+    places: Places<[u8; 32]>,
     metrics: Metrics,
-}
-
-/// One open request, counted until dropped: with its response's body or upgraded stream.
-struct Open {
-    of: OpenRequests,
-    key: [u8; 32],
-}
-
-impl Drop for Open {
-    fn drop(&mut self) {
-        release(&mut self.of.lock(), self.key);
-    }
 }
 
 impl OpenRequests {
     /// At most `max` requests per token; refusals counted in `metrics`.
     pub fn new(max: usize, metrics: Metrics) -> Self {
         OpenRequests {
-            max,
-            counts: Arc::default(),
+            places: Places::new(max),
             metrics,
         }
     }
 
-    fn lock(&self) -> std::sync::MutexGuard<'_, Map<[u8; 32], usize>> {
-        self.counts.lock().unwrap_or_else(|p| p.into_inner())
-    }
-
-    fn open(&self, credential: &Credential) -> Result<Open, Refusal> {
+    /// A place for one more request of `credential`'s token, held until dropped: with the
+    /// response's body or upgraded stream.
+    fn open(&self, credential: &Credential) -> Result<Place<[u8; 32]>, Refusal> {
         // The token alone: one caller's requests count together whatever agents they name.
         let key: [u8; 32] = Sha256::digest(credential.token.as_bytes()).into();
-        if !take(&mut self.lock(), key, self.max) {
+        self.places.take(key).ok_or_else(|| {
             self.metrics.limit_refused(MAX_REQUESTS_PER_TOKEN);
-            return Err(Refusal::Throttled(format!(
+            Refusal::Throttled(format!(
                 "this token already has {} requests open on this kas (limit {MAX_REQUESTS_PER_TOKEN})",
-                self.max
-            )));
-        }
-        Ok(Open {
-            of: self.clone(),
-            key,
+                self.places.max()
+            ))
         })
     }
 }
@@ -148,7 +127,7 @@ impl OpenRequests {
 /// answer is read.
 struct Answer {
     reply: Reply,
-    _open: Open,
+    _open: Place<[u8; 32]>,
 }
 
 impl Incoming for Answer {

@@ -1,13 +1,15 @@
 //! What one agent may hold on this kas: requests per minute, open connections, tunnels per
 //! connection. (One agent token once held 20,000 `GetConfiguration` streams and 20,000
 //! tunnels.) Each refusal is `ResourceExhausted` naming the configuration key, and counted
-//! in `kas_limit_refusals_total`.
+//! in `kas_limit_refusals_total`. [`Places`] counts what a key holds under a maximum, for
+//! these and for the Kubernetes API's requests per caller token.
 
 use super::metrics::Metrics;
 use crate::rate::{Bucket, Rate};
 use kas_core::fixed_hash::Map;
 use kas_core::{AgentId, ConnectionId};
 
+use std::hash::Hash;
 use std::sync::{Arc, Mutex};
 use tokio::time::Instant;
 use tonic::Status;
@@ -26,65 +28,74 @@ pub struct AgentLimitsConfig {
     pub tunnels_per_connection: usize,
 }
 
-#[derive(Default)]
-struct State {
-    /// Per agent: its requests.
-    buckets: Map<AgentId, Bucket>,
-    connections: Map<AgentId, usize>,
-    tunnels: Map<(AgentId, ConnectionId), usize>,
+/// Places counted per key under one maximum, each held until its [`Place`] is dropped.
+#[derive(Clone)]
+pub struct Places<K> {
+    max: usize,
+    counts: Arc<Mutex<Map<K, usize>>>,
+}
+
+/// One place in a [`Places`], given back when dropped.
+pub struct Place<K: Hash + Eq> {
+    counts: Arc<Mutex<Map<K, usize>>>,
+    key: K,
+}
+
+fn locked<T>(state: &Mutex<T>) -> std::sync::MutexGuard<'_, T> {
+    // The state stays consistent under a panic elsewhere: each update is one statement.
+    state.lock().unwrap_or_else(|p| p.into_inner())
+}
+
+impl<K: Hash + Eq> Drop for Place<K> {
+    fn drop(&mut self) {
+        let mut counts = locked(&self.counts);
+        if let Some(n) = counts.get_mut(&self.key) {
+            *n -= 1;
+            if *n == 0 {
+                counts.remove(&self.key);
+            }
+        }
+    }
+}
+
+impl<K: Hash + Eq + Clone> Places<K> {
+    /// At most `max` places per key.
+    pub fn new(max: usize) -> Self {
+        Places {
+            max,
+            counts: Arc::default(),
+        }
+    }
+
+    /// The most places one key may hold.
+    pub fn max(&self) -> usize {
+        self.max
+    }
+
+    /// A place for `key`; `None` when it holds the most already.
+    pub fn take(&self, key: K) -> Option<Place<K>> {
+        let mut counts = locked(&self.counts);
+        let n = counts.entry(key.clone()).or_default();
+        if *n >= self.max {
+            return None;
+        }
+        *n += 1;
+        Some(Place {
+            counts: self.counts.clone(),
+            key,
+        })
+    }
 }
 
 /// The limits and what each agent holds, shared by the agent API's handlers.
 #[derive(Clone)]
 pub struct AgentLimits {
     config: AgentLimitsConfig,
-    state: Arc<Mutex<State>>,
+    /// Per agent: its requests.
+    buckets: Arc<Mutex<Map<AgentId, Bucket>>>,
+    connections: Places<AgentId>,
+    tunnels: Places<(AgentId, ConnectionId)>,
     metrics: Metrics,
-}
-
-/// What a [`Slot`] holds a place in.
-enum Held {
-    Connection(AgentId),
-    Tunnel(AgentId, ConnectionId),
-}
-
-/// A connection or tunnel counted against its limit until dropped.
-pub struct Slot {
-    limits: AgentLimits,
-    held: Held,
-}
-
-impl Drop for Slot {
-    fn drop(&mut self) {
-        let mut state = self.limits.lock();
-        match self.held {
-            Held::Connection(agent) => release(&mut state.connections, agent),
-            Held::Tunnel(agent, c) => release(&mut state.tunnels, (agent, c)),
-        }
-    }
-}
-
-pub(super) fn release<K: std::hash::Hash + Eq>(counts: &mut Map<K, usize>, key: K) {
-    if let Some(n) = counts.get_mut(&key) {
-        *n -= 1;
-        if *n == 0 {
-            counts.remove(&key);
-        }
-    }
-}
-
-/// Takes a place under `max` in `counts[key]`.
-pub(super) fn take<K: std::hash::Hash + Eq>(
-    counts: &mut Map<K, usize>,
-    key: K,
-    max: usize,
-) -> bool {
-    let n = counts.entry(key).or_default();
-    if *n >= max {
-        return false;
-    }
-    *n += 1;
-    true
 }
 
 impl AgentLimits {
@@ -92,14 +103,11 @@ impl AgentLimits {
     pub fn new(config: AgentLimitsConfig, metrics: Metrics) -> Self {
         AgentLimits {
             config,
-            state: Arc::default(),
+            buckets: Arc::default(),
+            connections: Places::new(config.connections_per_agent),
+            tunnels: Places::new(config.tunnels_per_connection),
             metrics,
         }
-    }
-
-    fn lock(&self) -> std::sync::MutexGuard<'_, State> {
-        // The counts stay consistent under a panic elsewhere: each update is one statement.
-        self.state.lock().unwrap_or_else(|p| p.into_inner())
     }
 
     /// Counts a refusal by the limit configured at `key`, made elsewhere.
@@ -120,15 +128,15 @@ impl AgentLimits {
             per: std::time::Duration::from_secs(60),
         };
         let now = Instant::now();
-        let mut state = self.lock();
-        if state.buckets.len() >= MAX_BUCKETS {
-            state.buckets.retain(|_, b| !rate.is_full(b, now));
+        let mut buckets = locked(&self.buckets);
+        if buckets.len() >= MAX_BUCKETS {
+            buckets.retain(|_, b| !rate.is_full(b, now));
         }
-        let bucket = state.buckets.entry(agent).or_insert(rate.bucket(now));
+        let bucket = buckets.entry(agent).or_insert(rate.bucket(now));
         if rate.take(bucket, now) {
             return Ok(());
         }
-        drop(state);
+        drop(buckets);
         Err(self.refuse(
             "agent.listen.connections_per_token_per_minute",
             format!(
@@ -139,32 +147,28 @@ impl AgentLimits {
     }
 
     /// A place for one more open connection of `agent`.
-    pub fn connection(&self, agent: AgentId) -> Result<Slot, Status> {
-        let max = self.config.connections_per_agent;
-        if !take(&mut self.lock().connections, agent, max) {
-            return Err(self.refuse(
+    pub fn connection(&self, agent: AgentId) -> Result<Place<AgentId>, Status> {
+        self.connections.take(agent).ok_or_else(|| {
+            let max = self.connections.max();
+            self.refuse(
                 "agent.max_connections_per_agent",
                 format!("agent {agent} already holds {max} connections on this kas"),
-            ));
-        }
-        Ok(Slot {
-            limits: self.clone(),
-            held: Held::Connection(agent),
+            )
         })
     }
 
     /// A place for one more tunnel of `agent`'s `connection`.
-    pub fn tunnel(&self, agent: AgentId, connection: ConnectionId) -> Result<Slot, Status> {
-        let max = self.config.tunnels_per_connection;
-        if !take(&mut self.lock().tunnels, (agent, connection), max) {
-            return Err(self.refuse(
+    pub fn tunnel(
+        &self,
+        agent: AgentId,
+        connection: ConnectionId,
+    ) -> Result<Place<(AgentId, ConnectionId)>, Status> {
+        self.tunnels.take((agent, connection)).ok_or_else(|| {
+            let max = self.tunnels.max();
+            self.refuse(
                 "agent.max_tunnels_per_connection",
                 format!("connection {connection} of agent {agent} already holds {max} tunnels"),
-            ));
-        }
-        Ok(Slot {
-            limits: self.clone(),
-            held: Held::Tunnel(agent, connection),
+            )
         })
     }
 }

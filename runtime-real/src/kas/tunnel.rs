@@ -3,7 +3,7 @@
 
 use super::call::{Call, Responses};
 use super::engine::EngineHandle;
-use super::limits::Slot;
+use super::limits::Place;
 use super::timing::TUNNEL_GRACE;
 use crate::buggify::{self, Point};
 use crate::channel_ends::recv;
@@ -11,7 +11,7 @@ use crate::clock;
 use crate::frames;
 use kas_core::frame_sequence::{Direction, FrameSequence, Progress};
 use kas_core::node::NodeInput;
-use kas_core::{RequestId, TunnelId};
+use kas_core::{AgentId, ConnectionId, RequestId, TunnelId};
 use kas_proto::frame::{Frame, frame::Kind};
 use std::time::Duration;
 use tokio::sync::{mpsc, watch};
@@ -66,7 +66,7 @@ pub struct Tunnel {
     /// Turns true when kas sends its agents away.
     pub leaving: watch::Receiver<bool>,
     /// Its place under `agent.max_tunnels_per_connection`, held while it runs.
-    pub _slot: Slot,
+    pub _slot: Place<(AgentId, ConnectionId)>,
 }
 
 enum End {
