@@ -114,6 +114,7 @@ fn server(listen: &Listen) -> Server {
 /// How one listener takes its connections.
 struct Listening {
     /// `listen.handshake_timeout`.
+    #[cfg_attr(madsim, allow(dead_code))] // madsim's tonic accepts by itself
     handshake: Duration,
     /// Its name in logs and metrics.
     #[cfg_attr(madsim, allow(dead_code))] // madsim's tonic accepts by itself
@@ -516,8 +517,7 @@ impl Kas {
         };
         let observability_server = tokio::spawn(observability::serve(
             obs_l,
-            obs_listening.handshake,
-            config.observability.listen.max_concurrent_streams,
+            config.observability.listen.clone(),
             obs_listening.tls,
             health.clone(),
             async {

@@ -437,10 +437,5 @@ pub async fn serve(
     // Only the start is guarded: a watch or an exec session may rightly stay silent.
     let guard = Guard::FirstByte(listen.handshake_timeout);
     let acceptor = Acceptor::new(listener, guard, "kubernetes_api", metrics);
-    let router = service.router();
-    let (handshake, streams) = (listen.handshake_timeout, listen.max_concurrent_streams);
-    let r = super::listener::serve_http(acceptor, router, tls, handshake, streams, signal).await;
-    if let Err(e) = r {
-        tracing::error!(error = %e, "kubernetes_api listener failed");
-    }
+    super::listener::serve_http(acceptor, service.router(), tls, listen, signal).await;
 }

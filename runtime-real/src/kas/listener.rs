@@ -278,25 +278,25 @@ impl axum::serve::Listener for Acceptor {
 pub struct Peer(pub SocketAddr);
 
 /// Serves `router` (HTTP/1.1 and HTTP/2) on `acceptor`'s connections, after a TLS
-/// handshake within `handshake_timeout` when `tls` is set, at most `max_streams` requests
-/// at once per HTTP/2 connection, until `signal` resolves: then it takes no new
-/// connections, tells HTTP/2 clients to go elsewhere (GOAWAY) and lets running requests
-/// finish.
+/// handshake within `listen.handshake_timeout` when `tls` is set, at most
+/// `listen.max_concurrent_streams` requests at once per HTTP/2 connection, until `signal`
+/// resolves: then it takes no new connections, tells HTTP/2 clients to go elsewhere
+/// (GOAWAY) and lets running requests finish.
 pub async fn serve_http(
     acceptor: Acceptor,
     router: axum::Router,
     tls: Option<Arc<rustls::ServerConfig>>,
-    handshake_timeout: Duration,
-    max_streams: u32,
+    listen: &crate::config::Listen,
     signal: impl Future<Output = ()> + Send + 'static,
-) -> io::Result<()> {
+) {
+    let max_streams = listen.max_concurrent_streams;
     match tls {
         None => serve_connections(acceptor, router, max_streams, signal).await,
         Some(tls) => {
             let incoming = acceptor.handshaking(Handshakes {
                 tls: Some(tls),
                 websocket: false,
-                timeout: handshake_timeout,
+                timeout: listen.handshake_timeout,
             });
             serve_connections(incoming, router, max_streams, signal).await
         }
@@ -308,8 +308,7 @@ async fn serve_connections<L>(
     router: axum::Router,
     max_streams: u32,
     signal: impl Future<Output = ()> + Send + 'static,
-) -> io::Result<()>
-where
+) where
     L: axum::serve::Listener<Addr = SocketAddr>,
 {
     use hyper_util::rt::{TokioExecutor, TokioIo};
@@ -338,7 +337,6 @@ where
     }
     drop(listener);
     graceful.shutdown().await;
-    Ok(())
 }
 
 /// What a listener does with a connection before serving it.

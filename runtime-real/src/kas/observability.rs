@@ -41,12 +41,11 @@ pub fn gauge(metrics: &str, name: &str) -> Option<f64> {
 }
 
 /// Serves `/metrics`, `/liveness` and `/readiness` on `listener` until `signal` resolves;
-/// a connection silent for `read_timeout` while a request is awaited is closed.
+/// a connection silent for `listen.handshake_timeout` while a request is awaited is closed.
 #[cfg(not(madsim))]
 pub async fn serve(
     listener: tokio::net::TcpListener,
-    read_timeout: std::time::Duration,
-    max_streams: u32,
+    listen: crate::config::Listen,
     tls: Option<std::sync::Arc<rustls::ServerConfig>>,
     health: Health,
     signal: impl Future<Output = ()> + Send + 'static,
@@ -73,13 +72,9 @@ pub async fn serve(
             }),
         )
         .with_state(health.clone());
-    let guard = super::listener::Guard::ReadIdle(read_timeout);
+    let guard = super::listener::Guard::ReadIdle(listen.handshake_timeout);
     let acceptor = super::listener::Acceptor::new(listener, guard, "observability", health.metrics);
-    let r =
-        super::listener::serve_http(acceptor, routes, tls, read_timeout, max_streams, signal).await;
-    if let Err(e) = r {
-        tracing::error!(error = %e, "observability listener failed");
-    }
+    super::listener::serve_http(acceptor, routes, tls, &listen, signal).await;
 }
 
 /// In the simulation there is no HTTP listener (axum needs real sockets); the simulation
@@ -87,8 +82,7 @@ pub async fn serve(
 #[cfg(madsim)]
 pub async fn serve(
     listener: tokio::net::TcpListener,
-    _read_timeout: std::time::Duration,
-    _max_streams: u32,
+    _listen: crate::config::Listen,
     _tls: Option<std::sync::Arc<rustls::ServerConfig>>,
     _health: Health,
     signal: impl Future<Output = ()> + Send + 'static,
