@@ -159,23 +159,24 @@ fn stream_id(bytes: &[u8]) -> io::Result<u32> {
     Ok(u32::from_be_bytes(b) & 0x7fff_ffff)
 }
 
-fn control(kind: u16, flags: u8, payload: &[u8]) -> Vec<u8> {
+/// A frame: its first four bytes (a control frame's version and type, or a data frame's
+/// stream id), flags, a 24-bit length, the payload.
+fn frame(first: [u8; 4], flags: u8, payload: &[u8]) -> Vec<u8> {
     let mut f = Vec::with_capacity(8 + payload.len());
-    f.extend_from_slice(&[0x80, 3]);
-    f.extend_from_slice(&kind.to_be_bytes());
+    f.extend_from_slice(&first);
     f.push(flags);
     f.extend_from_slice(&(payload.len() as u32).to_be_bytes()[1..]);
     f.extend_from_slice(payload);
     f
 }
 
+fn control(kind: u16, flags: u8, payload: &[u8]) -> Vec<u8> {
+    let [hi, lo] = kind.to_be_bytes();
+    frame([0x80, 3, hi, lo], flags, payload)
+}
+
 fn data(id: u32, flags: u8, payload: &[u8]) -> Vec<u8> {
-    let mut f = Vec::with_capacity(8 + payload.len());
-    f.extend_from_slice(&id.to_be_bytes());
-    f.push(flags);
-    f.extend_from_slice(&(payload.len() as u32).to_be_bytes()[1..]);
-    f.extend_from_slice(payload);
-    f
+    frame(id.to_be_bytes(), flags, payload)
 }
 
 /// Reads an inflated header block's fields in order.
@@ -271,7 +272,7 @@ impl<IO: AsyncRead + AsyncWrite + Unpin> Session<IO> {
     }
 
     /// Echoes a data stream's bytes; when the client ends it, ends it and its error stream.
-    async fn data(&mut self, id: u32, flags: u8, payload: &[u8]) -> io::Result<()> {
+    async fn on_data(&mut self, id: u32, flags: u8, payload: &[u8]) -> io::Result<()> {
         let Some(stream) = self.streams.get(&id) else {
             return Ok(()); // reset or never opened: dropped, as SPDY says
         };
@@ -297,6 +298,24 @@ impl<IO: AsyncRead + AsyncWrite + Unpin> Session<IO> {
         Ok(())
     }
 
+    /// Answers a control frame; false at the client's go-away.
+    async fn on_control(&mut self, head: [u8; 8], flags: u8, payload: &[u8]) -> io::Result<bool> {
+        let version = u16::from_be_bytes([head[0] & 0x7f, head[1]]);
+        if version != 3 {
+            return Err(invalid(format!("SPDY version {version}")));
+        }
+        match u16::from_be_bytes([head[2], head[3]]) {
+            SYN_STREAM => self.syn_stream(payload).await?,
+            RST_STREAM => {
+                self.streams.remove(&stream_id(payload)?);
+            }
+            PING => self.io.write_all(&control(PING, flags, payload)).await?,
+            GOAWAY => return Ok(false),
+            _ => {} // settings, window updates, headers: nothing here needs them
+        }
+        Ok(true)
+    }
+
     async fn run(mut self) -> io::Result<()> {
         loop {
             let mut head = [0u8; 8];
@@ -312,21 +331,9 @@ impl<IO: AsyncRead + AsyncWrite + Unpin> Session<IO> {
             let mut payload = vec![0; len];
             self.io.read_exact(&mut payload).await?;
             if head[0] & 0x80 == 0 {
-                self.data(stream_id(&head)?, flags, &payload).await?;
-                continue;
-            }
-            let version = u16::from_be_bytes([head[0] & 0x7f, head[1]]);
-            if version != 3 {
-                return Err(invalid(format!("SPDY version {version}")));
-            }
-            match u16::from_be_bytes([head[2], head[3]]) {
-                SYN_STREAM => self.syn_stream(&payload).await?,
-                RST_STREAM => {
-                    self.streams.remove(&stream_id(&payload)?);
-                }
-                PING => self.io.write_all(&control(PING, flags, &payload)).await?,
-                GOAWAY => return Ok(()),
-                _ => {} // settings, window updates, headers: nothing here needs them
+                self.on_data(stream_id(&head)?, flags, &payload).await?;
+            } else if !self.on_control(head, flags, &payload).await? {
+                return Ok(());
             }
             self.io.flush().await?;
         }
