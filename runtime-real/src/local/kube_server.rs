@@ -535,10 +535,10 @@ fn resources() -> Value {
     })
 }
 
-/// Subprotocols offered in `Sec-WebSocket-Protocol`.
-fn offered_protocols(req: &Request<Body>) -> Vec<String> {
+/// The comma-separated values of header `name` (offered protocols).
+fn listed(req: &Request<Body>, name: impl header::AsHeaderName) -> Vec<String> {
     req.headers()
-        .get_all(header::SEC_WEBSOCKET_PROTOCOL)
+        .get_all(name)
         .iter()
         .filter_map(|v| v.to_str().ok())
         .flat_map(|v| v.split(','))
@@ -554,7 +554,7 @@ fn accept_websocket(
     protocols: &[&'static str],
     what: &str,
 ) -> Result<(Response<Body>, impl Future<Output = Option<Ws>> + use<>), Response<Body>> {
-    let offered = offered_protocols(req);
+    let offered = listed(req, header::SEC_WEBSOCKET_PROTOCOL);
     let Some(protocol) = protocols.iter().find(|p| offered.iter().any(|o| o == *p)) else {
         return Err(status(
             StatusCode::BAD_REQUEST,
@@ -670,12 +670,9 @@ fn port_forward(mut req: Request<Body>) -> Response<Body> {
             Err(refusal) => refusal,
         };
     }
-    let offers_protocol = req
-        .headers()
-        .get_all("x-stream-protocol-version")
+    let offers_protocol = listed(&req, "x-stream-protocol-version")
         .iter()
-        .filter_map(|v| v.to_str().ok())
-        .any(|v| v.split(',').any(|p| p.trim() == port_forward::PROTOCOL));
+        .any(|p| p == port_forward::PROTOCOL);
     if !upgrade.eq_ignore_ascii_case(port_forward::SPDY) || !offers_protocol {
         return status(
             StatusCode::BAD_REQUEST,
