@@ -11,7 +11,8 @@ pub struct AgentId(pub i64);
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, PartialOrd, Ord)]
 pub struct ProjectId(pub i64);
 
-/// One agentk -> kas connection (one replica's `GetConfiguration` stream), random per open.
+/// One agentk replica, the same on every kas it holds a connection to (drawn by the replica
+/// at start; by kas, for agents that do not propose one).
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, PartialOrd, Ord)]
 pub struct ConnectionId(pub i64);
 

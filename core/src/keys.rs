@@ -19,12 +19,13 @@ impl Keys {
         }
     }
 
-    /// Hash of the agent's connections: field = connection id, value = `ConnectedAgentInfo`.
+    /// Hash of the agent's connections: field = `connection id@kas id` (a replica connected
+    /// to several kas has a record from each), value = `ConnectedAgentInfo`.
     pub fn connections_by_agent(&self, agent: AgentId) -> String {
         format!("{}:conn_by_agent:{{agent:{agent}}}", self.prefix)
     }
 
-    /// Hash of a project's agent connections: field = connection id.
+    /// Hash of a project's agent connections: field = `connection id@kas id`.
     pub fn connections_by_project(&self, project: ProjectId) -> String {
         format!("{}:conn_by_project:{{project:{project}}}", self.prefix)
     }

@@ -7,6 +7,7 @@
 //! - [`tracker`]: what this kas must keep in Redis, as transaction batches.
 //! - [`router`]: how a GitLab call finds a kas holding its agent's tunnel.
 //! - [`tunnel_pool`]: agentk's pool of idle tunnels (how many to open, which to close).
+//! - [`kas_links`]: agentk's connections to several kas (which to dial, drain, close).
 //! - [`frame_sequence`]: the checked frame grammar of tunnel and forward streams.
 //!
 //! The drivers (`kas-runtime` with tokio, `kas-sim` under madsim) do the I/O and nothing
@@ -82,6 +83,7 @@ pub mod expiring;
 pub mod fixed_hash;
 pub mod frame_sequence;
 pub mod ids;
+pub mod kas_links;
 pub mod keys;
 pub mod node;
 pub mod rng;

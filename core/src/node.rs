@@ -130,9 +130,12 @@ pub enum PubSubEvent {
 /// What the driver tells the node.
 #[derive(Debug)]
 pub enum NodeInput<C> {
-    /// An agent replica opened `GetConfiguration`.
+    /// An agent replica opened `GetConfiguration`. A replica may hold several streams here
+    /// at once (a new one opened before an old one ended): its tunnels belong to all of
+    /// them.
     AgentConnected(ConnectedAgentInfo),
-    /// That stream ended; its tunnels are closed with it.
+    /// That stream ended; once the replica's last stream here ended, its tunnels are
+    /// closed with it.
     AgentDisconnected {
         /// The agent.
         agent: AgentId,
@@ -212,6 +215,12 @@ pub enum NodeInput<C> {
     StoreHealth(bool),
     /// The pub-sub connection reported something.
     PubSub(PubSubEvent),
+    /// kas is stopping, its agents moving elsewhere: from now on no call is given to a
+    /// tunnel here. Calls waiting for one go back to their router (or, when another kas
+    /// sent them, are refused) so that they are served elsewhere, and this kas's tunnel
+    /// records are deleted and announced gone, so that routers stop choosing it. Calls in
+    /// tunnels run on.
+    Drain,
     /// Close every tunnel and delete this kas's records; answered by
     /// [`NodeOutput::ShutdownComplete`].
     Shutdown,
@@ -354,6 +363,14 @@ pub struct NodeStats {
     pub tunnels: usize,
 }
 
+/// One agent replica's connection here.
+#[derive(Default)]
+struct Connection {
+    /// Its open `GetConfiguration` streams.
+    streams: u32,
+    tunnels: BTreeSet<TunnelId>,
+}
+
 struct CallState<C> {
     call: C,
     wanted: Wanted,
@@ -374,7 +391,7 @@ pub struct KasNode<C> {
     tracker: Tracker,
     router: Router,
     calls: BTreeMap<RequestId, CallState<C>>,
-    connections: BTreeMap<(AgentId, ConnectionId), BTreeSet<TunnelId>>,
+    connections: BTreeMap<(AgentId, ConnectionId), Connection>,
     tunnels: BTreeMap<TunnelId, (AgentId, ConnectionId)>,
     /// Tunnels the node closed (registry already told) whose `TunnelClosed` is still due.
     closing: BTreeSet<TunnelId>,
@@ -382,6 +399,8 @@ pub struct KasNode<C> {
     store_healthy: bool,
     /// The pub-sub connection has been up before (so `Up` is a reconnection).
     pubsub_was_up: bool,
+    /// [`NodeInput::Drain`] came: no call goes to a tunnel here any more.
+    draining: bool,
     outputs: VecDeque<NodeOutput<C>>,
 }
 
@@ -405,6 +424,7 @@ impl<C: Clone> KasNode<C> {
             channels: BTreeMap::new(),
             store_healthy: true,
             pubsub_was_up: false,
+            draining: false,
             outputs: VecDeque::new(),
         };
         node.drain(Time(0));
@@ -462,7 +482,7 @@ impl<C: Clone> KasNode<C> {
         match input {
             NodeInput::AgentConnected(info) => {
                 let key = (AgentId(info.agent_id), ConnectionId(info.connection_id));
-                self.connections.entry(key).or_default();
+                self.connections.entry(key).or_default().streams += 1;
                 self.tracker
                     .handle_input(now, TrackerInput::AgentConnected(info));
             }
@@ -471,12 +491,16 @@ impl<C: Clone> KasNode<C> {
                 project,
                 connection,
             } => {
+                let key = (agent, connection);
+                if let Some(c) = self.connections.get_mut(&key) {
+                    c.streams = c.streams.saturating_sub(1);
+                    if c.streams > 0 {
+                        return Ok(()); // another stream of the replica holds it here
+                    }
+                }
                 // Its tunnels go with it: the agent reconnects both.
-                for tunnel in self
-                    .connections
-                    .remove(&(agent, connection))
-                    .unwrap_or_default()
-                {
+                let c = self.connections.remove(&key).unwrap_or_default();
+                for tunnel in c.tunnels {
                     self.close(now, tunnel)?;
                 }
                 self.tracker.handle_input(
@@ -496,10 +520,10 @@ impl<C: Clone> KasNode<C> {
                 if self.tunnels.contains_key(&tunnel) || self.closing.contains(&tunnel) {
                     return Err(mistake(format!("tunnel {tunnel} opened twice")));
                 }
-                let Some(set) = self.connections.get_mut(&(agent, connection)) else {
+                let Some(c) = self.connections.get_mut(&(agent, connection)) else {
                     return Err(NodeError::ConnectionNotOpen { agent, connection });
                 };
-                set.insert(tunnel);
+                c.tunnels.insert(tunnel);
                 self.tunnels.insert(tunnel, (agent, connection));
                 let opened = RegistryInput::TunnelOpened {
                     tunnel,
@@ -548,7 +572,11 @@ impl<C: Clone> KasNode<C> {
                 call,
             } => {
                 self.admit(now, request, wanted, call, Origin::Private)?;
-                self.registry(now, wants_tunnel(request, wanted))?;
+                if self.draining {
+                    self.bounced(now, request);
+                } else {
+                    self.registry(now, wants_tunnel(request, wanted))?;
+                }
             }
             NodeInput::DeliveryFailed { request, tunnel } => {
                 // The tunnel cannot be trusted with calls any more: close it, offer again.
@@ -609,19 +637,50 @@ impl<C: Clone> KasNode<C> {
             }
             NodeInput::StoreHealth(ok) => self.set_store_health(now, ok),
             NodeInput::PubSub(event) => return self.pubsub(now, event),
+            NodeInput::Drain => self.drain_tunnels(now)?,
             NodeInput::Shutdown => {
                 for (tunnel, _) in std::mem::take(&mut self.tunnels) {
                     self.registry(now, RegistryInput::TunnelClosed { tunnel })?;
                     self.closing.insert(tunnel);
                     self.outputs.push_back(NodeOutput::CloseTunnel(tunnel));
                 }
-                for set in self.connections.values_mut() {
-                    set.clear();
+                for c in self.connections.values_mut() {
+                    c.tunnels.clear();
                 }
                 self.tracker.handle_input(now, TrackerInput::Shutdown);
             }
         }
         Ok(())
+    }
+
+    /// See [`NodeInput::Drain`].
+    fn drain_tunnels(&mut self, now: Time) -> Result<(), NodeError> {
+        if std::mem::replace(&mut self.draining, true) {
+            return Ok(());
+        }
+        let present: BTreeSet<AgentId> = self.tunnels.values().map(|(agent, _)| *agent).collect();
+        for agent in present {
+            self.presence(now, agent, false);
+        }
+        let waiting: Vec<RequestId> = self
+            .calls
+            .iter()
+            .filter(|(_, s)| !(s.in_tunnel || s.forwarding || s.delivered))
+            .map(|(request, _)| *request)
+            .collect();
+        for request in waiting {
+            self.registry(now, RegistryInput::Release { request })?;
+            self.bounced(now, request);
+        }
+        Ok(())
+    }
+
+    /// Tells the router and the tracker whether this kas holds a tunnel of the agent.
+    fn presence(&mut self, now: Time, agent: AgentId, present: bool) {
+        self.router
+            .handle_input(now, RouterInput::LocalPresence { agent, present });
+        self.tracker
+            .handle_input(now, TrackerInput::TunnelPresence { agent, present });
     }
 
     fn admit(
@@ -722,8 +781,8 @@ impl<C: Clone> KasNode<C> {
         let Some(key) = self.tunnels.remove(&tunnel) else {
             return false;
         };
-        if let Some(set) = self.connections.get_mut(&key) {
-            set.remove(&tunnel);
+        if let Some(c) = self.connections.get_mut(&key) {
+            c.tunnels.remove(&tunnel);
         }
         true
     }
@@ -808,11 +867,10 @@ impl<C: Clone> KasNode<C> {
                         .handle_input(now, RouterInput::Finished { request });
                 }
             }
+            // Draining, this kas is absent for every agent already.
+            RegistryOutput::AgentPresence { .. } if self.draining => {}
             RegistryOutput::AgentPresence { agent, present } => {
-                self.router
-                    .handle_input(now, RouterInput::LocalPresence { agent, present });
-                self.tracker
-                    .handle_input(now, TrackerInput::TunnelPresence { agent, present });
+                self.presence(now, agent, present);
             }
         }
     }
@@ -845,6 +903,7 @@ impl<C: Clone> KasNode<C> {
                     return;
                 };
                 match target {
+                    Target::Local if self.draining => self.bounced(now, request),
                     Target::Local => {
                         let wanted = state.wanted;
                         // A request id is fresh in the registry whenever the router

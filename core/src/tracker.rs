@@ -213,7 +213,7 @@ impl Tracker {
             _ if self.shutting_down => {}
             TrackerInput::AgentConnected(info) => {
                 let bytes = info.encode_to_vec();
-                let field = info.connection_id.to_string();
+                let field = connection_field(ConnectionId(info.connection_id), &self.kas_id);
                 let by_agent = self.keys.connections_by_agent(AgentId(info.agent_id));
                 let by_project = self.keys.connections_by_project(ProjectId(info.project_id));
                 self.set(by_agent, field.clone(), bytes.clone());
@@ -224,7 +224,7 @@ impl Tracker {
                 project,
                 connection,
             } => {
-                let field = connection.to_string();
+                let field = connection_field(connection, &self.kas_id);
                 self.delete(self.keys.connections_by_agent(agent), field.clone());
                 self.delete(self.keys.connections_by_project(project), field);
             }
@@ -461,6 +461,12 @@ impl Tracker {
             self.outputs.push_back(TrackerOutput::ShutdownComplete);
         }
     }
+}
+
+/// The field of a replica's connection record: its connection id and the kas, since a
+/// replica connected to several kas has a record from each.
+fn connection_field(connection: ConnectionId, kas: &KasId) -> String {
+    format!("{connection}@{kas}")
 }
 
 /// Queues `key` for the next batch unless it is queued already. A key in flight is queued

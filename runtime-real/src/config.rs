@@ -241,6 +241,12 @@ pub struct Listen {
     /// `ResourceExhausted`. Default 1000.
     #[serde(default)]
     pub connections_per_token_per_minute: Option<u32>,
+    /// `agent.listen` only: an agent connection older than this (jittered by up to a
+    /// tenth, so that agents connected together do not move together) is asked to move:
+    /// the agent connects again, then lets the old connection's calls finish and closes
+    /// it, so that agents spread over kas replicas added since. GitLab's key; default 2h.
+    #[serde(default, with = "humantime_serde")]
+    pub max_connection_age: Option<Duration>,
     /// PEM certificate chain (leaf first) this listener serves: TLS (1.2 and 1.3) is on
     /// iff both this and `key_file` are set. Both files are re-read when they change.
     #[serde(default)]
@@ -271,6 +277,13 @@ impl Agent {
     /// `agent.listen.connections_per_token_per_minute`, or its default.
     pub fn connections_per_token_per_minute(&self) -> u32 {
         self.listen.connections_per_token_per_minute.unwrap_or(1000)
+    }
+
+    /// `agent.listen.max_connection_age`, or its default.
+    pub fn max_connection_age(&self) -> Duration {
+        self.listen
+            .max_connection_age
+            .unwrap_or(Duration::from_secs(2 * 3600))
     }
 }
 
@@ -381,6 +394,7 @@ fn listen(port: u16) -> Listen {
         keepalive_interval: default_keepalive_interval(),
         keepalive_timeout: default_keepalive_timeout(),
         connections_per_token_per_minute: None,
+        max_connection_age: None,
         certificate_file: None,
         key_file: None,
         ca_certificate_file: None,
@@ -613,6 +627,15 @@ impl Config {
                 p.push(format!(
                     "{key}.connections_per_token_per_minute applies to agent.listen only"
                 ));
+            }
+            match c.max_connection_age {
+                Some(_) if key != "agent.listen" => p.push(format!(
+                    "{key}.max_connection_age applies to agent.listen only"
+                )),
+                Some(age) if age < Duration::from_secs(1) => p.push(format!(
+                    "{key}.max_connection_age must be at least 1s (agents would move without end)"
+                )),
+                _ => {}
             }
             if c.max_concurrent_streams == 0 {
                 p.push(format!(

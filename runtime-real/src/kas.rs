@@ -1,8 +1,10 @@
 //! The kas server: four listeners around the engine that drives the core machines.
 //!
 //! [`Kas::start`] binds every listener and starts serving; [`Kas::stop`] shuts down
-//! gracefully: not ready, no new calls, running calls finish (up to `shutdown_grace`),
-//! agents are told to reconnect elsewhere, and this kas's registry records are deleted.
+//! gracefully, make-before-break: not ready, no new calls, and agents are asked to move
+//! (they connect to another kas first, then close their connections here once their
+//! running calls finish). Once every call and agent is gone, or `shutdown_grace` has
+//! passed, the rest is cut off and this kas's registry records are deleted.
 
 mod agent_api;
 mod call;
@@ -14,6 +16,7 @@ pub mod kubernetes_api;
 mod limits;
 #[cfg(not(madsim))]
 mod listener;
+mod live_kas;
 mod metrics;
 pub mod observability;
 mod private_api;
@@ -34,7 +37,7 @@ use crate::tls::{ALPN_GRPC, ALPN_GRPC_OR_HTTP1, ALPN_HTTP1};
 use kas_core::KasId;
 use kas_core::backoff::Backoff;
 use kas_core::keys::Keys;
-use kas_core::node::{KasNode, NodeConfig};
+use kas_core::node::{KasNode, NodeConfig, NodeInput, NodeStats};
 use kas_core::router::{Router, RouterConfig};
 use kas_core::tracker::{Tracker, TrackerConfig};
 use kas_core::tunnel_registry::{RegistryConfig, TunnelRegistry};
@@ -90,6 +93,8 @@ pub struct Kas {
     /// Where it listens.
     pub addresses: Addresses,
     engine: engine::EngineHandle,
+    /// The node's sizes.
+    stats: watch::Receiver<NodeStats>,
     closing: watch::Sender<bool>,
     leaving: watch::Sender<bool>,
     stop_agents: Option<oneshot::Sender<()>>,
@@ -370,8 +375,9 @@ impl Kas {
             .open_files_limit
             .set(i64::try_from(listener::raise_open_files_limit()).unwrap_or(i64::MAX));
         let (store_ready_tx, store_ready) = watch::channel(true);
-        // `closing`: not ready, no new calls. `leaving`, once running calls are done:
-        // agents are sent to another kas.
+        let (stats_tx, stats) = watch::channel(NodeStats::default());
+        // `closing`: not ready, no new calls, agents asked to move. `leaving`, once running
+        // calls are done and agents gone (or the grace is over): the rest is cut off.
         let (closing, closing_rx) = watch::channel(false);
         let (leaving, leaving_rx) = watch::channel(false);
         let signer = Signer::new(&private_secret, jwt::GITLAB_KAS, jwt::GITLAB_KAS);
@@ -399,8 +405,10 @@ impl Kas {
             ),
             metrics: metrics.clone(),
             store_ready: store_ready_tx,
+            stats: stats_tx,
         });
 
+        let live_kas = Arc::new(live_kas::LiveKas::new(store.clone(), keys.kas_instances()));
         let public = KasApiServer::with_interceptor(
             public_api::PublicService {
                 engine: engine.clone(),
@@ -431,7 +439,10 @@ impl Kas {
             auth,
             engine: engine.clone(),
             kas_address: advertise,
+            draining: closing_rx.clone(),
             leaving: leaving_rx,
+            max_connection_age: a.max_connection_age(),
+            live_kas,
             activity_every: a.heartbeat_timeout / 4,
             next_tunnel: Arc::default(),
             limits: limits::AgentLimits::new(
@@ -536,6 +547,7 @@ impl Kas {
         Ok(Kas {
             addresses,
             engine,
+            stats,
             closing,
             leaving,
             stop_agents: Some(stop_agents),
@@ -556,30 +568,46 @@ impl Kas {
     /// Shuts down gracefully (see the module docs). True when this kas's registry records
     /// were deleted; false when they are left to expire by TTL (Redis did not answer).
     pub async fn stop(mut self) -> bool {
-        tracing::info!("shutting down");
+        tracing::info!("shutting down: asking agents to move, letting running calls finish");
+        let until = tokio::time::Instant::now() + self.grace;
         let _ = self.closing.send(true);
-        if tokio::time::timeout(self.grace, &mut self.calls_server)
+        self.engine.input(NodeInput::Drain);
+        if tokio::time::timeout_at(until, &mut self.calls_server)
             .await
             .is_err()
         {
             tracing::warn!("calls still running after the shutdown grace period: cut off");
             self.calls_server.abort();
         }
+        let gone = self.stats.wait_for(|s| s.calls == 0 && s.connections == 0);
+        if let Ok(Ok(_)) = tokio::time::timeout_at(until, gone).await {
+            tracing::info!("every call ended and every agent moved away");
+        } else {
+            let s = *self.stats.borrow();
+            tracing::warn!(
+                calls = s.calls,
+                agent_connections = s.connections,
+                "still here after the shutdown grace period: cut off"
+            );
+        }
         let _ = self.leaving.send(true);
         let (done_tx, done) = oneshot::channel();
         self.engine.send(engine::Command::Shutdown(done_tx));
-        let cleaned = tokio::time::timeout(Duration::from_secs(10), done)
+        let cleaned = tokio::time::timeout(timing::STOP_CLEANUP, done)
             .await
             .is_ok_and(|r| r.is_ok());
         if !cleaned {
             tracing::warn!(
-                "could not delete this kas's registry records in 10s; they expire by TTL"
+                within = ?timing::STOP_CLEANUP,
+                "could not delete this kas's registry records; they expire by TTL"
             );
         }
+        // What is left is connection teardown: bounded, so that a stop always ends
+        // within the grace and a little more.
         if let Some(s) = self.stop_agents.take() {
             let _ = s.send(());
         }
-        if tokio::time::timeout(Duration::from_secs(2), &mut self.agents_server)
+        if tokio::time::timeout(timing::STOP_LISTENER, &mut self.agents_server)
             .await
             .is_err()
         {
@@ -588,7 +616,12 @@ impl Kas {
         if let Some(s) = self.stop_observability.take() {
             let _ = s.send(());
         }
-        let _ = self.observability_server.await;
+        if tokio::time::timeout(timing::STOP_LISTENER, &mut self.observability_server)
+            .await
+            .is_err()
+        {
+            self.observability_server.abort();
+        }
         tracing::info!("stopped");
         cleaned
     }

@@ -30,7 +30,7 @@ impl RawAgent {
         answer: fn(u64) -> Vec<Frame>,
     ) -> RawAgent {
         let client = AgentClient::new(channel(kas.agent).await, agent_token(agent));
-        let (connection, _, mut config) = client.connect(Default::default()).await.unwrap();
+        let (connection, _, mut config) = client.connect(Default::default(), None).await.unwrap();
         let received = Arc::new(AtomicUsize::new(0));
         let mut tasks = vec![tokio::spawn(async move {
             while let Ok(Some(_)) = config.message().await {}
@@ -143,7 +143,7 @@ async fn oversized_agent_metadata_is_refused_naming_the_field() {
         ),
     ];
     for (field, meta) in cases {
-        let err = client.connect(meta).await.expect_err(field);
+        let err = client.connect(meta, None).await.expect_err(field);
         assert_eq!(err.code(), Code::InvalidArgument, "{field}: {err}");
         assert!(err.message().starts_with(field), "{field}: {err}");
     }
@@ -154,7 +154,7 @@ async fn oversized_agent_metadata_is_refused_naming_the_field() {
         pod_namespace: long(63),
         pod_name: long(253),
     };
-    let (_connection, _, _config) = client.connect(fits).await.expect("within limits");
+    let (_connection, _, _config) = client.connect(fits, None).await.expect("within limits");
     let gl = GitLab::new(&s, kas.api).await;
     let listed = eventually(Duration::from_secs(10), "agent 1 listed", || async {
         gl.connections(1).await.ok().filter(|c| !c.is_empty())
@@ -255,9 +255,9 @@ async fn agent_connections_tunnels_and_request_rate_are_capped() {
     };
     let kas = KasProc::start_extra(&s, "kas", None, 10_000, caps, None).await;
     let client = AgentClient::new(channel(kas.agent).await, agent_token(1));
-    let (c1, _, _s1) = client.connect(Default::default()).await.unwrap();
-    let (_c2, _, _s2) = client.connect(Default::default()).await.unwrap();
-    let err = client.connect(Default::default()).await.expect_err("third");
+    let (c1, _, _s1) = client.connect(Default::default(), None).await.unwrap();
+    let (_c2, _, _s2) = client.connect(Default::default(), None).await.unwrap();
+    let err = client.connect(Default::default(), None).await.expect_err("third");
     assert_eq!(err.code(), Code::ResourceExhausted, "{err}");
     assert!(
         err.message().contains("agent.max_connections_per_agent"),
@@ -300,7 +300,7 @@ async fn agent_connections_tunnels_and_request_rate_are_capped() {
                 .expect("within the rate"),
         );
     }
-    let err = client.connect(Default::default()).await.expect_err("fifth");
+    let err = client.connect(Default::default(), None).await.expect_err("fifth");
     assert_eq!(err.code(), Code::ResourceExhausted, "{err}");
     assert!(
         err.message().contains("connections_per_token_per_minute"),

@@ -85,7 +85,7 @@ pub async fn run(kas: SocketAddr, token: String, agent: i64, truth: Truth) {
 /// One connection: `GetConfiguration`, then tunnels until the configuration stream ends.
 async fn serve(channel: Channel, token: &str, agent: i64, truth: &Truth) {
     let client = AgentClient::new(channel.clone(), token);
-    let Ok((connection, _, mut config)) = client.connect(Default::default()).await else {
+    let Ok((connection, _, mut config)) = client.connect(Default::default(), None).await else {
         return;
     };
     let tunnels: Vec<_> = (0..TUNNELS)

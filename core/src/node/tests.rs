@@ -409,3 +409,122 @@ fn a_connection_ending_closes_its_tunnels_and_fails_waiting_forwarded_calls_over
         [(_, Outcome::Refused, Some(CallError::NoFreeTunnel { .. }))]
     ));
 }
+
+#[test]
+fn a_replica_with_two_streams_here_keeps_its_tunnels_until_the_last_one_ends() {
+    let mut n = with_tunnel();
+    // The replica reconnected here before its old stream ended (a move onto the same kas).
+    let again = ConnectedAgentInfo {
+        agent_id: AGENT.0,
+        project_id: 1,
+        connection_id: CONN.0,
+        ..Default::default()
+    };
+    n.handle_input(Time(1), NodeInput::AgentConnected(again))
+        .unwrap();
+    let gone = || NodeInput::AgentDisconnected {
+        agent: AGENT,
+        project: ProjectId(1),
+        connection: CONN,
+    };
+    n.handle_input(Time(2), gone()).unwrap();
+    let outs = outputs(&mut n);
+    assert!(
+        !outs
+            .iter()
+            .any(|o| matches!(o, NodeOutput::CloseTunnel(_) | NodeOutput::Write(_))),
+        "the old stream's end took the new one's tunnels or records: {outs:?}"
+    );
+    route(&mut n, 1, 10_000);
+    assert_eq!(delivered(&outputs(&mut n)), [(RequestId(1), TUNNEL)]);
+    n.handle_input(Time(3), gone()).unwrap();
+    let outs = outputs(&mut n);
+    assert!(
+        outs.iter()
+            .any(|o| matches!(o, NodeOutput::CloseTunnel(TUNNEL)))
+    );
+    assert_eq!(n.stats().connections, 0);
+}
+
+/// What a draining kas's tracker writes: (key, deleted fields, published event).
+fn absence(outs: &[NodeOutput<&'static str>]) -> Vec<(String, Vec<String>, bool)> {
+    outs.iter()
+        .filter_map(|o| match o {
+            NodeOutput::Write(batch) => Some(batch),
+            _ => None,
+        })
+        .flat_map(|b| &b.writes)
+        .filter(|w| w.key.contains("tunnels_by_agent"))
+        .map(|w| {
+            let last = w.publish.last().expect("an event with the write");
+            let connected = TunnelEvent::decode(last.1.as_slice()).unwrap().connected;
+            (w.key.clone(), w.delete.clone(), connected)
+        })
+        .collect()
+}
+
+#[test]
+fn a_draining_kas_gives_no_new_call_to_its_tunnels_and_announces_it_has_none() {
+    let mut n = with_tunnel();
+    route(&mut n, 1, 10_000);
+    assert_eq!(delivered(&outputs(&mut n)), [(RequestId(1), TUNNEL)]);
+    // Waiting for the busy tunnel: one call from GitLab, one forwarded by another kas.
+    route(&mut n, 2, 10_000);
+    let serve = |request| NodeInput::Serve {
+        request: RequestId(request),
+        wanted: wanted(10_000),
+        call: "forwarded",
+    };
+    n.handle_input(Time(0), serve(3)).unwrap();
+    outputs(&mut n);
+    n.handle_input(Time(1), NodeInput::Drain).unwrap();
+    let outs = outputs(&mut n);
+    // The forwarded one is refused (its kas looks elsewhere); the local one goes back to
+    // the router, which looks the agent up instead of waiting here.
+    assert!(matches!(
+        ended(&outs).as_slice(),
+        [(RequestId(3), Outcome::Refused, Some(CallError::NoFreeTunnel { .. }))]
+    ));
+    assert!(
+        outs.iter()
+            .any(|o| matches!(o, NodeOutput::Subscribe(_) | NodeOutput::Lookup { .. })),
+        "the waiting call did not go back to the router: {outs:?}"
+    );
+    // The tunnel record is deleted, with a "gone" event, once the batches in flight are
+    // done.
+    let mut writes = absence(&outs);
+    for batch in 0..3 {
+        n.handle_input(Time(2), NodeInput::BatchDone { batch, ok: true })
+            .unwrap();
+        writes.extend(absence(&outputs(&mut n)));
+    }
+    assert_eq!(
+        writes,
+        [(
+            "kas:tunnels_by_agent:{agent:7}".to_string(),
+            vec!["10.0.0.1:8155".to_string()],
+            false
+        )]
+    );
+    // The running call goes on and ends delivered; its tunnel takes nothing new.
+    n.handle_input(Time(3), NodeInput::CallDone(RequestId(1)))
+        .unwrap();
+    let outs = outputs(&mut n);
+    assert_eq!(ended(&outs), [(RequestId(1), Outcome::Delivered, None)]);
+    assert!(delivered(&outs).is_empty(), "the freed tunnel took a call");
+    n.handle_input(Time(4), serve(4)).unwrap();
+    let outs = outputs(&mut n);
+    assert!(delivered(&outs).is_empty());
+    assert!(matches!(
+        ended(&outs).as_slice(),
+        [(RequestId(4), Outcome::Refused, Some(_))]
+    ));
+    // A tunnel opened now is not announced.
+    let opened = NodeInput::TunnelOpened {
+        tunnel: TunnelId(2),
+        agent: AGENT,
+        connection: CONN,
+    };
+    n.handle_input(Time(5), opened).unwrap();
+    assert!(absence(&outputs(&mut n)).iter().all(|(_, _, c)| !c));
+}

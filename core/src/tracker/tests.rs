@@ -90,7 +90,7 @@ fn connection_writes_both_indexes_and_changes_wait_for_the_batch_in_flight() {
             "kas:conn_by_project:{project:100}"
         ]
     );
-    assert_eq!(b.writes[0].set[0].0, "70");
+    assert_eq!(b.writes[0].set[0].0, "70@k1:1", "one record per replica and kas");
     ack(&mut t, 3, &b, true);
     t.handle_input(
         Time(4),
@@ -104,7 +104,7 @@ fn connection_writes_both_indexes_and_changes_wait_for_the_batch_in_flight() {
     assert!(
         b.writes
             .iter()
-            .all(|w| w.delete == vec!["70".to_string()] && w.set.is_empty())
+            .all(|w| w.delete == vec!["70@k1:1".to_string()] && w.set.is_empty())
     );
     assert!(b.writes.iter().all(|w| w.expire.is_none()));
     ack(&mut t, 5, &b, true);

@@ -60,11 +60,13 @@ impl AgentClient {
         Ok(req)
     }
 
-    /// Opens `GetConfiguration`: returns the connection id kas gave this replica, the first
-    /// configuration, and the stream, which must stay open for the connection to live.
+    /// Opens `GetConfiguration` as replica `connection` (kas draws an id when `None`):
+    /// returns the replica's connection id, the first configuration, and the stream,
+    /// which must stay open for the connection to live.
     pub async fn connect(
         &self,
         meta: AgentMeta,
+        connection: Option<ConnectionId>,
     ) -> Result<
         (
             ConnectionId,
@@ -76,6 +78,7 @@ impl AgentClient {
         let req = self.request(ConfigurationRequest {
             agent_meta: Some(meta),
             commit_id: String::new(),
+            connection_id: connection.map_or(0, |c| c.0),
         })?;
         let mut stream = self
             .client

@@ -3,6 +3,7 @@
 
 use super::engine::{Command, EngineHandle};
 use super::limits::AgentLimits;
+use super::live_kas::LiveKas;
 use super::tunnel::{self, OutboundStream, Tunnel};
 use crate::agent_auth::{AgentAuth, AgentIdentity, AuthError};
 use kas_core::frame_sequence::{Direction, FrameSequence, StreamKind};
@@ -31,10 +32,17 @@ pub struct AgentService {
     pub auth: AgentAuth,
     /// The engine.
     pub engine: EngineHandle,
-    /// This kas's private API address (recorded with each connection).
+    /// This kas's private API address (recorded with each connection), its id.
     pub kas_address: SocketAddr,
-    /// Turns true when kas sends its agents away (shutdown, after running calls).
+    /// Turns true when kas starts stopping: agents are asked to move, new connections and
+    /// tunnels are refused.
+    pub draining: watch::Receiver<bool>,
+    /// Turns true when kas cuts its agents off (shutdown, after running calls).
     pub leaving: watch::Receiver<bool>,
+    /// `agent.listen.max_connection_age`.
+    pub max_connection_age: Duration,
+    /// How many kas are live, told to agents.
+    pub live_kas: Arc<LiveKas>,
     /// Idle tunnels report activity at most this often.
     pub activity_every: Duration,
     /// Tunnel ids.
@@ -77,13 +85,24 @@ impl AgentApi for AgentService {
         &self,
         req: Request<ConfigurationRequest>,
     ) -> Result<Response<Self::GetConfigurationStream>, Status> {
+        self.refuse_while_draining()?;
         let metadata = req.metadata().clone();
         let identity = self.authenticate(metadata, req.remote_addr()).await?;
-        let meta = req.into_inner().agent_meta.unwrap_or_default();
+        let request = req.into_inner();
+        let meta = request.agent_meta.unwrap_or_default();
         check_meta(&meta)?;
+        let connection = match request.connection_id {
+            0 => ConnectionId(rand::random::<i64>().unsigned_abs() as i64 | 1),
+            id if id > 0 => ConnectionId(id),
+            id => {
+                return Err(Status::invalid_argument(format!(
+                    "connection_id {id} is negative: propose a positive id, or 0 to let kas choose"
+                )));
+            }
+        };
         self.limits.request(identity.agent_id)?;
         let slot = self.limits.connection(identity.agent_id)?;
-        let connection = ConnectionId(rand::random::<i64>().unsigned_abs() as i64 | 1);
+        let live_kas = self.live_kas.count().await;
         let info = ConnectedAgentInfo {
             agent_id: identity.agent_id.0,
             project_id: identity.project_id.0,
@@ -94,6 +113,7 @@ impl AgentApi for AgentService {
                 ip: self.kas_address.ip().to_string(),
                 port: u32::from(self.kas_address.port()),
             }),
+            kas_addresses: Vec::new(),
         };
         tracing::info!(agent = %identity.agent_id, %connection, "agent connected");
         self.engine.input(NodeInput::AgentConnected(info));
@@ -103,20 +123,26 @@ impl AgentApi for AgentService {
             config: identity.config.clone(),
             commit_id,
             connection_id: connection.0,
+            kas_id: self.kas_address.to_string(),
+            live_kas,
+            drain: false,
+        };
+        let drain = ConfigurationResponse {
+            drain: true,
+            config: String::new(),
+            ..first.clone()
         };
         let _ = tx.send(Ok(first)).await;
         let engine = self.engine.clone();
-        let mut leaving = self.leaving.clone();
+        let ends = Ends {
+            draining: self.draining.clone(),
+            leaving: self.leaving.clone(),
+            age: jittered(self.max_connection_age),
+        };
         tokio::spawn(async move {
-            let closed = async { leaving.wait_for(|c| *c).await.is_ok() };
-            let shutting_down = tokio::select! {
-                biased;
-                () = tx.closed() => false,
-                closed = closed => closed,
-            };
-            if shutting_down {
+            if ends.hold(&tx, drain).await {
                 let status = Status::unavailable("kas is shutting down: reconnect to another kas");
-                let _ = tx.send(Err(status)).await;
+                let _ = tx.try_send(Err(status));
             }
             tracing::info!(agent = %identity.agent_id, %connection, "agent disconnected");
             engine.input(NodeInput::AgentDisconnected {
@@ -133,11 +159,7 @@ impl AgentApi for AgentService {
         &self,
         req: Request<Streaming<Frame>>,
     ) -> Result<Response<Self::OpenTunnelStream>, Status> {
-        if *self.leaving.borrow() {
-            return Err(Status::unavailable(
-                "kas is shutting down: connect to another kas",
-            ));
-        }
+        self.refuse_while_draining()?;
         let metadata = req.metadata().clone();
         let identity = self.authenticate(metadata, req.remote_addr()).await?;
         self.limits.request(identity.agent_id)?;
@@ -191,6 +213,61 @@ impl AgentApi for AgentService {
         tokio::spawn(task.run());
         Ok(Response::new(frames))
     }
+}
+
+impl AgentService {
+    /// Refuses a new connection or tunnel while kas stops: the agent is moving away.
+    fn refuse_while_draining(&self) -> Result<(), Status> {
+        if *self.draining.borrow() {
+            return Err(Status::unavailable(format!(
+                "kas {} is shutting down: connect to another kas",
+                self.kas_address
+            )));
+        }
+        Ok(())
+    }
+}
+
+/// What ends a replica's `GetConfiguration` stream besides the agent.
+struct Ends {
+    draining: watch::Receiver<bool>,
+    leaving: watch::Receiver<bool>,
+    /// The connection's age limit, jittered.
+    age: Duration,
+}
+
+impl Ends {
+    /// Holds the stream until the agent closes it (`false`) or kas cuts it off (`true`).
+    /// Once kas drains, or the connection is `age` old, the agent is asked to move with
+    /// `drain`. The ask is sent without waiting: an agent that does not read its stream
+    /// is cut off with the rest.
+    async fn hold(
+        mut self,
+        tx: &mpsc::Sender<Result<ConfigurationResponse, Status>>,
+        drain: ConfigurationResponse,
+    ) -> bool {
+        let old = tokio::time::sleep(self.age);
+        tokio::pin!(old);
+        let mut asked = false;
+        loop {
+            let why = tokio::select! {
+                biased;
+                () = tx.closed() => return false,
+                _ = self.leaving.wait_for(|l| *l) => return true,
+                _ = self.draining.wait_for(|d| *d), if !asked => "kas is shutting down",
+                () = &mut old, if !asked => "the connection reached agent.listen.max_connection_age",
+            };
+            asked = true;
+            tracing::info!(connection = drain.connection_id, reason = why, "asking the agent to move");
+            let _ = tx.try_send(Ok(drain.clone()));
+        }
+    }
+}
+
+/// `age` less up to a tenth of it, drawn at random: agents that connected together are
+/// not all asked to move at once.
+fn jittered(age: Duration) -> Duration {
+    age.mul_f64(1.0 - rand::random::<f64>() / 10.0)
 }
 
 /// The longest value of each agent-reported field: what Kubernetes allows for names (a

@@ -20,7 +20,7 @@ use crate::frames;
 use crate::store::{PubSub, PubSubEvent, Store};
 use crate::tasks::Tasks;
 use kas_core::fixed_hash::Map;
-use kas_core::node::{CallError, KasNode, NodeError, NodeInput, NodeOutput, Origin};
+use kas_core::node::{CallError, KasNode, NodeError, NodeInput, NodeOutput, NodeStats, Origin};
 use kas_core::{AgentId, ConnectionId, KasId, RequestId, TunnelId};
 use std::sync::Arc;
 use std::sync::atomic::{AtomicU64, Ordering};
@@ -146,6 +146,8 @@ pub struct EngineParts {
     pub metrics: Metrics,
     /// Set to the store's health.
     pub store_ready: watch::Sender<bool>,
+    /// Set to the node's sizes (what a stop waits to see empty).
+    pub stats: watch::Sender<NodeStats>,
 }
 
 struct Engine {
@@ -155,6 +157,7 @@ struct Engine {
     forwarder: Forwarder,
     metrics: Metrics,
     store_ready: watch::Sender<bool>,
+    stats: watch::Sender<NodeStats>,
     handle: EngineHandle,
     /// Where each open tunnel takes its calls: dropping one closes the tunnel.
     tunnels: Map<TunnelId, Orders>,
@@ -185,6 +188,7 @@ pub fn spawn(parts: EngineParts) -> EngineHandle {
         forwarder: parts.forwarder,
         metrics: parts.metrics,
         store_ready: parts.store_ready,
+        stats: parts.stats,
         handle: handle.clone(),
         tunnels: Map::default(),
         forwards: Map::default(),
@@ -242,7 +246,9 @@ impl Engine {
                 Some(cmd) = calls.recv() => self.command(cmd),
             }
             self.carry_outputs();
-            self.metrics.node(self.node.stats());
+            let stats = self.node.stats();
+            self.metrics.node(stats);
+            self.stats.send_if_modified(|s| std::mem::replace(s, stats) != stats);
             if self.stopped {
                 return; // dropping the tasks aborts them
             }

@@ -11,6 +11,8 @@
 //!    and 3, so that their precise errors, not a bare timeout, reach the caller.
 //! 5. A forward that relayed its trailer reads the stream's end for at most
 //!    [`FORWARD_DRAIN`] (dropping it early resets the HTTP/2 stream).
+//!
+//! And how long a stop may run past `shutdown_grace`.
 
 use std::time::Duration;
 
@@ -25,9 +27,17 @@ pub const ANSWER_GRACE: Duration = Duration::from_secs(3);
 /// How long a finished forward reads its stream's end.
 pub const FORWARD_DRAIN: Duration = Duration::from_secs(1);
 
+/// A stop past its grace: how long deleting this kas's registry records may take (what is
+/// not deleted expires by TTL, and readers skip it once this kas's liveness lapses).
+pub const STOP_CLEANUP: Duration = Duration::from_secs(1);
+/// A stop past its grace: how long each listener left (agents, observability) may take to
+/// close its connections. With [`STOP_CLEANUP`], a stop ends within the grace + 2 s.
+pub const STOP_LISTENER: Duration = Duration::from_millis(400);
+
 const _: () = {
     assert!(ROUTE_GRACE.as_millis() < ANSWER_GRACE.as_millis());
     assert!(TUNNEL_GRACE.as_millis() < ANSWER_GRACE.as_millis());
     assert!(FORWARD_DRAIN.as_millis() < ANSWER_GRACE.as_millis());
     assert!(DEADLINE_MARGIN.as_millis() < ROUTE_GRACE.as_millis());
+    assert!(STOP_CLEANUP.as_millis() + 2 * STOP_LISTENER.as_millis() < 2000);
 };

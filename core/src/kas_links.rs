@@ -1,0 +1,249 @@
+//! agentk's connections to several kas at once, so that a kas stopping or dying never
+//! leaves the agent unreachable.
+//!
+//! An agent replica dials its one kas address (a load balancer in front of every kas)
+//! until it holds connections to `want` distinct kas, or to every live kas when there are
+//! fewer. Each connection says which kas it reached: one that reached a kas already held
+//! is closed and the next dial waits a jittered backoff, so that many agents re-homing at
+//! once do not stampede. One dial runs at a time.
+//!
+//! A kas may ask a connection to move (it is stopping, or the connection is old): the
+//! connection stops counting and a replacement is dialled; once enough others serve, the
+//! old one drains (its running calls finish, then it closes). Make before break.
+//!
+//! Driving contract: feed [`KasLinks::handle_input`], drain [`KasLinks::poll_output`], call
+//! [`KasLinks::handle_timeout`] at [`KasLinks::poll_timeout`].
+
+use crate::backoff::Backoff;
+use crate::rng::Rng;
+use crate::time::Time;
+use std::collections::{BTreeMap, VecDeque};
+
+/// A connection of the agent, numbered by the machine.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, PartialOrd, Ord, Hash)]
+pub struct Link(pub u64);
+
+/// Settings.
+#[derive(Clone, Copy, Debug, PartialEq)]
+pub struct LinksConfig {
+    /// Distinct kas to hold connections to (fewer when fewer are live).
+    pub want: usize,
+    /// Delays between dials that failed or reached a kas already held.
+    pub backoff: Backoff,
+}
+
+/// What the driver reports.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub enum LinksInput {
+    /// The connection is up at kas `kas`, which counted `live_kas` live kas (0: unknown).
+    Up {
+        /// The connection.
+        link: Link,
+        /// The kas it reached (its id; empty when the kas did not say).
+        kas: String,
+        /// Live kas, as that kas counted them.
+        live_kas: u32,
+    },
+    /// The connection's kas asked it to move.
+    MoveAsked(Link),
+    /// The connection ended (failed to come up, was cut, or finished draining).
+    Ended(Link),
+    /// The agent is stopping: drain every connection, dial no more.
+    Stop,
+}
+
+/// What the driver must do.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum LinksOutput {
+    /// Open a new connection; report `Up` or `Ended`.
+    Dial(Link),
+    /// Stop opening tunnels on it, let its running calls finish, then close it (report
+    /// `Ended`).
+    Drain(Link),
+    /// Close it now: it duplicates another (report `Ended`).
+    Close(Link),
+}
+
+#[derive(Clone, Debug, PartialEq, Eq)]
+enum State {
+    Dialing,
+    /// Up, and counted.
+    Serving { kas: String },
+    /// Asked to move: not counted; drained once enough others serve.
+    Moving,
+    /// Told to drain or close; waiting for its end.
+    Leaving,
+}
+
+/// The connections of one agent replica. See the module docs.
+#[derive(Debug)]
+pub struct KasLinks {
+    config: LinksConfig,
+    rng: Rng,
+    links: BTreeMap<Link, State>,
+    next: u64,
+    /// Dials in a row that failed or found a kas already held.
+    failures: u32,
+    /// No dial before this.
+    dial_at: Time,
+    /// Live kas, as the latest connection was told (0: unknown).
+    live_kas: u32,
+    stopping: bool,
+    outputs: VecDeque<LinksOutput>,
+}
+
+impl KasLinks {
+    /// No connection yet: the first dial is due at once. `seed` drives the jitter.
+    pub fn new(config: LinksConfig, seed: u64) -> Self {
+        KasLinks {
+            config,
+            rng: Rng::new(seed),
+            links: BTreeMap::new(),
+            next: 0,
+            failures: 0,
+            dial_at: Time(0),
+            live_kas: 0,
+            stopping: false,
+            outputs: VecDeque::new(),
+        }
+    }
+
+    /// Applies one input at `now`. Inputs about links the machine has forgotten are ignored.
+    pub fn handle_input(&mut self, now: Time, input: LinksInput) {
+        match input {
+            LinksInput::Up {
+                link,
+                kas,
+                live_kas,
+            } => {
+                if self.links.get(&link) != Some(&State::Dialing) {
+                    return;
+                }
+                if live_kas > 0 {
+                    self.live_kas = live_kas;
+                }
+                let duplicate = self
+                    .links
+                    .values()
+                    .any(|s| matches!(s, State::Serving { kas: k } if *k == kas && !kas.is_empty()));
+                if duplicate || self.stopping {
+                    self.leave(link, LinksOutput::Close(link));
+                    self.back_off(now);
+                } else {
+                    self.links.insert(link, State::Serving { kas });
+                    self.failures = 0;
+                    // The next dial, if one is needed, after a short jittered pause.
+                    self.dial_at = now + self.config.backoff.delay(0, &mut self.rng);
+                }
+            }
+            LinksInput::MoveAsked(link) => {
+                if matches!(self.links.get(&link), Some(State::Serving { .. })) {
+                    self.links.insert(link, State::Moving);
+                    self.failures = 0;
+                    self.dial_at = now + self.config.backoff.delay(0, &mut self.rng);
+                }
+            }
+            LinksInput::Ended(link) => match self.links.remove(&link) {
+                Some(State::Dialing) => self.back_off(now),
+                Some(State::Serving { .. } | State::Moving) => {
+                    let soon = now + self.config.backoff.delay(0, &mut self.rng);
+                    self.dial_at = self.dial_at.max(soon);
+                }
+                Some(State::Leaving) | None => {}
+            },
+            LinksInput::Stop => {
+                self.stopping = true;
+                let links: Vec<(Link, State)> =
+                    self.links.iter().map(|(l, s)| (*l, s.clone())).collect();
+                for (link, state) in links {
+                    match state {
+                        State::Dialing => self.leave(link, LinksOutput::Close(link)),
+                        State::Serving { .. } | State::Moving => {
+                            self.leave(link, LinksOutput::Drain(link));
+                        }
+                        State::Leaving => {}
+                    }
+                }
+            }
+        }
+        self.act(now);
+    }
+
+    /// Dials when one is due at `now`.
+    pub fn handle_timeout(&mut self, now: Time) {
+        self.act(now);
+    }
+
+    /// The next order for the driver.
+    #[must_use]
+    pub fn poll_output(&mut self) -> Option<LinksOutput> {
+        self.outputs.pop_front()
+    }
+
+    /// When to call [`Self::handle_timeout`] next: the next dial, when one is wanted.
+    #[must_use]
+    pub fn poll_timeout(&self) -> Option<Time> {
+        self.wants_dial().then_some(self.dial_at)
+    }
+
+    /// Stopped, with every connection ended.
+    pub fn done(&self) -> bool {
+        self.stopping && self.links.is_empty()
+    }
+
+    /// Connections up and counted.
+    pub fn serving(&self) -> usize {
+        self.links
+            .values()
+            .filter(|s| matches!(s, State::Serving { .. }))
+            .count()
+    }
+
+    /// Distinct kas wanted now.
+    fn want(&self) -> usize {
+        let want = self.config.want.max(1);
+        match self.live_kas {
+            0 => want,
+            live => want.min(live as usize),
+        }
+    }
+
+    fn wants_dial(&self) -> bool {
+        !self.stopping
+            && self.serving() < self.want()
+            && !self.links.values().any(|s| *s == State::Dialing)
+    }
+
+    fn act(&mut self, now: Time) {
+        if self.wants_dial() && now >= self.dial_at {
+            let link = Link(self.next);
+            self.next += 1;
+            self.links.insert(link, State::Dialing);
+            self.outputs.push_back(LinksOutput::Dial(link));
+        }
+        if self.serving() >= self.want() {
+            let moving: Vec<Link> = self
+                .links
+                .iter()
+                .filter(|(_, s)| **s == State::Moving)
+                .map(|(l, _)| *l)
+                .collect();
+            for link in moving {
+                self.leave(link, LinksOutput::Drain(link));
+            }
+        }
+    }
+
+    fn leave(&mut self, link: Link, order: LinksOutput) {
+        self.links.insert(link, State::Leaving);
+        self.outputs.push_back(order);
+    }
+
+    fn back_off(&mut self, now: Time) {
+        self.dial_at = now + self.config.backoff.delay(self.failures, &mut self.rng);
+        self.failures = self.failures.saturating_add(1);
+    }
+}
+
+#[cfg(test)]
+mod tests;

@@ -1,0 +1,147 @@
+//! Which connections an agent dials, keeps, drains and closes.
+
+use super::*;
+use std::time::Duration;
+
+fn links(want: usize) -> KasLinks {
+    let backoff = Backoff {
+        initial: Duration::from_millis(1000),
+        max: Duration::from_secs(8),
+        factor: 2,
+    };
+    KasLinks::new(LinksConfig { want, backoff }, 7)
+}
+
+fn outputs(l: &mut KasLinks) -> Vec<LinksOutput> {
+    std::iter::from_fn(|| l.poll_output()).collect()
+}
+
+/// Fires the next timer; the time it fired at.
+fn next(l: &mut KasLinks) -> Time {
+    let at = l.poll_timeout().expect("a dial is due");
+    l.handle_timeout(at);
+    at
+}
+
+fn up(l: &mut KasLinks, now: Time, link: u64, kas: &str, live_kas: u32) {
+    let kas = kas.to_string();
+    let link = Link(link);
+    l.handle_input(
+        now,
+        LinksInput::Up {
+            link,
+            kas,
+            live_kas,
+        },
+    );
+}
+
+#[test]
+fn dials_one_at_a_time_until_two_distinct_kas_and_closes_a_duplicate() {
+    let mut l = links(2);
+    l.handle_timeout(Time(0));
+    assert_eq!(outputs(&mut l), [LinksOutput::Dial(Link(0))]);
+    assert_eq!(l.poll_timeout(), None, "one dial at a time");
+    up(&mut l, Time(10), 0, "kas-a", 3);
+    assert!(outputs(&mut l).is_empty());
+    let second = next(&mut l);
+    assert!(
+        (Time(510)..=Time(1010)).contains(&second),
+        "a short jittered pause before the next dial: {second:?}"
+    );
+    assert_eq!(outputs(&mut l), [LinksOutput::Dial(Link(1))]);
+    // The load balancer sent it to the kas it holds already.
+    up(&mut l, second, 1, "kas-a", 3);
+    assert_eq!(outputs(&mut l), [LinksOutput::Close(Link(1))]);
+    l.handle_input(second, LinksInput::Ended(Link(1)));
+    let mut at = next(&mut l);
+    assert_eq!(outputs(&mut l), [LinksOutput::Dial(Link(2))]);
+    // Another duplicate waits longer (backoff grows).
+    up(&mut l, at, 2, "kas-a", 3);
+    assert_eq!(outputs(&mut l), [LinksOutput::Close(Link(2))]);
+    let before = at;
+    at = next(&mut l);
+    assert!(at - before >= Duration::from_millis(1000), "{:?}", at - before);
+    assert_eq!(outputs(&mut l), [LinksOutput::Dial(Link(3))]);
+    up(&mut l, at, 3, "kas-b", 3);
+    assert!(outputs(&mut l).is_empty());
+    assert_eq!(l.serving(), 2);
+    assert_eq!(l.poll_timeout(), None, "enough: no more dials");
+}
+
+#[test]
+fn holds_every_kas_when_fewer_are_live_than_wanted() {
+    let mut l = links(2);
+    l.handle_timeout(Time(0));
+    outputs(&mut l);
+    up(&mut l, Time(1), 0, "kas-a", 1);
+    assert_eq!(l.poll_timeout(), None, "the only live kas is held");
+}
+
+#[test]
+fn a_connection_asked_to_move_drains_only_once_a_replacement_serves() {
+    let mut l = links(2);
+    l.handle_timeout(Time(0));
+    outputs(&mut l);
+    up(&mut l, Time(1), 0, "kas-a", 3);
+    let at = next(&mut l);
+    outputs(&mut l);
+    up(&mut l, at, 1, "kas-b", 3);
+    // kas-a is stopping.
+    l.handle_input(Time(5_000), LinksInput::MoveAsked(Link(0)));
+    assert!(outputs(&mut l).is_empty(), "drained before a replacement");
+    let at = next(&mut l);
+    assert_eq!(outputs(&mut l), [LinksOutput::Dial(Link(2))]);
+    // A dial refused (kas-a refuses while stopping) changes nothing.
+    l.handle_input(at, LinksInput::Ended(Link(2)));
+    assert!(outputs(&mut l).is_empty());
+    let at = next(&mut l);
+    assert_eq!(outputs(&mut l), [LinksOutput::Dial(Link(3))]);
+    up(&mut l, at, 3, "kas-c", 3);
+    assert_eq!(outputs(&mut l), [LinksOutput::Drain(Link(0))]);
+    l.handle_input(at, LinksInput::Ended(Link(0)));
+    assert_eq!(l.serving(), 2);
+    assert_eq!(l.poll_timeout(), None);
+}
+
+#[test]
+fn an_old_connection_moves_onto_the_same_kas_when_it_is_the_only_one() {
+    let mut l = links(2);
+    l.handle_timeout(Time(0));
+    outputs(&mut l);
+    up(&mut l, Time(1), 0, "kas-a", 1);
+    l.handle_input(Time(7_200_000), LinksInput::MoveAsked(Link(0)));
+    next(&mut l);
+    assert_eq!(outputs(&mut l), [LinksOutput::Dial(Link(1))]);
+    up(&mut l, Time(7_201_000), 1, "kas-a", 1);
+    assert_eq!(outputs(&mut l), [LinksOutput::Drain(Link(0))]);
+}
+
+#[test]
+fn a_lost_connection_is_replaced_and_stop_drains_all_and_dials_no_more() {
+    let mut l = links(2);
+    l.handle_timeout(Time(0));
+    outputs(&mut l);
+    up(&mut l, Time(1), 0, "kas-a", 3);
+    let at = next(&mut l);
+    outputs(&mut l);
+    up(&mut l, at, 1, "kas-b", 3);
+    // kas-b was killed.
+    l.handle_input(Time(9_000), LinksInput::Ended(Link(1)));
+    assert!(l.poll_timeout().is_some_and(|t| t > Time(9_000)));
+    next(&mut l);
+    assert_eq!(outputs(&mut l), [LinksOutput::Dial(Link(2))]);
+    l.handle_input(Time(10_000), LinksInput::Stop);
+    assert_eq!(
+        outputs(&mut l),
+        [LinksOutput::Drain(Link(0)), LinksOutput::Close(Link(2))]
+    );
+    // The dial lands after all: closed, not counted.
+    up(&mut l, Time(10_001), 2, "kas-c", 3);
+    assert!(outputs(&mut l).is_empty(), "already closing");
+    assert_eq!(l.poll_timeout(), None);
+    assert!(!l.done());
+    l.handle_input(Time(10_002), LinksInput::Ended(Link(0)));
+    l.handle_input(Time(10_003), LinksInput::Ended(Link(2)));
+    assert!(l.done());
+}
