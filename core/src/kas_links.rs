@@ -68,7 +68,9 @@ pub enum LinksOutput {
 enum State {
     Dialing,
     /// Up, and counted.
-    Serving { kas: String },
+    Serving {
+        kas: String,
+    },
     /// Asked to move: not counted; drained once enough others serve.
     Moving,
     /// Told to drain or close; waiting for its end.
@@ -122,10 +124,9 @@ impl KasLinks {
                 if live_kas > 0 {
                     self.live_kas = live_kas;
                 }
-                let duplicate = self
-                    .links
-                    .values()
-                    .any(|s| matches!(s, State::Serving { kas: k } if *k == kas && !kas.is_empty()));
+                let duplicate = self.links.values().any(
+                    |s| matches!(s, State::Serving { kas: k } if *k == kas && !kas.is_empty()),
+                );
                 if duplicate || self.stopping {
                     self.leave(link, LinksOutput::Close(link));
                     self.back_off(now);

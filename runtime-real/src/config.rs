@@ -245,7 +245,7 @@ pub struct Listen {
     /// tenth, so that agents connected together do not move together) is asked to move:
     /// the agent connects again, then lets the old connection's calls finish and closes
     /// it, so that agents spread over kas replicas added since. GitLab's key; default 2h.
-    #[serde(default, with = "humantime_serde")]
+    #[serde(default, deserialize_with = "some_duration")]
     pub max_connection_age: Option<Duration>,
     /// PEM certificate chain (leaf first) this listener serves: TLS (1.2 and 1.3) is on
     /// iff both this and `key_file` are set. Both files are re-read when they change.
@@ -285,6 +285,11 @@ impl Agent {
             .max_connection_age
             .unwrap_or(Duration::from_secs(2 * 3600))
     }
+}
+
+/// A duration (`90s`, `2h`) of a key that is unset unless given.
+fn some_duration<'de, D: serde::Deserializer<'de>>(d: D) -> Result<Option<Duration>, D::Error> {
+    humantime_serde::deserialize(d).map(Some)
 }
 
 fn default_max_concurrent_streams() -> u32 {

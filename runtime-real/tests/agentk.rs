@@ -106,7 +106,7 @@ async fn agentk_leaves_on_sigterm_and_kas_forgets_it() {
     let status = agentk.terminate();
     assert!(status.success(), "{status}:\n{}", agentk.log_text());
     let log = agentk.log_text();
-    assert!(log.contains("shutting down: closing idle tunnels"), "{log}");
+    assert!(log.contains("draining: closing idle tunnels"), "{log}");
     assert!(log.contains("agentk stopped"), "{log}");
     eventually(Duration::from_secs(10), "kas to drop the agent", || {
         let gitlab = &gitlab;

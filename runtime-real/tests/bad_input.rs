@@ -218,7 +218,7 @@ async fn bad_agent_tokens_are_unauthenticated() {
     for token in ["", "not-a-known-token-at-all", "short"] {
         let client = AgentClient::new(channel(kas.agent).await, token);
         let err = client
-            .connect(Default::default())
+            .connect(Default::default(), None)
             .await
             .expect_err("refused");
         assert_eq!(err.code(), Code::Unauthenticated, "{token:?}: {err}");
@@ -277,7 +277,7 @@ async fn malformed_tunnel_frames_are_refused_without_harm_to_others() {
 
     // An agent answering for a call that does not exist.
     let agent = AgentClient::new(channel(kas.agent).await, agent_token(2));
-    let (connection, _, _config) = agent.connect(Default::default()).await.unwrap();
+    let (connection, _, _config) = agent.connect(Default::default(), None).await.unwrap();
     let descriptor = frames::frame(Kind::Descriptor(Descriptor {
         methods: vec![kas_runtime::agent::PODS_LIST.into()],
         connection_id: connection.0,

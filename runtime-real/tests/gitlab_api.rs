@@ -294,13 +294,17 @@ async fn kas_configured_with_gitlab_authenticates_agents_through_it() {
     let kas = Kas::start(config).await.unwrap();
     let agent =
         kas_runtime::agent::AgentClient::new(support::channel(kas.addresses.agent).await, GOOD);
-    let (connection, first, _stream) = agent.connect(Default::default()).await.unwrap();
+    let (connection, first, _stream) = agent.connect(Default::default(), None).await.unwrap();
     assert_eq!(first.connection_id, connection.0);
     let refused = kas_runtime::agent::AgentClient::new(
         support::channel(kas.addresses.agent).await,
         "nope-nope-nope-nope",
     );
-    let err = refused.connect(Default::default()).await.err().unwrap();
+    let err = refused
+        .connect(Default::default(), None)
+        .await
+        .err()
+        .unwrap();
     assert_eq!(err.code(), tonic::Code::Unauthenticated);
     kas.stop().await;
 }

@@ -257,7 +257,10 @@ async fn agent_connections_tunnels_and_request_rate_are_capped() {
     let client = AgentClient::new(channel(kas.agent).await, agent_token(1));
     let (c1, _, _s1) = client.connect(Default::default(), None).await.unwrap();
     let (_c2, _, _s2) = client.connect(Default::default(), None).await.unwrap();
-    let err = client.connect(Default::default(), None).await.expect_err("third");
+    let err = client
+        .connect(Default::default(), None)
+        .await
+        .expect_err("third");
     assert_eq!(err.code(), Code::ResourceExhausted, "{err}");
     assert!(
         err.message().contains("agent.max_connections_per_agent"),
@@ -265,7 +268,7 @@ async fn agent_connections_tunnels_and_request_rate_are_capped() {
     );
     let other = AgentClient::new(channel(kas.agent).await, agent_token(2));
     other
-        .connect(Default::default())
+        .connect(Default::default(), None)
         .await
         .expect("agent 2 has its own limit");
 
@@ -295,12 +298,15 @@ async fn agent_connections_tunnels_and_request_rate_are_capped() {
     for _ in 0..4 {
         streams.push(
             client
-                .connect(Default::default())
+                .connect(Default::default(), None)
                 .await
                 .expect("within the rate"),
         );
     }
-    let err = client.connect(Default::default(), None).await.expect_err("fifth");
+    let err = client
+        .connect(Default::default(), None)
+        .await
+        .expect_err("fifth");
     assert_eq!(err.code(), Code::ResourceExhausted, "{err}");
     assert!(
         err.message().contains("connections_per_token_per_minute"),

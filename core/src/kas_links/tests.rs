@@ -61,7 +61,11 @@ fn dials_one_at_a_time_until_two_distinct_kas_and_closes_a_duplicate() {
     assert_eq!(outputs(&mut l), [LinksOutput::Close(Link(2))]);
     let before = at;
     at = next(&mut l);
-    assert!(at - before >= Duration::from_millis(1000), "{:?}", at - before);
+    assert!(
+        at - before >= Duration::from_millis(1000),
+        "{:?}",
+        at - before
+    );
     assert_eq!(outputs(&mut l), [LinksOutput::Dial(Link(3))]);
     up(&mut l, at, 3, "kas-b", 3);
     assert!(outputs(&mut l).is_empty());

@@ -483,7 +483,11 @@ fn a_draining_kas_gives_no_new_call_to_its_tunnels_and_announces_it_has_none() {
     // the router, which looks the agent up instead of waiting here.
     assert!(matches!(
         ended(&outs).as_slice(),
-        [(RequestId(3), Outcome::Refused, Some(CallError::NoFreeTunnel { .. }))]
+        [(
+            RequestId(3),
+            Outcome::Refused,
+            Some(CallError::NoFreeTunnel { .. })
+        )]
     ));
     assert!(
         outs.iter()

@@ -90,7 +90,10 @@ fn connection_writes_both_indexes_and_changes_wait_for_the_batch_in_flight() {
             "kas:conn_by_project:{project:100}"
         ]
     );
-    assert_eq!(b.writes[0].set[0].0, "70@k1:1", "one record per replica and kas");
+    assert_eq!(
+        b.writes[0].set[0].0, "70@k1:1",
+        "one record per replica and kas"
+    );
     ack(&mut t, 3, &b, true);
     t.handle_input(
         Time(4),

@@ -1,15 +1,17 @@
-//! The agent's connection loop: connect to kas, keep the tunnel pool, reconnect with
-//! jittered exponential backoff, and shut down gracefully.
+//! The agent's connections: several at once, to distinct kas (see
+//! [`kas_core::kas_links`]), each a `GetConfiguration` stream with its own tunnel pool;
+//! redialled with jittered exponential backoff; moved when kas asks; drained on shutdown.
 
 use super::client::{AgentClient, TunnelHooks};
 use super::modules::Modules;
 use crate::clock;
 use crate::tls::{self, KasUrl};
-use futures::StreamExt;
 use futures::stream::FuturesUnordered;
+use futures::{FutureExt, StreamExt};
 use kas_core::ConnectionId;
 use kas_core::backoff::Backoff;
 use kas_core::fixed_hash::Map;
+use kas_core::kas_links::{KasLinks, Link, LinksConfig, LinksInput, LinksOutput};
 use kas_core::rng::Rng;
 use kas_core::tunnel_pool::{PoolConfig, PoolInput, PoolOutput, Slot, TunnelPool};
 use kas_proto::registry::AgentMeta;
@@ -27,8 +29,11 @@ const CONNECT_TIMEOUT: Duration = Duration::from_secs(5);
 #[derive(Clone, Debug)]
 pub struct AgentOptions {
     /// kas's agent listener: `host:port`, or a URL (`grpc://`, `grpcs://`, `ws://`,
-    /// `wss://`; see [`KasUrl`]).
-    pub kas: String,
+    /// `wss://`; see [`KasUrl`]). Usually one load balancer in front of every kas; with
+    /// several, each dial draws one at random.
+    pub kas: Vec<String>,
+    /// Distinct kas to hold connections to at once (fewer when fewer are live).
+    pub kas_connections: usize,
     /// PEM CA certificates kas's certificate must chain to (the system's roots without).
     pub ca_cert_file: Option<std::path::PathBuf>,
     /// The HTTP proxy kas is reached through, if any.
@@ -50,12 +55,13 @@ pub struct AgentOptions {
 }
 
 impl AgentOptions {
-    /// The defaults: 2 idle tunnels, at most 100, idle ones closed after 60 s; heartbeat
-    /// every 10 s; reconnect after 1 s doubling to 60 s, tunnels retried after 1 s doubling
-    /// to 30 s (both jittered); 10 s shutdown grace.
+    /// The defaults: connections to 2 kas; 2 idle tunnels each, at most 100, idle ones
+    /// closed after 60 s; heartbeat every 10 s; reconnect after 1 s doubling to 60 s,
+    /// tunnels retried after 1 s doubling to 30 s (both jittered); 10 s shutdown grace.
     pub fn new(kas: impl Into<String>, token: impl Into<String>, meta: AgentMeta) -> Self {
         AgentOptions {
-            kas: kas.into(),
+            kas: vec![kas.into()],
+            kas_connections: 2,
             ca_cert_file: None,
             proxy: None,
             token: token.into(),
@@ -82,14 +88,22 @@ impl AgentOptions {
     }
 }
 
-/// How one connection attempt ended.
-enum Served {
-    /// It never came up.
-    Failed(Status),
-    /// It was up, then kas ended it.
-    Ended(Status),
-    /// `shutdown` fired and the tunnels are closed.
-    Shutdown,
+/// What a connection tells the agent.
+enum Event {
+    /// It is up at this kas, which counted this many live kas.
+    Up { kas: String, live_kas: u32 },
+    /// Its kas asked it to move.
+    MoveAsked,
+}
+
+/// What the agent tells a connection.
+#[derive(Clone, Copy, PartialEq, Eq)]
+enum Order {
+    Serve,
+    /// Open no more tunnels, let running calls finish (within `shutdown_grace`), close.
+    Drain,
+    /// Close now.
+    Close,
 }
 
 /// Resolves once `shutdown` turns true (or its sender is gone).
@@ -97,33 +111,93 @@ async fn stopping(shutdown: &mut watch::Receiver<bool>) {
     let _ = shutdown.wait_for(|stop| *stop).await;
 }
 
-/// Connects, serves, and reconnects with backoff until `shutdown` turns true; then lets
-/// running calls finish (within `shutdown_grace`) and closes everything.
+/// Holds connections to several kas until `shutdown` turns true; then lets running calls
+/// finish (within `shutdown_grace`) and closes everything.
 pub async fn run(
     options: AgentOptions,
     modules: Arc<Modules>,
     mut shutdown: watch::Receiver<bool>,
 ) {
     let mut rng = Rng::new(options.seed);
-    let mut failures = 0u32;
+    // Positive: kas refuses negative ids, and 0 asks kas to draw one.
+    let replica = ConnectionId((rng.next_u64() >> 1) as i64 | 1);
+    let config = LinksConfig {
+        want: options.kas_connections,
+        backoff: options.reconnect,
+    };
+    let mut links = KasLinks::new(config, rng.next_u64());
+    let (events_tx, mut events) = mpsc::unbounded_channel();
+    let mut orders: Map<Link, watch::Sender<Order>> = Map::default();
+    let mut tasks = Tasks(FuturesUnordered::new());
+    let mut stop_asked = false;
+    links.handle_timeout(clock::now());
     loop {
-        match serve(&options, &modules, &mut shutdown, &mut rng).await {
-            Served::Shutdown => return,
-            Served::Ended(status) => {
-                failures = 0;
-                tracing::warn!(kas = %options.kas, reason = %status.message(), "kas ended the connection");
-            }
-            Served::Failed(status) => {
-                tracing::warn!(kas = %options.kas, error = %explain(&options.kas, &status), "cannot connect");
+        while let Some(out) = links.poll_output() {
+            let (link, order) = match out {
+                LinksOutput::Dial(link) => {
+                    let (order_tx, order) = watch::channel(Order::Serve);
+                    orders.insert(link, order_tx);
+                    let kas = options.kas[rng.below(options.kas.len() as u64) as usize].clone();
+                    let connection = Connection {
+                        options: options.clone(),
+                        kas,
+                        modules: modules.clone(),
+                        replica,
+                        link,
+                        order,
+                        events: events_tx.clone(),
+                        seed: rng.next_u64(),
+                    };
+                    let task = std::panic::AssertUnwindSafe(connection.serve()).catch_unwind();
+                    tasks.0.push(tokio::spawn(task.map(move |_| link)));
+                    continue;
+                }
+                LinksOutput::Drain(link) => (link, Order::Drain),
+                LinksOutput::Close(link) => (link, Order::Close),
+            };
+            if let Some(o) = orders.get(&link) {
+                let _ = o.send(order);
             }
         }
-        let delay = options.reconnect.delay(failures, &mut rng);
-        failures = failures.saturating_add(1);
-        tracing::info!(?delay, attempt = failures, "reconnecting after a backoff");
+        if links.done() {
+            return;
+        }
+        let wake = links.poll_timeout();
         tokio::select! {
             biased;
-            () = tokio::time::sleep(delay) => {}
-            () = stopping(&mut shutdown) => return,
+            Some((link, event)) = events.recv() => {
+                let input = match event {
+                    Event::Up { kas, live_kas } => LinksInput::Up { link, kas, live_kas },
+                    Event::MoveAsked => LinksInput::MoveAsked(link),
+                };
+                links.handle_input(clock::now(), input);
+            }
+            Some(ended) = tasks.0.next() => {
+                let Ok(link) = ended else {
+                    tracing::error!("a connection task was lost");
+                    continue;
+                };
+                orders.remove(&link);
+                links.handle_input(clock::now(), LinksInput::Ended(link));
+            }
+            () = tokio::time::sleep(wake.map_or(Duration::ZERO, clock::until)), if wake.is_some() => {
+                links.handle_timeout(clock::now());
+            }
+            () = stopping(&mut shutdown), if !stop_asked => {
+                stop_asked = true;
+                links.handle_input(clock::now(), LinksInput::Stop);
+            }
+        }
+    }
+}
+
+/// The connection tasks; aborted when the agent is dropped.
+struct Tasks(FuturesUnordered<JoinHandle<Link>>);
+
+impl Drop for Tasks {
+    fn drop(&mut self) {
+        for task in self.0.iter() {
+            task.abort();
         }
     }
 }
@@ -139,79 +213,126 @@ fn explain(kas: &str, status: &Status) -> String {
     }
 }
 
-/// One connection: `GetConfiguration`, then the tunnel pool until kas ends the connection
-/// or shutdown has drained the pool.
-async fn serve(
-    options: &AgentOptions,
-    modules: &Arc<Modules>,
-    shutdown: &mut watch::Receiver<bool>,
-    rng: &mut Rng,
-) -> Served {
-    let connect = async {
-        let url = KasUrl::parse(&options.kas).map_err(Status::invalid_argument)?;
-        let ca = options.ca_cert_file.as_deref();
-        let channel = tls::connect(&url, ca, options.proxy.as_ref(), CONNECT_TIMEOUT)
-            .await
-            .map_err(Status::unavailable)?;
-        let client = AgentClient::new(channel, options.token.clone());
-        let (connection, _, config) = client.connect(options.meta.clone()).await?;
-        Ok::<_, Status>((client, connection, config))
-    };
-    let (client, connection, mut config) = tokio::select! {
-        biased;
-        r = connect => match r {
-            Ok(c) => c,
-            Err(s) => return Served::Failed(s),
-        },
-        () = stopping(shutdown) => return Served::Shutdown,
-    };
-    tracing::info!(kas = %options.kas, %connection, "connected");
-    let mut pool = Pool {
-        machine: TunnelPool::new(options.pool, Rng::new(rng.next_u64())),
-        client,
-        connection,
-        modules: modules.clone(),
-        heartbeat: options.heartbeat,
-        tunnels: FuturesUnordered::new(),
-        closers: Map::default(),
-        reports: mpsc::unbounded_channel(),
-    };
-    pool.machine.handle_timeout(clock::now());
-    let mut drain_until: Option<tokio::time::Instant> = None;
-    loop {
-        pool.act();
-        if pool.machine.drained() {
-            return Served::Shutdown;
-        }
-        let wake = pool.machine.poll_timeout();
-        tokio::select! {
+/// One connection: `GetConfiguration`, then its tunnel pool, until kas ends it or the
+/// agent drains or closes it.
+struct Connection {
+    options: AgentOptions,
+    /// The address dialled.
+    kas: String,
+    modules: Arc<Modules>,
+    replica: ConnectionId,
+    link: Link,
+    order: watch::Receiver<Order>,
+    events: mpsc::UnboundedSender<(Link, Event)>,
+    seed: u64,
+}
+
+impl Connection {
+    async fn serve(mut self) {
+        let options = &self.options;
+        let connect = async {
+            let url = KasUrl::parse(&self.kas).map_err(Status::invalid_argument)?;
+            let ca = options.ca_cert_file.as_deref();
+            let channel = tls::connect(&url, ca, options.proxy.as_ref(), CONNECT_TIMEOUT)
+                .await
+                .map_err(Status::unavailable)?;
+            let client = AgentClient::new(channel, options.token.clone());
+            let (connection, first, config) = client
+                .connect(options.meta.clone(), Some(self.replica))
+                .await?;
+            Ok::<_, Status>((client, connection, first, config))
+        };
+        let ordered = self.order.clone();
+        let (client, connection, first, mut config) = tokio::select! {
             biased;
-            msg = config.message() => match msg {
-                Ok(Some(_)) => {}
-                Ok(None) => return Served::Ended(Status::unavailable("kas closed the connection")),
-                Err(s) => return Served::Ended(s),
-            },
-            Some(input) = pool.reports.1.recv() => pool.machine.handle_input(clock::now(), input),
-            Some(joined) = pool.tunnels.next() => {
-                if let Ok((slot, status)) = joined {
-                    pool.ended(slot, status);
+            r = connect => match r {
+                Ok(c) => c,
+                Err(status) => {
+                    tracing::warn!(
+                        kas = %self.kas,
+                        error = %explain(&self.kas, &status),
+                        "cannot connect; reconnecting after a backoff"
+                    );
+                    return;
                 }
+            },
+            () = ordered_away(ordered) => return,
+        };
+        tracing::info!(kas = %self.kas, kas_id = %first.kas_id, %connection, "connected");
+        let up = Event::Up {
+            kas: first.kas_id,
+            live_kas: u32::try_from(first.live_kas).unwrap_or(0),
+        };
+        let _ = self.events.send((self.link, up));
+        let mut pool = Pool {
+            machine: TunnelPool::new(options.pool, Rng::new(self.seed)),
+            client,
+            connection,
+            modules: self.modules.clone(),
+            heartbeat: options.heartbeat,
+            tunnels: FuturesUnordered::new(),
+            closers: Map::default(),
+            reports: mpsc::unbounded_channel(),
+        };
+        pool.machine.handle_timeout(clock::now());
+        let mut drain_until: Option<tokio::time::Instant> = None;
+        loop {
+            pool.act();
+            if pool.machine.drained() {
+                return;
             }
-            () = tokio::time::sleep(wake.map_or(Duration::ZERO, clock::until)), if wake.is_some() => {
-                pool.machine.handle_timeout(clock::now());
-            }
-            () = stopping(shutdown), if drain_until.is_none() => {
-                let (opening, idle, busy) = pool.machine.counts();
-                tracing::info!(idle, busy, opening, "shutting down: closing idle tunnels, letting calls finish");
-                drain_until = Some(tokio::time::Instant::now() + options.shutdown_grace);
-                pool.machine.handle_input(clock::now(), PoolInput::Drain);
-            }
-            () = tokio::time::sleep_until(drain_until.unwrap_or_else(tokio::time::Instant::now)), if drain_until.is_some() => {
-                tracing::warn!(grace = ?options.shutdown_grace, "calls still running after the shutdown grace: closing their tunnels");
-                return Served::Shutdown;
+            let wake = pool.machine.poll_timeout();
+            tokio::select! {
+                biased;
+                msg = config.message() => match msg {
+                    Ok(Some(m)) if m.drain => {
+                        tracing::info!(kas = %self.kas, "kas asked this connection to move: connecting elsewhere first");
+                        let _ = self.events.send((self.link, Event::MoveAsked));
+                    }
+                    Ok(Some(_)) => {}
+                    Ok(None) => {
+                        tracing::warn!(kas = %self.kas, "kas closed the connection");
+                        return;
+                    }
+                    Err(s) => {
+                        tracing::warn!(kas = %self.kas, reason = %s.message(), "kas ended the connection");
+                        return;
+                    }
+                },
+                Some(input) = pool.reports.1.recv() => pool.machine.handle_input(clock::now(), input),
+                Some(joined) = pool.tunnels.next() => {
+                    if let Ok((slot, status)) = joined {
+                        pool.ended(slot, status);
+                    }
+                }
+                () = tokio::time::sleep(wake.map_or(Duration::ZERO, clock::until)), if wake.is_some() => {
+                    pool.machine.handle_timeout(clock::now());
+                }
+                changed = self.order.changed(), if drain_until.is_none() => {
+                    let order = *self.order.borrow();
+                    if changed.is_err() || order == Order::Close {
+                        return;
+                    }
+                    if order == Order::Drain {
+                        let (opening, idle, busy) = pool.machine.counts();
+                        tracing::info!(kas = %self.kas, idle, busy, opening, "draining: closing idle tunnels, letting calls finish");
+                        drain_until = Some(tokio::time::Instant::now() + options.shutdown_grace);
+                        pool.machine.handle_input(clock::now(), PoolInput::Drain);
+                    }
+                }
+                () = tokio::time::sleep_until(drain_until.unwrap_or_else(tokio::time::Instant::now)), if drain_until.is_some() => {
+                    tracing::warn!(grace = ?options.shutdown_grace, "calls still running after the shutdown grace: closing their tunnels");
+                    return;
+                }
             }
         }
     }
+}
+
+/// Resolves once the agent orders the connection to drain or close (or is gone): before
+/// it is up, both mean giving up.
+async fn ordered_away(mut order: watch::Receiver<Order>) {
+    let _ = order.wait_for(|o| *o != Order::Serve).await;
 }
 
 /// The tunnel pool machine and the tasks it drives.

@@ -19,6 +19,13 @@ use std::time::Duration;
 /// reconnect storm. SIGTERM or Ctrl-C: idle tunnels close, running calls finish (within
 /// `--shutdown-grace`), then agentk exits.
 ///
+/// agentk holds connections to `--kas-connections` distinct kas at once (every kas when
+/// fewer are live), all through the one `--kas` address (a load balancer in front of kas):
+/// it dials again until it reaches enough distinct ones, closing duplicates. When a kas
+/// stops or asks a connection to move (`agent.listen.max_connection_age`), agentk first
+/// connects elsewhere, then lets the old connection's calls finish and closes it, so the
+/// agent stays reachable throughout.
+///
 /// Pods come from the Kubernetes API (the in-cluster service account, or the current
 /// kubeconfig context), or from `--pods-fixture FILE` on machines without a cluster.
 /// The Kubernetes API module (kubectl through kas) proxies to the same API server, as this
@@ -50,7 +57,10 @@ struct Args {
     /// node_name) instead of the Kubernetes API.
     #[arg(long, value_name = "FILE", env = "AGENTK_PODS_FIXTURE")]
     pods_fixture: Option<PathBuf>,
-    /// Tunnels kept idle, ready for calls.
+    /// Distinct kas to hold connections to at once (each with its own tunnel pool).
+    #[arg(long, value_name = "N", default_value_t = 2)]
+    kas_connections: usize,
+    /// Tunnels kept idle per connection, ready for calls.
     #[arg(long, value_name = "N", default_value_t = 2)]
     min_idle_tunnels: usize,
     /// Most tunnels open at once per connection.
@@ -147,6 +157,9 @@ fn options(args: &Args) -> Result<AgentOptions, String> {
             args.min_idle_tunnels, args.max_tunnels
         ));
     }
+    if args.kas_connections == 0 {
+        return Err("--kas-connections must be at least 1".into());
+    }
     if args.heartbeat.is_zero() {
         return Err("--heartbeat must be more than 0".into());
     }
@@ -168,6 +181,7 @@ fn options(args: &Args) -> Result<AgentOptions, String> {
     }
     let mut o = AgentOptions::new(&args.kas, token, meta);
     o.ca_cert_file = args.ca_cert_file.clone();
+    o.kas_connections = args.kas_connections;
     o.proxy = kas_runtime::proxy::Proxy::from_env(&url.host)?;
     o.pool.min_idle = args.min_idle_tunnels;
     o.pool.max = args.max_tunnels;

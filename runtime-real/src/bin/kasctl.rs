@@ -215,11 +215,17 @@ fn print_agents(agents: &[ConnectedAgentInfo], json: bool) {
         .iter()
         .map(|a| {
             let meta = a.agent_meta.clone().unwrap_or_default();
-            let kas = a
-                .kas_address
-                .as_ref()
+            // Every kas the replica is connected to (one, from a kas that lists no more).
+            let kas = if a.kas_addresses.is_empty() {
+                a.kas_address.iter().collect::<Vec<_>>()
+            } else {
+                a.kas_addresses.iter().collect()
+            };
+            let kas = kas
+                .iter()
                 .map(|k| format!("{}:{}", k.ip, k.port))
-                .unwrap_or_default();
+                .collect::<Vec<_>>()
+                .join(",");
             vec![
                 a.agent_id.to_string(),
                 a.project_id.to_string(),

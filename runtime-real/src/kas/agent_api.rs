@@ -258,7 +258,11 @@ impl Ends {
                 () = &mut old, if !asked => "the connection reached agent.listen.max_connection_age",
             };
             asked = true;
-            tracing::info!(connection = drain.connection_id, reason = why, "asking the agent to move");
+            tracing::info!(
+                connection = drain.connection_id,
+                reason = why,
+                "asking the agent to move"
+            );
             let _ = tx.try_send(Ok(drain.clone()));
         }
     }

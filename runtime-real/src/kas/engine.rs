@@ -248,7 +248,8 @@ impl Engine {
             self.carry_outputs();
             let stats = self.node.stats();
             self.metrics.node(stats);
-            self.stats.send_if_modified(|s| std::mem::replace(s, stats) != stats);
+            self.stats
+                .send_if_modified(|s| std::mem::replace(s, stats) != stats);
             if self.stopped {
                 return; // dropping the tasks aborts them
             }

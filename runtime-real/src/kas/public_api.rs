@@ -55,13 +55,11 @@ impl PublicService {
                 tracing::warn!(error = %e, "registry read failed");
                 Status::unavailable(format!("cannot read the agent registry: {e}"))
             })?;
-        let mut agents: Vec<ConnectedAgentInfo> = live
+        let records = live
             .into_iter()
             .filter_map(|(_, v)| ConnectedAgentInfo::decode(v.as_slice()).ok())
-            .filter(|a| kas_id_of(a).is_some_and(|id| kas.contains(&id)))
-            .collect();
-        agents.sort_by_key(|a| (a.agent_id, a.connection_id));
-        Ok(agents)
+            .filter(|a| kas_id_of(a).is_some_and(|id| kas.contains(&id)));
+        Ok(one_per_replica(records))
     }
 
     /// The deadline and message of a call to route, once its agent id is checked.
@@ -302,5 +300,92 @@ impl KasApi for PublicService {
         let list = ListResponse::decode(answer)
             .map_err(|e| Status::internal(format!("agent sent a malformed pod list: {e}")))?;
         Ok(Response::new(GetPodsResponse { pods: list.pods }))
+    }
+}
+
+/// One entry per replica, with every kas it is connected to in `kas_addresses` (sorted),
+/// from the records of each kas; the replica's other fields are from its earliest
+/// connection. Sorted by agent, then replica.
+fn one_per_replica(
+    records: impl IntoIterator<Item = ConnectedAgentInfo>,
+) -> Vec<ConnectedAgentInfo> {
+    let mut replicas: std::collections::BTreeMap<(i64, i64), ConnectedAgentInfo> =
+        std::collections::BTreeMap::new();
+    let since = |a: &ConnectedAgentInfo| a.connected_at.map(|t| (t.seconds, t.nanos));
+    for mut record in records {
+        let address = record.kas_address.clone();
+        record.kas_addresses.clear();
+        let replica = replicas
+            .entry((record.agent_id, record.connection_id))
+            .or_insert_with(|| record.clone());
+        if since(&record) < since(replica) {
+            let addresses = std::mem::take(&mut replica.kas_addresses);
+            *replica = ConnectedAgentInfo {
+                kas_addresses: addresses,
+                ..record
+            };
+        }
+        replica.kas_addresses.extend(address);
+    }
+    let mut agents: Vec<ConnectedAgentInfo> = replicas.into_values().collect();
+    for a in &mut agents {
+        a.kas_addresses
+            .sort_by(|x, y| (&x.ip, x.port).cmp(&(&y.ip, y.port)));
+        a.kas_addresses.dedup();
+    }
+    agents
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use kas_proto::prost_types::Timestamp;
+    use kas_proto::registry::KasAddress;
+
+    fn record(agent: i64, replica: i64, port: u32, at: i64, pod: &str) -> ConnectedAgentInfo {
+        ConnectedAgentInfo {
+            agent_id: agent,
+            connection_id: replica,
+            connected_at: Some(Timestamp {
+                seconds: at,
+                nanos: 0,
+            }),
+            kas_address: Some(KasAddress {
+                ip: "127.0.0.1".into(),
+                port,
+            }),
+            agent_meta: Some(kas_proto::registry::AgentMeta {
+                pod_name: pod.into(),
+                ..Default::default()
+            }),
+            ..Default::default()
+        }
+    }
+
+    #[test]
+    fn a_replica_on_several_kas_is_listed_once_with_each_kas() {
+        let listed = one_per_replica([
+            record(1, 10, 8155, 50, "late"),
+            record(2, 20, 8155, 10, "other"),
+            record(1, 10, 8055, 40, "early"),
+            record(1, 11, 8255, 60, "second-replica"),
+        ]);
+        let summary: Vec<(i64, i64, String, Vec<u32>)> = listed
+            .iter()
+            .map(|a| {
+                let pod = a.agent_meta.as_ref().unwrap().pod_name.clone();
+                let ports = a.kas_addresses.iter().map(|k| k.port).collect();
+                (a.agent_id, a.connection_id, pod, ports)
+            })
+            .collect();
+        assert_eq!(
+            summary,
+            [
+                (1, 10, "early".to_string(), vec![8055, 8155]),
+                (1, 11, "second-replica".to_string(), vec![8255]),
+                (2, 20, "other".to_string(), vec![8155]),
+            ]
+        );
+        assert_eq!(listed[0].kas_address.as_ref().unwrap().port, 8055);
     }
 }

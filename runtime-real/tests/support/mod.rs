@@ -433,7 +433,8 @@ impl TestAgent {
             pod_namespace: "default".into(),
             pod_name: pod.into(),
         };
-        let (connection, _, mut stream) = client.connect(meta, None).await.expect("GetConfiguration");
+        let (connection, _, mut stream) =
+            client.connect(meta, None).await.expect("GetConfiguration");
         let mut tasks = vec![tokio::spawn(async move {
             while let Ok(Some(_)) = stream.message().await {}
         })];

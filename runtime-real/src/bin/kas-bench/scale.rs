@@ -105,7 +105,7 @@ impl Fleet {
                         ..Default::default()
                     };
                     let (connection, _, mut stream) = client
-                        .connect(meta)
+                        .connect(meta, None)
                         .await
                         .map_err(|s| format!("agent {agent}: {s}"))?;
                     let hold =
