@@ -572,7 +572,8 @@ impl Kas {
         let until = tokio::time::Instant::now() + self.grace;
         let _ = self.closing.send(true);
         self.engine.input(NodeInput::Drain);
-        if tokio::time::timeout_at(until, &mut self.calls_server)
+        let left = || until.saturating_duration_since(tokio::time::Instant::now());
+        if tokio::time::timeout(left(), &mut self.calls_server)
             .await
             .is_err()
         {
@@ -580,7 +581,7 @@ impl Kas {
             self.calls_server.abort();
         }
         let gone = self.stats.wait_for(|s| s.calls == 0 && s.connections == 0);
-        if let Ok(Ok(_)) = tokio::time::timeout_at(until, gone).await {
+        if let Ok(Ok(_)) = tokio::time::timeout(left(), gone).await {
             tracing::info!("every call ended and every agent moved away");
         } else {
             let s = *self.stats.borrow();

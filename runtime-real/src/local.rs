@@ -3,6 +3,7 @@
 //! Redis, one kas on its in-memory registry. kas and agents run in this process, on the
 //! production code paths; Redis is a child process.
 
+pub mod balancer;
 pub mod kas_process;
 pub mod kube_server;
 pub mod port_forward;

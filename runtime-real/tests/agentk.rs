@@ -34,7 +34,7 @@ async fn agentk_reconnects_after_its_kas_restarts_and_is_routable_again() {
     );
 
     assert!(kas.terminate().success());
-    kas.restart(&secrets, "kas").await;
+    kas.restart(&secrets, "kas", None, 10_000).await;
     let gitlab = GitLab::new(&secrets, kas.api).await;
     // The call waits for the agent to come back, within its deadline.
     let pods = gitlab.pods(1, None, Duration::from_secs(15)).await;

@@ -146,10 +146,17 @@ impl KasProc {
         Self::start_on(secrets, name, redis, ttl_ms, extra_redis, None).await
     }
 
-    /// Starts kas again on the addresses this one had (after it stopped).
-    pub async fn restart(&mut self, secrets: &Secrets, name: &str) {
+    /// Starts kas again on the addresses this one had (after it stopped), with `redis`
+    /// (or the in-memory store) and records living `ttl_ms`.
+    pub async fn restart(
+        &mut self,
+        secrets: &Secrets,
+        name: &str,
+        redis: Option<&Redis>,
+        ttl_ms: u64,
+    ) {
         let at = [self.agent, self.api, self.private, self.observability];
-        *self = Self::start_on(secrets, name, None, 10_000, "", Some(at)).await;
+        *self = Self::start_on(secrets, name, redis, ttl_ms, "", Some(at)).await;
     }
 
     /// Like `start`, with `listen` = (agent, api, private, observability) addresses.
@@ -341,6 +348,23 @@ impl GitLab {
     }
 
     /// The live connections of agent `agent`: (connection id, pod name), sorted.
+    /// The agent's replicas as listed: (connection id, pod name, how many kas it is
+    /// connected to), sorted.
+    pub async fn replicas(&self, agent: i64) -> Result<Vec<(i64, String, usize)>, tonic::Status> {
+        let mut v: Vec<(i64, String, usize)> = self
+            .api
+            .agents_by_id(agent)
+            .await?
+            .into_iter()
+            .map(|a| {
+                let kas = a.kas_addresses.len();
+                (a.connection_id, a.agent_meta.unwrap_or_default().pod_name, kas)
+            })
+            .collect();
+        v.sort();
+        Ok(v)
+    }
+
     pub async fn connections(&self, agent: i64) -> Result<Vec<(i64, String)>, tonic::Status> {
         let mut v: Vec<(i64, String)> = self
             .api
