@@ -16,7 +16,11 @@
 //! 6. nothing leaks: once agents are gone and records expire, no tunnel, call, connection
 //!    or Redis record is left;
 //! 8. a two-way call that ends OK carried every request piece to the agent and every
-//!    answer piece back, in order (the echo equals what was sent).
+//!    answer piece back, in order (the echo equals what was sent);
+//! 9. with agent HA (agents on two kas at once), no call for a connected agent fails
+//!    because a kas went away: only a call that entered a kas already stopping or down
+//!    (GitLab's to retry: nothing was delivered), or that was under way while a kas was
+//!    killed, may fail.
 
 use crate::cluster::{AgentSpec, pod_name};
 use crate::truth::{Delivery, Hold};
@@ -123,6 +127,50 @@ pub fn check_fault_free(calls: &[Call], agents: &[AgentSpec], timeout: Duration)
             Some(format!(
                 "inv 5: in a run without faults, {} (timeout {:?}) for connected agent {} failed: {code:?} {msg}",
                 c.marker, c.timeout, c.agent
+            ))
+        })
+        .collect()
+}
+
+/// A kas stopping (from its SIGTERM) or down (from its kill), until it listens again.
+#[derive(Clone, Copy, Debug)]
+pub struct Outage {
+    /// The kas.
+    pub kas: usize,
+    /// From its SIGTERM or kill.
+    pub from: Instant,
+    /// Until it listens again after its restart.
+    pub to: Instant,
+    /// Killed (SIGKILL), rather than stopped gracefully.
+    pub killed: bool,
+}
+
+/// Violations of invariant 9 by `calls` for `agents` (each on two kas) issued after `from`
+/// with a timeout of at least `timeout`, given the kas `outages`.
+pub fn check_reachable(
+    calls: &[Call],
+    agents: &[i64],
+    outages: &[Outage],
+    from: Instant,
+    timeout: Duration,
+) -> Vec<String> {
+    let excused = |c: &Call| {
+        let end = c.started + c.took;
+        outages.iter().any(|o| {
+            let entered_away = o.kas == c.kas && o.from <= c.started && c.started <= o.to;
+            let killed_meanwhile = o.killed && o.from <= end && c.started <= o.to;
+            entered_away || killed_meanwhile
+        })
+    };
+    calls
+        .iter()
+        .filter(|c| c.started >= from && c.timeout >= timeout && agents.contains(&c.agent))
+        .filter(|c| !excused(c))
+        .filter_map(|c| {
+            let (code, msg) = c.result.as_ref().err()?;
+            Some(format!(
+                "inv 9: {} (timeout {:?}) through kas{} for agent {}, which is on two kas, failed while kas went away: {code:?} {msg}",
+                c.marker, c.timeout, c.kas, c.agent
             ))
         })
         .collect()

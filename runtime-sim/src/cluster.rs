@@ -62,6 +62,12 @@ pub struct ClusterSpec {
     pub pubsub_wakeups: bool,
     /// Registry record lifetime (refreshed every half).
     pub ttl: Duration,
+    /// kas's `shutdown_grace`.
+    pub grace: Duration,
+    /// Agents hold connections to two kas at once, dialling any kas (as through a load
+    /// balancer in front of them all); a replica's kas in `agents` is then only the first
+    /// it is likely to reach. Without, each replica connects to its kas only.
+    pub ha: bool,
 }
 
 /// The name of the one pod replica `replica` of `agent` serves: who answered a call.
@@ -84,6 +90,12 @@ pub struct Cluster {
     pub health: Vec<HealthSlot>,
     /// Registry record lifetime.
     pub ttl: Duration,
+    /// kas's `shutdown_grace`.
+    pub grace: Duration,
+    /// See [`ClusterSpec::ha`].
+    pub ha: bool,
+    /// kas replicas.
+    kas_count: usize,
     /// Each kas's report of its last graceful stop.
     pub stopped: Vec<StopSlot>,
     /// The Redis node.
@@ -144,13 +156,14 @@ fn write_files() -> PathBuf {
 fn kas_config(i: usize, dir: &std::path::Path, spec: &ClusterSpec) -> Config {
     let ttl = spec.ttl.as_millis();
     let yaml = format!(
-        "agent:\n  listen: {{address: '{}'}}\n  tokens_file: '{d}/tokens.yaml'\n  redis_conn_info_ttl: {ttl}ms\n  redis_conn_info_refresh: {}ms\n  redis_conn_info_gc: {ttl}ms\n  heartbeat_timeout: 3s\napi:\n  listen: {{address: '{}', authentication_secret_file: '{d}/gitlab.secret'}}\nprivate_api:\n  listen: {{address: '{}', authentication_secret_file: '{d}/kas.secret'}}\nobservability:\n  listen: {{address: '{}'}}\nredis:\n  server: {{address: '{REDIS}'}}\n  key_prefix: kas\n  timeout: 1s\n  pubsub_wakeups: {}\nshutdown_grace: 2s\n",
+        "agent:\n  listen: {{address: '{}'}}\n  tokens_file: '{d}/tokens.yaml'\n  redis_conn_info_ttl: {ttl}ms\n  redis_conn_info_refresh: {}ms\n  redis_conn_info_gc: {ttl}ms\n  heartbeat_timeout: 3s\napi:\n  listen: {{address: '{}', authentication_secret_file: '{d}/gitlab.secret'}}\nprivate_api:\n  listen: {{address: '{}', authentication_secret_file: '{d}/kas.secret'}}\nobservability:\n  listen: {{address: '{}'}}\nredis:\n  server: {{address: '{REDIS}'}}\n  key_prefix: kas\n  timeout: 1s\n  pubsub_wakeups: {}\nshutdown_grace: {}ms\n",
         kas_addr(i, 8150),
         ttl / 2,
         kas_addr(i, 8153),
         kas_addr(i, 8155),
         kas_addr(i, 8151),
         spec.pubsub_wakeups,
+        spec.grace.as_millis(),
         d = dir.display(),
     );
     Config::parse(&yaml, &format!("kas{i}.yaml")).unwrap_or_else(|e| panic!("{e}"))
@@ -213,6 +226,9 @@ impl Cluster {
             truth,
             health,
             ttl: spec.ttl,
+            grace: spec.grace,
+            ha: spec.ha,
+            kas_count: spec.kas,
             stopped,
             redis_node,
             kas_nodes,
@@ -234,8 +250,9 @@ impl Cluster {
         self
     }
 
-    /// Creates the node of replica `replica` of `agent`, connecting to kas `kas` after
-    /// `delay` (at once after a restart of the node).
+    /// Creates the node of replica `replica` of `agent`, connecting to kas `kas` (to any
+    /// two, when the cluster is [`ClusterSpec::ha`]) after `delay` (at once after a
+    /// restart of the node).
     pub fn add_agent(&mut self, agent: i64, replica: usize, kas: usize, delay: Duration) {
         assert!(
             (1..=MAX_AGENT).contains(&agent),
@@ -245,6 +262,7 @@ impl Cluster {
         let ip = self.next_agent_ip;
         let pod = pod_name(agent, replica);
         let truth = self.truth.clone();
+        let (ha, kas_count) = (self.ha, self.kas_count);
         // Half the replicas keep one tunnel only: a call then waits for it or takes
         // another replica's, and a pinned call must not.
         let one_tunnel = thread_rng().gen_bool(0.5);
@@ -265,6 +283,12 @@ impl Cluster {
                 };
                 let mut options =
                     AgentOptions::new(kas_addr(kas, 8150).to_string(), token(agent), meta);
+                options.kas_connections = if ha { 2 } else { 1 };
+                if ha {
+                    options.kas = (0..kas_count)
+                        .map(|k| kas_addr(k, 8150).to_string())
+                        .collect();
+                }
                 options.seed = u64::from(ip);
                 options.heartbeat = Duration::from_millis(500);
                 if one_tunnel {

@@ -2,7 +2,7 @@
 //! a fault-free final phase that checks convergence, liveness (calls waiting for an agent
 //! that connects are delivered, and how fast) and leaks.
 
-use crate::checker::{self, Stall, Stats};
+use crate::checker::{self, Outage, Stall, Stats};
 use crate::cluster::{AgentSpec, Cluster, ClusterSpec, pod_name};
 use crate::workload::{self, Call};
 use kas_core::AgentId;
@@ -32,11 +32,17 @@ pub enum Scenario {
     AgentChurn,
     /// Fault kinds and rates drawn from the seed, including clock jumps past the TTL.
     Swarm,
+    /// Agents on two kas at once; each kas stopped gracefully and restarted in turn,
+    /// again and again, while calls flow: no call may fail.
+    RollingRestart,
+    /// Agents on two kas at once; kas killed, or stopped gracefully, and restarted: only
+    /// calls under way on a killed kas may fail.
+    KasCrashHa,
 }
 
 impl Scenario {
     /// Every scenario, in order.
-    pub const ALL: [Scenario; 7] = [
+    pub const ALL: [Scenario; 9] = [
         Scenario::Steady,
         Scenario::KasCrash,
         Scenario::Partition,
@@ -44,6 +50,8 @@ impl Scenario {
         Scenario::ReconnectStorm,
         Scenario::AgentChurn,
         Scenario::Swarm,
+        Scenario::RollingRestart,
+        Scenario::KasCrashHa,
     ];
 
     /// Its command-line name.
@@ -56,7 +64,14 @@ impl Scenario {
             Scenario::ReconnectStorm => "reconnect-storm",
             Scenario::AgentChurn => "agent-churn",
             Scenario::Swarm => "swarm",
+            Scenario::RollingRestart => "rolling-restart",
+            Scenario::KasCrashHa => "kas-crash-ha",
         }
+    }
+
+    /// Agents hold connections to two kas at once.
+    fn ha(self) -> bool {
+        matches!(self, Scenario::RollingRestart | Scenario::KasCrashHa)
     }
 
     /// The scenario called `name`.
@@ -92,6 +107,11 @@ const ROGUE: i64 = 62;
 const LIVE_TIMEOUT: Duration = Duration::from_secs(2);
 /// Registry record lifetime in the simulation.
 const TTL: Duration = Duration::from_secs(4);
+/// kas's `shutdown_grace` in the simulation.
+const GRACE: Duration = Duration::from_secs(2);
+/// kas's `shutdown_grace` where agents move make-before-break: the longest call (timeouts
+/// and fault pauses included) fits in it, so a graceful stop cuts none.
+const HA_GRACE: Duration = Duration::from_secs(10);
 /// How long the faulty phase lasts.
 const FAULTY: Duration = Duration::from_secs(20);
 
@@ -111,7 +131,8 @@ fn shape(scenario: Scenario) -> Shape {
             .collect(),
         Scenario::Swarm => return swarm_shape(),
         // One replica; two on different kas; one; two sharing a kas (a pinned call must
-        // take its own replica's tunnel even when the other's is idle beside it).
+        // take its own replica's tunnel even when the other's is idle beside it). With
+        // agent HA, the kas is only where a replica is likely to connect first.
         _ => [vec![0], vec![1, 2], vec![2], vec![0, 0]]
             .into_iter()
             .zip(1..)
@@ -124,6 +145,8 @@ fn shape(scenario: Scenario) -> Shape {
             agents,
             pubsub_wakeups: true,
             ttl: TTL,
+            grace: if scenario.ha() { HA_GRACE } else { GRACE },
+            ha: scenario.ha(),
         },
         every: Duration::from_millis(150),
     }
@@ -161,6 +184,8 @@ fn swarm_shape() -> Shape {
             agents,
             pubsub_wakeups: true,
             ttl: TTL,
+            grace: GRACE,
+            ha: false,
         },
         every,
     }
@@ -181,13 +206,20 @@ struct FaultLog {
     agents_cut_off: bool,
     /// What the faults themselves saw go wrong (a graceful stop's leftovers).
     violations: Vec<String>,
+    /// When each kas was stopping or down.
+    outages: Vec<Outage>,
 }
 
+/// How long a restarted kas may take to listen again.
+const RESTARTING: Duration = Duration::from_secs(1);
+
 /// Injects faults of `kinds` until `until`. Everything is healed at the end. `agents`: who
-/// is connected where (a kas down past the TTL must stop being listed as holding them).
+/// is connected where (a kas down past the TTL must stop being listed as holding them);
+/// `homed`: with agent HA, the agents back on two kas before each next fault.
 async fn faults(
     cluster: &Cluster,
     agents: &[AgentSpec],
+    homed: &[AgentSpec],
     kinds: &[Fault],
     until: Instant,
 ) -> FaultLog {
@@ -207,6 +239,7 @@ async fn faults(
         tracing::info!(?fault, kas, ?lasting, "fault");
         match fault {
             Fault::KillKas => {
+                let from = Instant::now();
                 handle.kill(cluster.kas_nodes[kas].id());
                 if thread_rng().gen_bool(0.3) {
                     tokio::time::sleep(cluster.ttl + Duration::from_millis(500)).await;
@@ -215,14 +248,14 @@ async fn faults(
                 }
                 tokio::time::sleep(lasting).await;
                 handle.restart(cluster.kas_nodes[kas].id());
+                log.outages.push(Outage {
+                    kas,
+                    from,
+                    to: Instant::now() + RESTARTING,
+                    killed: true,
+                });
             }
-            Fault::StopKas => {
-                log.violations.extend(stop_gracefully(cluster, kas).await);
-                // The process exits: its sockets go with it.
-                handle.kill(cluster.kas_nodes[kas].id());
-                tokio::time::sleep(lasting).await;
-                handle.restart(cluster.kas_nodes[kas].id());
-            }
+            Fault::StopKas => restart_gracefully(cluster, kas, lasting, &mut log).await,
             Fault::Clog => {
                 let other = (kas + 1) % cluster.kas_nodes.len();
                 let (a, b) = (cluster.kas_nodes[kas].id(), cluster.kas_nodes[other].id());
@@ -296,8 +329,70 @@ async fn faults(
                 handle.restart(id);
             }
         }
+        if cluster.ha {
+            // Each fault on its own: every agent back on two kas first.
+            await_homed(cluster, homed).await;
+        }
     }
     log
+}
+
+/// Stops kas `kas` gracefully, keeps it down `lasting`, and starts it again.
+async fn restart_gracefully(cluster: &Cluster, kas: usize, lasting: Duration, log: &mut FaultLog) {
+    let handle = Handle::current();
+    let from = Instant::now();
+    log.violations.extend(stop_gracefully(cluster, kas).await);
+    // The process exits: its sockets go with it.
+    handle.kill(cluster.kas_nodes[kas].id());
+    tokio::time::sleep(lasting).await;
+    handle.restart(cluster.kas_nodes[kas].id());
+    log.outages.push(Outage {
+        kas,
+        from,
+        to: Instant::now() + RESTARTING,
+        killed: false,
+    });
+}
+
+/// Stops each kas gracefully and starts it again, in turn, until `until`, with every agent
+/// back on two kas before the next.
+async fn rolling_restart(cluster: &Cluster, agents: &[AgentSpec], until: Instant) -> FaultLog {
+    let mut log = FaultLog::default();
+    let mut kas = thread_rng().gen_range(0..cluster.kas_nodes.len());
+    tokio::time::sleep(random_ms(1_000, 3_000)).await;
+    while Instant::now() + Duration::from_secs(5) < until {
+        log.count += 1;
+        tracing::info!(kas, "rolling restart");
+        restart_gracefully(cluster, kas, random_ms(100, 1_500), &mut log).await;
+        await_homed(cluster, agents).await;
+        kas = (kas + 1) % cluster.kas_nodes.len();
+    }
+    log
+}
+
+/// Waits (30 s at most) until every replica of `agents` is listed on two kas. Agents
+/// that dial a kas they hold already back off, so this may take a few dials; a bound
+/// passed leaves the next fault to find an agent on one kas (a call then may fail, and
+/// invariant 8 is not judged for it: see [`checker::check_reachable`]).
+async fn await_homed(cluster: &Cluster, agents: &[AgentSpec]) -> bool {
+    let secret = cluster.gitlab_secret();
+    let agents: Vec<(i64, usize)> = agents.iter().map(|a| (a.agent, a.replicas.len())).collect();
+    let probe = async move {
+        let deadline = Instant::now() + Duration::from_secs(30);
+        while Instant::now() < deadline {
+            let mut homed = true;
+            for &(agent, replicas) in &agents {
+                let listed = workload::homes(&secret, 0, agent).await.unwrap_or_default();
+                homed &= listed.len() == replicas && listed.iter().all(|(_, kas)| kas.len() == 2);
+            }
+            if homed {
+                return true;
+            }
+            tokio::time::sleep(Duration::from_millis(250)).await;
+        }
+        false
+    };
+    cluster.caller().spawn(probe).await.unwrap_or(false)
 }
 
 /// Lists, on every other kas, the agents with a replica on kas `dead`, which has been down
@@ -306,6 +401,9 @@ async fn faults(
 /// of its replicas may be listed. A kas that fails to answer is not judged.
 async fn listed_while_dead(cluster: &Cluster, agents: &[AgentSpec], dead: usize) -> Vec<String> {
     let secret = cluster.gitlab_secret();
+    if cluster.ha {
+        return listed_on_dead(cluster, agents, dead).await;
+    }
     let probe: Vec<(usize, i64, Vec<String>)> = agents
         .iter()
         .filter(|a| a.replicas.contains(&dead))
@@ -342,25 +440,51 @@ async fn listed_while_dead(cluster: &Cluster, agents: &[AgentSpec], dead: usize)
         .unwrap_or_default()
 }
 
+/// [`listed_while_dead`] with agent HA: any replica may be on any kas, so every listing of
+/// every agent on every other kas must not name the dead kas among a replica's kas.
+async fn listed_on_dead(cluster: &Cluster, agents: &[AgentSpec], dead: usize) -> Vec<String> {
+    let secret = cluster.gitlab_secret();
+    let address = crate::cluster::kas_addr(dead, 8155).to_string();
+    let others: Vec<usize> = (0..cluster.kas_nodes.len()).filter(|&k| k != dead).collect();
+    let agents: Vec<i64> = agents.iter().map(|a| a.agent).collect();
+    let probe = async move {
+        let mut out = Vec::new();
+        for k in others {
+            for &agent in &agents {
+                let Ok(homes) = workload::homes(&secret, k, agent).await else {
+                    continue;
+                };
+                for (pod, _) in homes.iter().filter(|(_, kas)| kas.contains(&address)) {
+                    out.push(format!(
+                        "inv 7: kas{dead} has been down for longer than the TTL, but kas{k} lists agent {agent}'s {pod} on it"
+                    ));
+                }
+            }
+        }
+        out
+    };
+    cluster.caller().spawn(probe).await.unwrap_or_default()
+}
+
 /// Sends kas `kas` a SIGTERM and waits for it to stop. A kas that says it deleted its
 /// registry records must have left none of this run's: no field named by its id (its
 /// instance record, its agents' tunnel records) that expires later than a record written
 /// at its start would (an earlier, killed run's records expire by themselves).
 async fn stop_gracefully(cluster: &Cluster, kas: usize) -> Vec<String> {
-    // The shutdown grace, 10 s to delete the records, 2 s for the agent listener, slack.
-    const STOP_WITHIN: Duration = Duration::from_secs(16);
+    // The shutdown grace, then at most 2 s to delete the records and close connections.
+    let stop_within = cluster.grace + Duration::from_secs(2);
     let slot = &cluster.stopped[kas];
     let read = || *slot.lock().unwrap_or_else(|p| p.into_inner());
     Handle::current().send_ctrl_c(cluster.kas_nodes[kas].id());
     let asked = Instant::now();
-    while read().cleaned.is_none() && asked.elapsed() < STOP_WITHIN {
+    while read().cleaned.is_none() && asked.elapsed() < stop_within {
         tokio::time::sleep(Duration::from_millis(50)).await;
     }
     let id = crate::cluster::kas_addr(kas, 8155).to_string();
     let run = read();
     match run.cleaned {
         None => vec![format!(
-            "kas{kas} had not stopped {STOP_WITHIN:?} after its SIGTERM"
+            "inv 6: kas{kas} had not stopped {stop_within:?} after its SIGTERM"
         )],
         Some(false) => Vec::new(), // Redis did not answer: the records expire by TTL
         Some(true) => {
@@ -419,6 +543,8 @@ fn fault_kinds(scenario: Scenario) -> Vec<Fault> {
         Scenario::RedisRestart => vec![RestartRedis, SlowRedis],
         Scenario::ReconnectStorm => vec![],
         Scenario::AgentChurn => vec![KillAgent],
+        Scenario::KasCrashHa => vec![KillKas, StopKas],
+        Scenario::RollingRestart => vec![],
         Scenario::Swarm => {
             let all = Fault::ALL;
             let mut kinds: Vec<Fault> = all
@@ -439,7 +565,12 @@ pub async fn run(scenario: Scenario) -> Report {
         cluster: spec,
         every,
     } = shape(scenario);
-    let points = kas_runtime::buggify::enable();
+    let mut points = kas_runtime::buggify::enable();
+    if scenario.ha() {
+        // A kas going away is the fault; every call must be answered (invariant 8).
+        kas_runtime::buggify::heal();
+        points.retain(|p| !p.is_fault());
+    }
     let mut cluster = Cluster::build(&spec);
     // One more agent, connecting at a random moment of the faulty phase.
     let mut agents = spec.agents.clone();
@@ -475,13 +606,26 @@ pub async fn run(scenario: Scenario) -> Report {
             Handle::current().restart(cluster.kas_nodes[0].id());
             log.count += 1;
         }
+    } else if scenario == Scenario::RollingRestart {
+        log = rolling_restart(&cluster, &spec.agents, until).await;
     } else {
-        log = faults(&cluster, &agents, &fault_kinds(scenario), until).await;
+        log = faults(&cluster, &agents, &spec.agents, &fault_kinds(scenario), until).await;
     }
     let mut calls: Vec<Call> = calls.await.expect("caller finished");
     // The fault points are faults too: off for the healed phase (timing points stay on).
     kas_runtime::buggify::heal();
     let mut violations = std::mem::take(&mut log.violations);
+    if scenario.ha() {
+        let ha: Vec<i64> = spec.agents.iter().map(|a| a.agent).collect();
+        let from = start + Duration::from_secs(1);
+        violations.extend(checker::check_reachable(
+            &calls,
+            &ha,
+            &log.outages,
+            from,
+            LIVE_TIMEOUT,
+        ));
+    }
     if scenario == Scenario::Steady && !points.iter().any(|p| p.is_fault()) {
         // Calls in the first second may find kas not yet listening.
         let settled: Vec<Call> = calls

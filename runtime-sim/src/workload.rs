@@ -241,6 +241,17 @@ pub async fn connections(secret: &Secret, kas: usize, agent: i64) -> Vec<(usize,
 
 /// The pod names of `agent`'s replicas that kas `kas` lists, sorted.
 pub async fn listed(secret: &Secret, kas: usize, agent: i64) -> Result<Vec<String>, String> {
+    let homes = homes(secret, kas, agent).await?;
+    Ok(homes.into_iter().map(|(pod, _)| pod).collect())
+}
+
+/// The replicas of `agent` that kas `kas` lists: each pod with the kas (private
+/// addresses) it is connected to, sorted.
+pub async fn homes(
+    secret: &Secret,
+    kas: usize,
+    agent: i64,
+) -> Result<Vec<(String, Vec<String>)>, String> {
     let api = ApiClient::connect(
         &kas_addr(kas, 8153).to_string(),
         secret,
@@ -248,12 +259,19 @@ pub async fn listed(secret: &Secret, kas: usize, agent: i64) -> Result<Vec<Strin
     )
     .await?;
     let agents = api.agents_by_id(agent).await.map_err(|s| s.to_string())?;
-    let mut pods: Vec<String> = agents
+    let mut homes: Vec<(String, Vec<String>)> = agents
         .into_iter()
-        .map(|a| a.agent_meta.unwrap_or_default().pod_name)
+        .map(|a| {
+            let kas = a
+                .kas_addresses
+                .iter()
+                .map(|k| format!("{}:{}", k.ip, k.port))
+                .collect();
+            (a.agent_meta.unwrap_or_default().pod_name, kas)
+        })
         .collect();
-    pods.sort();
-    Ok(pods)
+    homes.sort();
+    Ok(homes)
 }
 
 /// Calls at random intervals (mean `every`) until `until`, each concurrently, for agents

@@ -22,6 +22,8 @@ async fn a_two_way_exchange_through_a_remote_kas_lasts_an_hour() {
         }],
         pubsub_wakeups: true,
         ttl: Duration::from_secs(4),
+        grace: Duration::from_secs(2),
+        ha: false,
     });
     let secret = cluster.gitlab_secret();
     let outcome = cluster
