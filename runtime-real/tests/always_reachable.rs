@@ -59,9 +59,20 @@ async fn no_call_fails_while_every_kas_restarts_in_turn() {
     ];
     let lb_address = lb.address.to_string();
     let start = |agent: i64, pod: &str| {
-        AgentkProc::start(&secrets, &lb_address, &agent_token(agent), pod, PODS, &flags)
+        AgentkProc::start(
+            &secrets,
+            &lb_address,
+            &agent_token(agent),
+            pod,
+            PODS,
+            &flags,
+        )
     };
-    let agents = [start(1, "agent1-a"), start(1, "agent1-b"), start(2, "agent2-a")];
+    let agents = [
+        start(1, "agent1-a"),
+        start(1, "agent1-b"),
+        start(2, "agent2-a"),
+    ];
     let gl0 = GitLab::new(&secrets, kas[0].api).await;
     let replicas = await_homed(&gl0, 1, 2).await;
     await_homed(&gl0, 2, 1).await;
@@ -129,8 +140,15 @@ async fn no_call_fails_while_every_kas_restarts_in_turn() {
 
     let failed = tally.failed.lock().unwrap().clone();
     let made = tally.made.load(Ordering::Relaxed);
-    eprintln!("{made} calls answered, {} failed; stops: {stops:?}", failed.len());
-    assert!(failed.is_empty(), "{} of {made} calls failed: {failed:#?}", failed.len());
+    eprintln!(
+        "{made} calls answered, {} failed; stops: {stops:?}",
+        failed.len()
+    );
+    assert!(
+        failed.is_empty(),
+        "{} of {made} calls failed: {failed:#?}",
+        failed.len()
+    );
     assert!(made >= 100, "only {made} calls were made");
     for (round, i, took) in &stops {
         assert!(

@@ -445,7 +445,9 @@ async fn listed_while_dead(cluster: &Cluster, agents: &[AgentSpec], dead: usize)
 async fn listed_on_dead(cluster: &Cluster, agents: &[AgentSpec], dead: usize) -> Vec<String> {
     let secret = cluster.gitlab_secret();
     let address = crate::cluster::kas_addr(dead, 8155).to_string();
-    let others: Vec<usize> = (0..cluster.kas_nodes.len()).filter(|&k| k != dead).collect();
+    let others: Vec<usize> = (0..cluster.kas_nodes.len())
+        .filter(|&k| k != dead)
+        .collect();
     let agents: Vec<i64> = agents.iter().map(|a| a.agent).collect();
     let probe = async move {
         let mut out = Vec::new();
@@ -609,7 +611,14 @@ pub async fn run(scenario: Scenario) -> Report {
     } else if scenario == Scenario::RollingRestart {
         log = rolling_restart(&cluster, &spec.agents, until).await;
     } else {
-        log = faults(&cluster, &agents, &spec.agents, &fault_kinds(scenario), until).await;
+        log = faults(
+            &cluster,
+            &agents,
+            &spec.agents,
+            &fault_kinds(scenario),
+            until,
+        )
+        .await;
     }
     let mut calls: Vec<Call> = calls.await.expect("caller finished");
     // The fault points are faults too: off for the healed phase (timing points stay on).
@@ -620,6 +629,7 @@ pub async fn run(scenario: Scenario) -> Report {
         let from = start + Duration::from_secs(1);
         violations.extend(checker::check_reachable(
             &calls,
+            &cluster.truth.deliveries(),
             &ha,
             &log.outages,
             from,

@@ -31,7 +31,8 @@ mod sim {
 
     const USAGE: &str =
         "usage: kas-sim-run --scenario NAME|all --seeds A..B [--jobs N] [--check-determinism]
-  --scenario   steady kas-crash partition redis-restart reconnect-storm agent-churn swarm, or all
+  --scenario   steady kas-crash partition redis-restart reconnect-storm agent-churn swarm
+               rolling-restart kas-crash-ha, or all
   --seeds      seeds A to B, B excluded (default 1..101)
   --jobs       seeds run at once, each in a process of its own (default: the number of CPUs)
   --check-determinism   run every seed twice and fail it if the two reports differ

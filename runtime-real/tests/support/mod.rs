@@ -358,7 +358,11 @@ impl GitLab {
             .into_iter()
             .map(|a| {
                 let kas = a.kas_addresses.len();
-                (a.connection_id, a.agent_meta.unwrap_or_default().pod_name, kas)
+                (
+                    a.connection_id,
+                    a.agent_meta.unwrap_or_default().pod_name,
+                    kas,
+                )
             })
             .collect();
         v.sort();
