@@ -5,7 +5,10 @@
 //! until it holds connections to `want` distinct kas, or to every live kas when there are
 //! fewer. Each connection says which kas it reached: one that reached a kas already held
 //! is closed and the next dial waits a jittered backoff, so that many agents re-homing at
-//! once do not stampede. One dial runs at a time.
+//! once do not stampede. That backoff grows for failed dials (kas unreachable or
+//! refusing), but for duplicates only to its third step: a duplicate is the balancer's
+//! draw, not a kas in trouble, and an agent should not stay on one kas for a minute
+//! because it drew the same kas three times. One dial runs at a time.
 //!
 //! A kas may ask a connection to move (it is stopping, or the connection is old): the
 //! connection stops counting and a replacement is dialled; once enough others serve, the
@@ -18,6 +21,9 @@ use crate::backoff::Backoff;
 use crate::rng::Rng;
 use crate::time::Time;
 use std::collections::{BTreeMap, VecDeque};
+
+/// Duplicates in a row grow the backoff to this step at most (1 s doubling: 4 s).
+const DUPLICATE_STEPS: u32 = 2;
 
 /// A connection of the agent, numbered by the machine.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, PartialOrd, Ord, Hash)]
@@ -55,8 +61,11 @@ pub enum LinksInput {
 /// What the driver must do.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub enum LinksOutput {
-    /// Open a new connection; report `Up` or `Ended`.
+    /// Open a new connection; report `Up` or `Ended`. It opens no tunnel before `Serve`.
     Dial(Link),
+    /// Keep the connection that is up: open its tunnels and serve calls. (A duplicate is
+    /// closed before it opened any, so that no call is ever sent down a tunnel of it.)
+    Serve(Link),
     /// Stop opening tunnels on it, let its running calls finish, then close it (report
     /// `Ended`).
     Drain(Link),
@@ -86,6 +95,8 @@ pub struct KasLinks {
     next: u64,
     /// Dials in a row that failed or found a kas already held.
     failures: u32,
+    /// Of them, dials that found a kas already held, in a row.
+    duplicates: u32,
     /// No dial before this.
     dial_at: Time,
     /// Live kas, as the latest connection was told (0: unknown).
@@ -103,6 +114,7 @@ impl KasLinks {
             links: BTreeMap::new(),
             next: 0,
             failures: 0,
+            duplicates: 0,
             dial_at: Time(0),
             live_kas: 0,
             stopping: false,
@@ -129,10 +141,14 @@ impl KasLinks {
                 );
                 if duplicate || self.stopping {
                     self.leave(link, LinksOutput::Close(link));
-                    self.back_off(now);
+                    self.duplicates = self.duplicates.saturating_add(1);
+                    let step = self.duplicates.min(DUPLICATE_STEPS);
+                    self.dial_at = now + self.config.backoff.delay(step, &mut self.rng);
                 } else {
                     self.links.insert(link, State::Serving { kas });
+                    self.outputs.push_back(LinksOutput::Serve(link));
                     self.failures = 0;
+                    self.duplicates = 0;
                     // The next dial, if one is needed, after a short jittered pause.
                     self.dial_at = now + self.config.backoff.delay(0, &mut self.rng);
                 }

@@ -225,6 +225,9 @@ impl LocalDeployment {
             let mut options = AgentOptions::new(url, token, meta);
             options.ca_cert_file = ca.clone();
             options.seed = rand::random();
+            // Each replica on its kas only, as the deployment's contexts name the route
+            // (local or remote) a call takes.
+            options.kas_connections = 1;
             let cluster = clusters
                 .iter()
                 .find(|(n, _)| *n == r.agent)

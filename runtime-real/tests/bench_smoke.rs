@@ -12,6 +12,22 @@ fn kas_bench_runs_every_part_and_writes_its_json() {
         .args(["--waiting", "20", "--waiting-window", "1s", "--ttl", "2s"])
         .args(["--log-mib", "2", "--log-reads", "1", "--tls"])
         .args(["--kube-mib", "2", "--watches", "20"])
+        .args([
+            "--rollout-agents",
+            "6",
+            "--rollout-rate",
+            "20",
+            "--rollout-streams",
+            "2",
+        ])
+        .args([
+            "--rollout-stream",
+            "1s",
+            "--rollout-rounds",
+            "1",
+            "--rollout-grace",
+            "3s",
+        ])
         .arg("--json")
         .arg(&json)
         .output()
@@ -77,5 +93,15 @@ fn kas_bench_runs_every_part_and_writes_its_json() {
         assert_eq!(row["bytes"], 2 << 20, "{row}");
     }
     assert_eq!(kube["watch_memory"]["watches"], 20);
+    let rollout = &v["rollout"];
+    let phases = rollout["phases"].as_array().unwrap();
+    assert_eq!(phases.len(), 2, "{rollout}");
+    assert!(phases[0]["calls"].as_u64().unwrap() > 0, "{rollout}");
+    assert_eq!(
+        rollout["stops_ms"].as_array().unwrap().len(),
+        3,
+        "{rollout}"
+    );
+    assert!(stdout.contains("## Rollout"), "{stdout}");
     assert!(stdout.contains("## Kubernetes API"), "{stdout}");
 }

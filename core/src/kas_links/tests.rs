@@ -43,7 +43,7 @@ fn dials_one_at_a_time_until_two_distinct_kas_and_closes_a_duplicate() {
     assert_eq!(outputs(&mut l), [LinksOutput::Dial(Link(0))]);
     assert_eq!(l.poll_timeout(), None, "one dial at a time");
     up(&mut l, Time(10), 0, "kas-a", 3);
-    assert!(outputs(&mut l).is_empty());
+    assert_eq!(outputs(&mut l), [LinksOutput::Serve(Link(0))]);
     let second = next(&mut l);
     assert!(
         (Time(510)..=Time(1010)).contains(&second),
@@ -68,7 +68,7 @@ fn dials_one_at_a_time_until_two_distinct_kas_and_closes_a_duplicate() {
     );
     assert_eq!(outputs(&mut l), [LinksOutput::Dial(Link(3))]);
     up(&mut l, at, 3, "kas-b", 3);
-    assert!(outputs(&mut l).is_empty());
+    assert_eq!(outputs(&mut l), [LinksOutput::Serve(Link(3))]);
     assert_eq!(l.serving(), 2);
     assert_eq!(l.poll_timeout(), None, "enough: no more dials");
 }
@@ -92,6 +92,7 @@ fn a_connection_asked_to_move_drains_only_once_a_replacement_serves() {
     outputs(&mut l);
     up(&mut l, at, 1, "kas-b", 3);
     // kas-a is stopping.
+    outputs(&mut l);
     l.handle_input(Time(5_000), LinksInput::MoveAsked(Link(0)));
     assert!(outputs(&mut l).is_empty(), "drained before a replacement");
     let at = next(&mut l);
@@ -102,7 +103,10 @@ fn a_connection_asked_to_move_drains_only_once_a_replacement_serves() {
     let at = next(&mut l);
     assert_eq!(outputs(&mut l), [LinksOutput::Dial(Link(3))]);
     up(&mut l, at, 3, "kas-c", 3);
-    assert_eq!(outputs(&mut l), [LinksOutput::Drain(Link(0))]);
+    assert_eq!(
+        outputs(&mut l),
+        [LinksOutput::Serve(Link(3)), LinksOutput::Drain(Link(0))]
+    );
     l.handle_input(at, LinksInput::Ended(Link(0)));
     assert_eq!(l.serving(), 2);
     assert_eq!(l.poll_timeout(), None);
@@ -114,11 +118,15 @@ fn an_old_connection_moves_onto_the_same_kas_when_it_is_the_only_one() {
     l.handle_timeout(Time(0));
     outputs(&mut l);
     up(&mut l, Time(1), 0, "kas-a", 1);
+    outputs(&mut l);
     l.handle_input(Time(7_200_000), LinksInput::MoveAsked(Link(0)));
     next(&mut l);
     assert_eq!(outputs(&mut l), [LinksOutput::Dial(Link(1))]);
     up(&mut l, Time(7_201_000), 1, "kas-a", 1);
-    assert_eq!(outputs(&mut l), [LinksOutput::Drain(Link(0))]);
+    assert_eq!(
+        outputs(&mut l),
+        [LinksOutput::Serve(Link(1)), LinksOutput::Drain(Link(0))]
+    );
 }
 
 #[test]
@@ -130,11 +138,13 @@ fn a_lost_connection_is_replaced_and_stop_drains_all_and_dials_no_more() {
     let at = next(&mut l);
     outputs(&mut l);
     up(&mut l, at, 1, "kas-b", 3);
+    assert_eq!(outputs(&mut l), [LinksOutput::Serve(Link(1))]);
     // kas-b was killed.
     l.handle_input(Time(9_000), LinksInput::Ended(Link(1)));
     assert!(l.poll_timeout().is_some_and(|t| t > Time(9_000)));
     next(&mut l);
     assert_eq!(outputs(&mut l), [LinksOutput::Dial(Link(2))]);
+    outputs(&mut l);
     l.handle_input(Time(10_000), LinksInput::Stop);
     assert_eq!(
         outputs(&mut l),
@@ -148,4 +158,33 @@ fn a_lost_connection_is_replaced_and_stop_drains_all_and_dials_no_more() {
     l.handle_input(Time(10_002), LinksInput::Ended(Link(0)));
     l.handle_input(Time(10_003), LinksInput::Ended(Link(2)));
     assert!(l.done());
+}
+
+#[test]
+fn duplicates_back_off_to_a_few_seconds_only_and_failures_back_off_further() {
+    let mut l = links(2);
+    l.handle_timeout(Time(0));
+    outputs(&mut l);
+    up(&mut l, Time(0), 0, "kas-a", 3);
+    let mut link = 1;
+    let mut now = next(&mut l);
+    for _ in 0..6 {
+        outputs(&mut l);
+        up(&mut l, now, link, "kas-a", 3);
+        link += 1;
+        let at = next(&mut l);
+        assert!(at - now <= Duration::from_secs(4), "{:?}", at - now);
+        now = at;
+    }
+    // Dials that fail grow to the backoff's cap (8 s here).
+    let mut longest = Duration::ZERO;
+    for _ in 0..6 {
+        outputs(&mut l);
+        l.handle_input(now, LinksInput::Ended(Link(link)));
+        link += 1;
+        let at = next(&mut l);
+        longest = longest.max(at - now);
+        now = at;
+    }
+    assert!(longest >= Duration::from_secs(4), "{longest:?}");
 }

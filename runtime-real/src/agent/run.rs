@@ -99,6 +99,8 @@ enum Event {
 /// What the agent tells a connection.
 #[derive(Clone, Copy, PartialEq, Eq)]
 enum Order {
+    /// Up, not yet told to serve: no tunnel opened.
+    Wait,
     Serve,
     /// Open no more tunnels, let running calls finish (within `shutdown_grace`), close.
     Drain,
@@ -135,7 +137,7 @@ pub async fn run(
         while let Some(out) = links.poll_output() {
             let (link, order) = match out {
                 LinksOutput::Dial(link) => {
-                    let (order_tx, order) = watch::channel(Order::Serve);
+                    let (order_tx, order) = watch::channel(Order::Wait);
                     orders.insert(link, order_tx);
                     let kas = options.kas[rng.below(options.kas.len() as u64) as usize].clone();
                     let connection = Connection {
@@ -152,6 +154,7 @@ pub async fn run(
                     tasks.0.push(tokio::spawn(task.map(move |_| link)));
                     continue;
                 }
+                LinksOutput::Serve(link) => (link, Order::Serve),
                 LinksOutput::Drain(link) => (link, Order::Drain),
                 LinksOutput::Close(link) => (link, Order::Close),
             };
@@ -264,6 +267,12 @@ impl Connection {
             live_kas: u32::try_from(first.live_kas).unwrap_or(0),
         };
         let _ = self.events.send((self.link, up));
+        // Tunnels only once the agent keeps it: a duplicate is closed before any call can
+        // be sent down one of its tunnels (closing one with a call in it would cut it).
+        match self.order.wait_for(|o| *o != Order::Wait).await {
+            Ok(o) if *o == Order::Serve => {}
+            _ => return,
+        }
         let mut pool = Pool {
             machine: TunnelPool::new(options.pool, Rng::new(self.seed)),
             client,
@@ -332,7 +341,9 @@ impl Connection {
 /// Resolves once the agent orders the connection to drain or close (or is gone): before
 /// it is up, both mean giving up.
 async fn ordered_away(mut order: watch::Receiver<Order>) {
-    let _ = order.wait_for(|o| *o != Order::Serve).await;
+    let _ = order
+        .wait_for(|o| matches!(o, Order::Drain | Order::Close))
+        .await;
 }
 
 /// The tunnel pool machine and the tasks it drives.

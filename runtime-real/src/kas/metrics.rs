@@ -52,7 +52,7 @@ struct ListenerLabels {
 #[derive(Clone)]
 pub struct Metrics {
     registry: Arc<Registry>,
-    /// Agent connections (`GetConfiguration` streams) on this kas.
+    /// Agent replicas connected to this kas (by their `GetConfiguration` streams).
     connections: Gauge,
     /// Open tunnels on this kas.
     tunnels: Gauge,
@@ -133,7 +133,7 @@ impl Default for Metrics {
         );
         registry.register(
             "connected_agents",
-            "Agent connections (GetConfiguration streams) on this kas",
+            "Agent replicas connected to this kas (by their GetConfiguration streams)",
             connections.clone(),
         );
         registry.register("tunnels", "Open agent tunnels on this kas", tunnels.clone());

@@ -3,6 +3,7 @@
 
 mod deadlines;
 mod kube;
+mod rollout;
 mod scale;
 mod setup;
 mod stats;
@@ -41,6 +42,11 @@ use std::time::Duration;
 ///    latency and a --kube-mib MiB response's throughput through the local and remote
 ///    routes as ratios to the API server dialled directly, and kas memory per open watch
 ///    (--watches at once) on both kas of the remote route.
+/// 6. The rollout: --rollout-agents agents, each replica on two of three kas through one
+///    balancer (agentk's default), while every kas is restarted in turn with SIGTERM
+///    (twice) and then one is killed and restarted, under GitLab calls through every kas
+///    that is up: calls made and failed, long streams cut, the longest time an agent was
+///    unreachable, and how long each kas took to stop.
 ///
 /// kas runs as child processes (`kas` next to this binary); agents and GitLab's client run
 /// in this process.
@@ -76,7 +82,7 @@ struct Args {
     #[arg(
         long,
         value_delimiter = ',',
-        default_value = "unary,streaming,wakeup,scale,kube"
+        default_value = "unary,streaming,wakeup,scale,kube,rollout"
     )]
     parts: Vec<Part>,
     /// Size of the response body streamed through the Kubernetes API, in MiB.
@@ -85,6 +91,24 @@ struct Args {
     /// Kubernetes API watches held open at once to measure kas memory per watch.
     #[arg(long, default_value_t = 1000)]
     watches: usize,
+    /// Agents in the rollout part (every third with two replicas).
+    #[arg(long, default_value_t = 100)]
+    rollout_agents: i64,
+    /// Unary calls per second in the rollout part.
+    #[arg(long, default_value_t = 200)]
+    rollout_rate: u32,
+    /// Long streams open at once in the rollout part, each lasting --rollout-stream.
+    #[arg(long, default_value_t = 10)]
+    rollout_streams: usize,
+    /// How long each long stream of the rollout part lasts.
+    #[arg(long, value_name = "DURATION", default_value = "5s", value_parser = humantime::parse_duration)]
+    rollout_stream: Duration,
+    /// Rounds of restarting every kas in turn in the rollout part.
+    #[arg(long, default_value_t = 2)]
+    rollout_rounds: usize,
+    /// The kas's `shutdown_grace` in the rollout part.
+    #[arg(long, value_name = "DURATION", default_value = "10s", value_parser = humantime::parse_duration)]
+    rollout_grace: Duration,
     /// Where to write the results as JSON.
     #[arg(long, value_name = "FILE", default_value = "kas-bench.json")]
     json: PathBuf,
@@ -107,6 +131,8 @@ enum Part {
     Scale,
     /// The Kubernetes API: latency, a long stream's throughput, memory per watch (5).
     Kube,
+    /// Agents on several kas while every kas restarts in turn, and one is killed (6).
+    Rollout,
 }
 
 fn main() -> ExitCode {
@@ -195,8 +221,10 @@ async fn run(args: &Args) -> Result<Value, String> {
         );
     }
     let poll_samples = (args.wakeups / 3).max(1);
-    // Tokens: agents 1..=agents for the idle part, then one per wake-up sample.
-    let mut world = World::start(agents.max(1) + (args.wakeups + poll_samples) as i64)?;
+    // Tokens: agents 1..=agents for the idle part, then one per wake-up sample, then the
+    // rollout's.
+    let rollout_first = agents.max(1) + (args.wakeups + poll_samples) as i64 + 1;
+    let mut world = World::start(rollout_first - 1 + args.rollout_agents.max(1))?;
     let cores = std::thread::available_parallelism().map_or(1, |n| n.get());
     println!(
         "kas-bench: {cores} cores, redis {}, loopback",
@@ -213,6 +241,8 @@ async fn run(args: &Args) -> Result<Value, String> {
         ttl: args.ttl,
         tls: false,
         kubernetes_api: false,
+        grace: Duration::from_secs(1),
+        listen: None,
     };
     let mut results = json!({"machine": {"cores": cores, "open_file_limit": files}});
     if args.parts.contains(&Part::Unary) || args.parts.contains(&Part::Streaming) {
@@ -241,6 +271,18 @@ async fn run(args: &Args) -> Result<Value, String> {
             watches: args.watches,
         };
         results["kubernetes_api"] = kube::part(&mut world, pubsub, &sizes).await?;
+    }
+    if args.parts.contains(&Part::Rollout) {
+        let sizes = rollout::Sizes {
+            agents: args.rollout_agents.max(1),
+            first: rollout_first,
+            rate: args.rollout_rate,
+            streams: args.rollout_streams,
+            stream_for: args.rollout_stream,
+            grace: args.rollout_grace,
+            rounds: args.rollout_rounds,
+        };
+        results["rollout"] = rollout::part(&mut world, pubsub, &sizes).await?;
     }
     Ok(results)
 }
@@ -288,6 +330,8 @@ async fn agent_with(
         },
     );
     options.ca_cert_file = tls.then(|| world.ca.clone());
+    // On this kas only: the routes measured are through it or through another.
+    options.kas_connections = 1;
     options.pool.min_idle = 16;
     options.pool.max = max_tunnels;
     let (stop, shutdown) = tokio::sync::watch::channel(false);

@@ -8,6 +8,7 @@ use kas_runtime::jwt::Secret;
 use kas_runtime::local::kas_process::KasProcess;
 use kas_runtime::local::redis_server::RedisServer;
 use std::fmt::Write as _;
+use std::net::SocketAddr;
 use std::path::{Path, PathBuf};
 use std::sync::{Arc, OnceLock};
 use std::time::Duration;
@@ -23,6 +24,11 @@ pub struct KasOptions {
     pub tls: bool,
     /// A Kubernetes API listener (plaintext), taking [`USER_TOKEN`] for agent 1.
     pub kubernetes_api: bool,
+    /// `shutdown_grace`.
+    pub grace: Duration,
+    /// The (agent, api, private, observability) addresses to listen on (free ports
+    /// when `None`): a kas started again where it was.
+    pub listen: Option<[SocketAddr; 4]>,
 }
 
 /// The Kubernetes API token of the bench's user, for agent 1 (`pat:1:<it>`).
@@ -125,11 +131,15 @@ impl World {
         } else {
             (String::new(), "")
         };
+        let [agent, api, private, observability] = options
+            .listen
+            .unwrap_or_else(|| [SocketAddr::from(([127, 0, 0, 1], 0)); 4]);
         let config = format!(
-            "agent:\n  listen: {{address: '127.0.0.1:0'{tls}{streams}}}\n  tokens_file: '{d}/tokens.yaml'\n{kube}  redis_conn_info_ttl: {ttl}ms\n  redis_conn_info_refresh: {}ms\n  redis_conn_info_gc: {ttl}ms\napi:\n  listen: {{address: '127.0.0.1:0', authentication_secret_file: '{d}/gitlab.secret'{tls}}}\n  max_timeout: 120s\nprivate_api:\n  listen: {{address: '127.0.0.1:0', authentication_secret_file: '{d}/kas.secret'{private_tls}{streams}}}\nobservability:\n  listen: {{address: '127.0.0.1:0'}}\nredis:\n  server: {{address: '{}'}}\n  key_prefix: kas\n  pubsub_wakeups: {}\nshutdown_grace: 1s\n",
+            "agent:\n  listen: {{address: '{agent}'{tls}{streams}}}\n  tokens_file: '{d}/tokens.yaml'\n{kube}  redis_conn_info_ttl: {ttl}ms\n  redis_conn_info_refresh: {}ms\n  redis_conn_info_gc: {ttl}ms\napi:\n  listen: {{address: '{api}', authentication_secret_file: '{d}/gitlab.secret'{tls}}}\n  max_timeout: 120s\nprivate_api:\n  listen: {{address: '{private}', authentication_secret_file: '{d}/kas.secret'{private_tls}{streams}}}\nobservability:\n  listen: {{address: '{observability}'}}\nredis:\n  server: {{address: '{}'}}\n  key_prefix: kas\n  pubsub_wakeups: {}\nshutdown_grace: {}ms\n",
             ttl / 2,
             self.redis.address(),
             options.pubsub,
+            options.grace.as_millis(),
         );
         let path = write(&self.dir, &format!("{name}.yaml"), &config)?;
         KasProcess::spawn(

@@ -65,6 +65,8 @@ pub async fn measure(
         };
         let mut options = AgentOptions::new(a.addresses.agent.to_string(), token(agent), meta);
         options.pool.min_idle = 1;
+        // On kas A only: the wake-up measured is of a call waiting on kas B.
+        options.kas_connections = 1;
         let (stop, shutdown) = tokio::sync::watch::channel(false);
         let running = tokio::spawn(agent::run(options, mods, shutdown));
         let answered = call.await.map_err(|e| e.to_string())?;
