@@ -5,10 +5,11 @@
 //! until it holds connections to `want` distinct kas, or to every live kas when there are
 //! fewer. Each connection says which kas it reached: one that reached a kas already held
 //! is closed and the next dial waits a jittered backoff, so that many agents re-homing at
-//! once do not stampede. That backoff grows for failed dials (kas unreachable or
-//! refusing), but for duplicates only to its third step: a duplicate is the balancer's
-//! draw, not a kas in trouble, and an agent should not stay on one kas for a minute
-//! because it drew the same kas three times. One dial runs at a time.
+//! once do not stampede. That backoff grows for failed dials (kas unreachable, the token
+//! refused), but for duplicates, and for dials a stopping kas declined, only to its third
+//! step: those are the balancer's draw, not a kas in trouble, and an agent should not stay
+//! on one kas for a minute because it drew the wrong kas three times. One dial runs at a
+//! time.
 //!
 //! A kas may ask a connection to move (it is stopping, or the connection is old): the
 //! connection stops counting and a replacement is dialled; once enough others serve, the
@@ -22,7 +23,8 @@ use crate::rng::Rng;
 use crate::time::Time;
 use std::collections::{BTreeMap, VecDeque};
 
-/// Duplicates in a row grow the backoff to this step at most (1 s doubling: 4 s).
+/// Dials in a row that drew the wrong kas grow the backoff to this step at most (1 s
+/// doubling: 4 s).
 const DUPLICATE_STEPS: u32 = 2;
 
 /// A connection of the agent, numbered by the machine.
@@ -52,6 +54,8 @@ pub enum LinksInput {
     },
     /// The connection's kas asked it to move.
     MoveAsked(Link),
+    /// The dial reached a kas that is stopping, which declined it (`Ended` follows).
+    Declined(Link),
     /// The connection ended (failed to come up, was cut, or finished draining).
     Ended(Link),
     /// The agent is stopping: drain every connection, dial no more.
@@ -76,6 +80,8 @@ pub enum LinksOutput {
 #[derive(Clone, Debug, PartialEq, Eq)]
 enum State {
     Dialing,
+    /// Dialled a stopping kas, which declined; its end is due.
+    Declined,
     /// Up, and counted.
     Serving {
         kas: String,
@@ -141,9 +147,7 @@ impl KasLinks {
                 );
                 if duplicate || self.stopping {
                     self.leave(link, LinksOutput::Close(link));
-                    self.duplicates = self.duplicates.saturating_add(1);
-                    let step = self.duplicates.min(DUPLICATE_STEPS);
-                    self.dial_at = now + self.config.backoff.delay(step, &mut self.rng);
+                    self.redraw(now);
                 } else {
                     self.links.insert(link, State::Serving { kas });
                     self.outputs.push_back(LinksOutput::Serve(link));
@@ -160,8 +164,14 @@ impl KasLinks {
                     self.dial_at = now + self.config.backoff.delay(0, &mut self.rng);
                 }
             }
+            LinksInput::Declined(link) => {
+                if self.links.get(&link) == Some(&State::Dialing) {
+                    self.links.insert(link, State::Declined);
+                }
+            }
             LinksInput::Ended(link) => match self.links.remove(&link) {
                 Some(State::Dialing) => self.back_off(now),
+                Some(State::Declined) => self.redraw(now),
                 Some(State::Serving { .. } | State::Moving) => {
                     let soon = now + self.config.backoff.delay(0, &mut self.rng);
                     self.dial_at = self.dial_at.max(soon);
@@ -174,7 +184,9 @@ impl KasLinks {
                     self.links.iter().map(|(l, s)| (*l, s.clone())).collect();
                 for (link, state) in links {
                     match state {
-                        State::Dialing => self.leave(link, LinksOutput::Close(link)),
+                        State::Dialing | State::Declined => {
+                            self.leave(link, LinksOutput::Close(link));
+                        }
                         State::Serving { .. } | State::Moving => {
                             self.leave(link, LinksOutput::Drain(link));
                         }
@@ -228,7 +240,10 @@ impl KasLinks {
     fn wants_dial(&self) -> bool {
         !self.stopping
             && self.serving() < self.want()
-            && !self.links.values().any(|s| *s == State::Dialing)
+            && !self
+                .links
+                .values()
+                .any(|s| matches!(s, State::Dialing | State::Declined))
     }
 
     fn act(&mut self, now: Time) {
@@ -254,6 +269,13 @@ impl KasLinks {
     fn leave(&mut self, link: Link, order: LinksOutput) {
         self.links.insert(link, State::Leaving);
         self.outputs.push_back(order);
+    }
+
+    /// The next dial after one that drew the wrong kas (held already, or stopping).
+    fn redraw(&mut self, now: Time) {
+        self.duplicates = self.duplicates.saturating_add(1);
+        let step = self.duplicates.min(DUPLICATE_STEPS);
+        self.dial_at = now + self.config.backoff.delay(step, &mut self.rng);
     }
 
     fn back_off(&mut self, now: Time) {

@@ -188,3 +188,23 @@ fn duplicates_back_off_to_a_few_seconds_only_and_failures_back_off_further() {
     }
     assert!(longest >= Duration::from_secs(4), "{longest:?}");
 }
+
+#[test]
+fn a_dial_a_stopping_kas_declined_is_redrawn_soon_not_backed_off() {
+    let mut l = links(2);
+    l.handle_timeout(Time(0));
+    outputs(&mut l);
+    up(&mut l, Time(0), 0, "kas-a", 3);
+    let mut now = next(&mut l);
+    let mut link = 1;
+    for _ in 0..6 {
+        outputs(&mut l);
+        l.handle_input(now, LinksInput::Declined(Link(link)));
+        assert_eq!(l.poll_timeout(), None, "one dial at a time: its end is due");
+        l.handle_input(now, LinksInput::Ended(Link(link)));
+        link += 1;
+        let at = next(&mut l);
+        assert!(at - now <= Duration::from_secs(4), "{:?}", at - now);
+        now = at;
+    }
+}

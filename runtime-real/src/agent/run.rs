@@ -94,6 +94,8 @@ enum Event {
     Up { kas: String, live_kas: u32 },
     /// Its kas asked it to move.
     MoveAsked,
+    /// It reached a kas that is stopping, which declined it.
+    Declined,
 }
 
 /// What the agent tells a connection.
@@ -172,6 +174,7 @@ pub async fn run(
                 let input = match event {
                     Event::Up { kas, live_kas } => LinksInput::Up { link, kas, live_kas },
                     Event::MoveAsked => LinksInput::MoveAsked(link),
+                    Event::Declined => LinksInput::Declined(link),
                 };
                 links.handle_input(clock::now(), input);
             }
@@ -203,6 +206,11 @@ impl Drop for Tasks {
             task.abort();
         }
     }
+}
+
+/// kas refused the connection because it is stopping (its agent API says so).
+fn declined(status: &Status) -> bool {
+    status.code() == Code::Unavailable && status.message().contains("is shutting down")
 }
 
 /// A connection failure in the operator's terms.
@@ -250,6 +258,11 @@ impl Connection {
             biased;
             r = connect => match r {
                 Ok(c) => c,
+                Err(status) if declined(&status) => {
+                    tracing::info!(kas = %self.kas, "reached a kas that is shutting down; dialling again");
+                    let _ = self.events.send((self.link, Event::Declined));
+                    return;
+                }
                 Err(status) => {
                     tracing::warn!(
                         kas = %self.kas,

@@ -220,13 +220,15 @@ pub async fn part(world: &mut World, options: KasOptions, sizes: &Sizes) -> Resu
     let mut rehomed = Vec::new();
     for _ in 0..sizes.rounds {
         for i in 0..3 {
-            // Not ready: GitLab stops choosing it; calls under way run on.
+            // Not ready: GitLab and the balancer stop choosing it; calls under way run on.
             fleet.up[i].store(false, Ordering::Relaxed);
+            balancer.set_ready(i, false);
             tokio::time::sleep(Duration::from_millis(300)).await;
             let began = Instant::now();
             fleet.kas[i].terminate();
             stops.push(began.elapsed());
             restart(world, &mut fleet, i, options).await?;
+            balancer.set_ready(i, true);
             rehomed.push(await_homed(&fleet.kas, replicas, HOMING).await?);
         }
     }
@@ -234,9 +236,11 @@ pub async fn part(world: &mut World, options: KasOptions, sizes: &Sizes) -> Resu
     phase.store(1, Ordering::Relaxed);
     tokio::time::sleep(sizes.stream_for).await;
     fleet.up[1].store(false, Ordering::Relaxed);
+    balancer.set_ready(1, false);
     let killed_at = Instant::now();
     fleet.kas[1].kill();
     restart(world, &mut fleet, 1, options).await?;
+    balancer.set_ready(1, true);
     await_homed(&fleet.kas, replicas, HOMING).await?;
     let rehomed_after_kill = killed_at.elapsed();
     tokio::time::sleep(sizes.stream_for).await;
