@@ -196,13 +196,11 @@ fn a_dial_a_stopping_kas_declined_is_redrawn_soon_not_backed_off() {
     outputs(&mut l);
     up(&mut l, Time(0), 0, "kas-a", 3);
     let mut now = next(&mut l);
-    let mut link = 1;
-    for _ in 0..6 {
+    for link in 1..=6 {
         outputs(&mut l);
         l.handle_input(now, LinksInput::Declined(Link(link)));
         assert_eq!(l.poll_timeout(), None, "one dial at a time: its end is due");
         l.handle_input(now, LinksInput::Ended(Link(link)));
-        link += 1;
         let at = next(&mut l);
         assert!(at - now <= Duration::from_secs(4), "{:?}", at - now);
         now = at;
