@@ -42,8 +42,9 @@ async fn agentk_reconnects_after_its_kas_restarts_and_is_routable_again() {
     assert!(agentk.running(), "agentk survived:\n{}", agentk.log_text());
     // Its log is written as it goes: wait for the lines rather than read once.
     eventually(Duration::from_secs(10), "the reconnection logged", || {
+        // Asked to move as kas stopped, then connected to it again once it was back.
         let logged = agentk.count("connected kas=") >= 2
-            && agentk.count("reconnecting after a backoff") >= 1;
+            && agentk.count("kas asked this connection to move") >= 1;
         async move { logged.then_some(()) }
     })
     .await;

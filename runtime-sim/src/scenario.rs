@@ -246,14 +246,7 @@ async fn faults(
                     log.violations
                         .extend(listed_while_dead(cluster, agents, kas).await);
                 }
-                tokio::time::sleep(lasting).await;
-                handle.restart(cluster.kas_nodes[kas].id());
-                log.outages.push(Outage {
-                    kas,
-                    from,
-                    to: Instant::now() + RESTARTING,
-                    killed: true,
-                });
+                back_up(cluster, kas, from, lasting, true, &mut log).await;
             }
             Fault::StopKas => restart_gracefully(cluster, kas, lasting, &mut log).await,
             Fault::Clog => {
@@ -339,18 +332,30 @@ async fn faults(
 
 /// Stops kas `kas` gracefully, keeps it down `lasting`, and starts it again.
 async fn restart_gracefully(cluster: &Cluster, kas: usize, lasting: Duration, log: &mut FaultLog) {
-    let handle = Handle::current();
     let from = Instant::now();
     log.violations.extend(stop_gracefully(cluster, kas).await);
     // The process exits: its sockets go with it.
-    handle.kill(cluster.kas_nodes[kas].id());
+    Handle::current().kill(cluster.kas_nodes[kas].id());
+    back_up(cluster, kas, from, lasting, false, log).await;
+}
+
+/// Restarts kas `kas`, down since `from` (`killed`, or stopped gracefully), after
+/// `lasting`, and records its outage.
+async fn back_up(
+    cluster: &Cluster,
+    kas: usize,
+    from: Instant,
+    lasting: Duration,
+    killed: bool,
+    log: &mut FaultLog,
+) {
     tokio::time::sleep(lasting).await;
-    handle.restart(cluster.kas_nodes[kas].id());
+    Handle::current().restart(cluster.kas_nodes[kas].id());
     log.outages.push(Outage {
         kas,
         from,
         to: Instant::now() + RESTARTING,
-        killed: false,
+        killed,
     });
 }
 

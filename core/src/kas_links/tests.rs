@@ -23,6 +23,16 @@ fn next(l: &mut KasLinks) -> Time {
     at
 }
 
+/// Two wanted, the first dial up at `kas-a` (of `live_kas` live kas), its outputs drained.
+fn one_up(live_kas: u32) -> KasLinks {
+    let mut l = links(2);
+    l.handle_timeout(Time(0));
+    outputs(&mut l);
+    up(&mut l, Time(1), 0, "kas-a", live_kas);
+    outputs(&mut l);
+    l
+}
+
 fn up(l: &mut KasLinks, now: Time, link: u64, kas: &str, live_kas: u32) {
     let kas = kas.to_string();
     let link = Link(link);
@@ -75,19 +85,13 @@ fn dials_one_at_a_time_until_two_distinct_kas_and_closes_a_duplicate() {
 
 #[test]
 fn holds_every_kas_when_fewer_are_live_than_wanted() {
-    let mut l = links(2);
-    l.handle_timeout(Time(0));
-    outputs(&mut l);
-    up(&mut l, Time(1), 0, "kas-a", 1);
+    let l = one_up(1);
     assert_eq!(l.poll_timeout(), None, "the only live kas is held");
 }
 
 #[test]
 fn a_connection_asked_to_move_drains_only_once_a_replacement_serves() {
-    let mut l = links(2);
-    l.handle_timeout(Time(0));
-    outputs(&mut l);
-    up(&mut l, Time(1), 0, "kas-a", 3);
+    let mut l = one_up(3);
     let at = next(&mut l);
     outputs(&mut l);
     up(&mut l, at, 1, "kas-b", 3);
@@ -114,10 +118,7 @@ fn a_connection_asked_to_move_drains_only_once_a_replacement_serves() {
 
 #[test]
 fn an_old_connection_moves_onto_the_same_kas_when_it_is_the_only_one() {
-    let mut l = links(2);
-    l.handle_timeout(Time(0));
-    outputs(&mut l);
-    up(&mut l, Time(1), 0, "kas-a", 1);
+    let mut l = one_up(1);
     outputs(&mut l);
     l.handle_input(Time(7_200_000), LinksInput::MoveAsked(Link(0)));
     next(&mut l);
@@ -131,10 +132,7 @@ fn an_old_connection_moves_onto_the_same_kas_when_it_is_the_only_one() {
 
 #[test]
 fn a_lost_connection_is_replaced_and_stop_drains_all_and_dials_no_more() {
-    let mut l = links(2);
-    l.handle_timeout(Time(0));
-    outputs(&mut l);
-    up(&mut l, Time(1), 0, "kas-a", 3);
+    let mut l = one_up(3);
     let at = next(&mut l);
     outputs(&mut l);
     up(&mut l, at, 1, "kas-b", 3);
@@ -162,10 +160,7 @@ fn a_lost_connection_is_replaced_and_stop_drains_all_and_dials_no_more() {
 
 #[test]
 fn duplicates_back_off_to_a_few_seconds_only_and_failures_back_off_further() {
-    let mut l = links(2);
-    l.handle_timeout(Time(0));
-    outputs(&mut l);
-    up(&mut l, Time(0), 0, "kas-a", 3);
+    let mut l = one_up(3);
     let mut link = 1;
     let mut now = next(&mut l);
     for _ in 0..6 {
@@ -191,10 +186,7 @@ fn duplicates_back_off_to_a_few_seconds_only_and_failures_back_off_further() {
 
 #[test]
 fn a_dial_a_stopping_kas_declined_is_redrawn_soon_not_backed_off() {
-    let mut l = links(2);
-    l.handle_timeout(Time(0));
-    outputs(&mut l);
-    up(&mut l, Time(0), 0, "kas-a", 3);
+    let mut l = one_up(3);
     let mut now = next(&mut l);
     for link in 1..=6 {
         outputs(&mut l);

@@ -189,30 +189,17 @@ pub async fn part(world: &mut World, options: KasOptions, sizes: &Sizes) -> Resu
     );
 
     // GitLab's load.
-    let phase = Arc::new(AtomicUsize::new(0));
-    let done = Arc::new(AtomicBool::new(false));
-    let outcomes: Arc<Mutex<Vec<Outcome>>> = Arc::default();
-    let mut load = Vec::new();
-    load.push(tokio::spawn(unary_load(
-        sizes.rate,
-        (sizes.first, sizes.agents),
-        fleet.up.clone(),
-        fleet.clients.clone(),
-        phase.clone(),
-        done.clone(),
-        outcomes.clone(),
-    )));
+    let gitlab = Arc::new(Load {
+        agents: (sizes.first, sizes.agents),
+        up: fleet.up.clone(),
+        clients: fleet.clients.clone(),
+        phase: AtomicUsize::new(0),
+        done: AtomicBool::new(false),
+        outcomes: Mutex::default(),
+    });
+    let mut load = vec![tokio::spawn(gitlab.clone().unary(sizes.rate))];
     for s in 0..sizes.streams {
-        load.push(tokio::spawn(stream_load(
-            s,
-            sizes.stream_for,
-            (sizes.first, sizes.agents),
-            fleet.up.clone(),
-            fleet.clients.clone(),
-            phase.clone(),
-            done.clone(),
-            outcomes.clone(),
-        )));
+        load.push(tokio::spawn(gitlab.clone().streams(s, sizes.stream_for)));
     }
 
     // (a) every kas in turn, SIGTERM, `rounds` times.
@@ -233,7 +220,7 @@ pub async fn part(world: &mut World, options: KasOptions, sizes: &Sizes) -> Resu
         }
     }
     // (b) one kas killed, then started again.
-    phase.store(1, Ordering::Relaxed);
+    gitlab.phase.store(1, Ordering::Relaxed);
     tokio::time::sleep(sizes.stream_for).await;
     fleet.up[1].store(false, Ordering::Relaxed);
     balancer.set_ready(1, false);
@@ -244,7 +231,7 @@ pub async fn part(world: &mut World, options: KasOptions, sizes: &Sizes) -> Resu
     await_homed(&fleet.kas, replicas, HOMING).await?;
     let rehomed_after_kill = killed_at.elapsed();
     tokio::time::sleep(sizes.stream_for).await;
-    done.store(true, Ordering::Relaxed);
+    gitlab.done.store(true, Ordering::Relaxed);
     for l in load {
         let _ = l.await;
     }
@@ -252,7 +239,7 @@ pub async fn part(world: &mut World, options: KasOptions, sizes: &Sizes) -> Resu
     for t in tasks {
         let _ = t.await;
     }
-    let outcomes = std::mem::take(&mut *outcomes.lock().expect("not poisoned"));
+    let outcomes = std::mem::take(&mut *gitlab.outcomes.lock().expect("not poisoned"));
     Ok(report(
         &outcomes,
         &stops,
@@ -293,103 +280,107 @@ fn next_up(up: &[AtomicBool], turn: &mut usize) -> Option<usize> {
     None
 }
 
-/// Unary calls at `rate` per second, each for a random agent through the next kas up.
-#[allow(clippy::too_many_arguments)]
-async fn unary_load(
-    rate: u32,
-    (first, agents): (i64, i64),
+/// GitLab's side: what it calls, through which kas, and what came of it.
+struct Load {
+    /// The first agent's id, and how many.
+    agents: (i64, i64),
     up: Arc<Vec<AtomicBool>>,
     clients: Arc<RwLock<Vec<ApiClient>>>,
-    phase: Arc<AtomicUsize>,
-    done: Arc<AtomicBool>,
-    outcomes: Arc<Mutex<Vec<Outcome>>>,
-) {
-    let mut tick = tokio::time::interval(Duration::from_secs(1) / rate.max(1));
-    let mut turn = 0;
-    let mut calls = Vec::new();
-    while !done.load(Ordering::Relaxed) {
-        tick.tick().await;
-        let Some(i) = next_up(&up, &mut turn) else {
-            continue;
-        };
-        let agent = first + rand::random::<i64>().rem_euclid(agents);
-        let api = clients.read().expect("not poisoned")[i].clone();
-        let (phase, outcomes) = (phase.load(Ordering::Relaxed), outcomes.clone());
-        calls.push(tokio::spawn(async move {
-            let at = Instant::now();
-            let answer = api.pods(agent, None, "").await;
-            let failed = answer.err().map(|s| format!("{:?}", s.code()));
-            outcomes.lock().expect("not poisoned").push(Outcome {
-                phase,
-                agent,
-                kas: i,
-                at,
-                failed,
-                stream: false,
-            });
-        }));
-    }
-    for c in calls {
-        let _ = c.await;
-    }
+    /// The phase calls started now count in.
+    phase: AtomicUsize,
+    done: AtomicBool,
+    outcomes: Mutex<Vec<Outcome>>,
 }
 
-/// Long streams, one after another: a log read whole over `length`, through the next kas
-/// up, for a random agent.
-#[allow(clippy::too_many_arguments)]
-async fn stream_load(
-    n: usize,
-    length: Duration,
-    (first, agents): (i64, i64),
-    up: Arc<Vec<AtomicBool>>,
-    clients: Arc<RwLock<Vec<ApiClient>>>,
-    phase: Arc<AtomicUsize>,
-    done: Arc<AtomicBool>,
-    outcomes: Arc<Mutex<Vec<Outcome>>>,
-) {
-    let pieces = (length.as_millis() / PIECE_EVERY.as_millis()).max(1) as usize;
-    let mut turn = n;
-    while !done.load(Ordering::Relaxed) {
-        let Some(i) = next_up(&up, &mut turn) else {
-            tokio::time::sleep(Duration::from_millis(100)).await;
-            continue;
-        };
+impl Load {
+    /// A random agent, and the client of the next kas up after `turn`.
+    fn pick(&self, turn: &mut usize) -> Option<(usize, i64, ApiClient)> {
+        let i = next_up(&self.up, turn)?;
+        let (first, agents) = self.agents;
         let agent = first + rand::random::<i64>().rem_euclid(agents);
-        let api = clients.read().expect("not poisoned")[i]
-            .with_timeout(length * 3 + Duration::from_secs(10));
-        let phase = phase.load(Ordering::Relaxed);
-        let at = Instant::now();
-        let limit = i64::try_from(pieces * PIECE).unwrap_or(i64::MAX);
-        let failed = match api
-            .pod_logs(agent, None, "default", "rollout", "", limit)
-            .await
-        {
-            Err(s) => Some(format!("{:?}", s.code())),
-            Ok(mut log) => {
-                let mut bytes = 0;
-                loop {
-                    match log.message().await {
-                        Ok(Some(chunk)) => bytes += chunk.data.len(),
-                        Ok(None) if bytes == pieces * PIECE => break None,
-                        Ok(None) => break Some(format!("short: {bytes} bytes")),
-                        Err(s) => {
-                            if !s.message().is_empty() {
+        let api = self.clients.read().expect("not poisoned")[i].clone();
+        Some((i, agent, api))
+    }
+
+    fn record(
+        &self,
+        phase: usize,
+        agent: i64,
+        kas: usize,
+        at: Instant,
+        failed: Option<String>,
+        stream: bool,
+    ) {
+        let outcome = Outcome {
+            phase,
+            agent,
+            kas,
+            at,
+            failed,
+            stream,
+        };
+        self.outcomes.lock().expect("not poisoned").push(outcome);
+    }
+
+    /// Unary calls at `rate` per second, each for a random agent through the next kas up.
+    async fn unary(self: Arc<Self>, rate: u32) {
+        let mut tick = tokio::time::interval(Duration::from_secs(1) / rate.max(1));
+        let mut turn = 0;
+        let mut calls = Vec::new();
+        while !self.done.load(Ordering::Relaxed) {
+            tick.tick().await;
+            let Some((i, agent, api)) = self.pick(&mut turn) else {
+                continue;
+            };
+            let (phase, load) = (self.phase.load(Ordering::Relaxed), self.clone());
+            calls.push(tokio::spawn(async move {
+                let at = Instant::now();
+                let answer = api.pods(agent, None, "").await;
+                let failed = answer.err().map(|s| format!("{:?}", s.code()));
+                load.record(phase, agent, i, at, failed, false);
+            }));
+        }
+        for c in calls {
+            let _ = c.await;
+        }
+    }
+
+    /// Long streams, one after another: a log read whole over `length`, through the next
+    /// kas up (the `n`th stream starts at the `n`th), for a random agent.
+    async fn streams(self: Arc<Self>, n: usize, length: Duration) {
+        let pieces = (length.as_millis() / PIECE_EVERY.as_millis()).max(1) as usize;
+        let mut turn = n;
+        while !self.done.load(Ordering::Relaxed) {
+            let Some((i, agent, api)) = self.pick(&mut turn) else {
+                tokio::time::sleep(Duration::from_millis(100)).await;
+                continue;
+            };
+            let api = api.with_timeout(length * 3 + Duration::from_secs(10));
+            let phase = self.phase.load(Ordering::Relaxed);
+            let at = Instant::now();
+            let limit = i64::try_from(pieces * PIECE).unwrap_or(i64::MAX);
+            let failed = match api
+                .pod_logs(agent, None, "default", "rollout", "", limit)
+                .await
+            {
+                Err(s) => Some(format!("{:?}", s.code())),
+                Ok(mut log) => {
+                    let mut bytes = 0;
+                    loop {
+                        match log.message().await {
+                            Ok(Some(chunk)) => bytes += chunk.data.len(),
+                            Ok(None) if bytes == pieces * PIECE => break None,
+                            Ok(None) => break Some(format!("short: {bytes} bytes")),
+                            Err(s) => {
                                 eprintln!("rollout: a long stream through kas{i} was cut: {s}");
+                                break Some(format!("{:?}", s.code()));
                             }
-                            break Some(format!("{:?}", s.code()));
                         }
                     }
                 }
-            }
-        };
-        outcomes.lock().expect("not poisoned").push(Outcome {
-            phase,
-            agent,
-            kas: i,
-            at,
-            failed,
-            stream: true,
-        });
+            };
+            self.record(phase, agent, i, at, failed, true);
+        }
     }
 }
 
