@@ -302,23 +302,7 @@ impl Load {
         Some((i, agent, api))
     }
 
-    fn record(
-        &self,
-        phase: usize,
-        agent: i64,
-        kas: usize,
-        at: Instant,
-        failed: Option<String>,
-        stream: bool,
-    ) {
-        let outcome = Outcome {
-            phase,
-            agent,
-            kas,
-            at,
-            failed,
-            stream,
-        };
+    fn record(&self, outcome: Outcome) {
         self.outcomes.lock().expect("not poisoned").push(outcome);
     }
 
@@ -337,7 +321,14 @@ impl Load {
                 let at = Instant::now();
                 let answer = api.pods(agent, None, "").await;
                 let failed = answer.err().map(|s| format!("{:?}", s.code()));
-                load.record(phase, agent, i, at, failed, false);
+                load.record(Outcome {
+                    phase,
+                    agent,
+                    kas: i,
+                    at,
+                    failed,
+                    stream: false,
+                });
             }));
         }
         for c in calls {
@@ -379,7 +370,14 @@ impl Load {
                     }
                 }
             };
-            self.record(phase, agent, i, at, failed, true);
+            self.record(Outcome {
+                phase,
+                agent,
+                kas: i,
+                at,
+                failed,
+                stream: true,
+            });
         }
     }
 }
