@@ -12,6 +12,10 @@
 //! through as [`Progress::Late`]. On a forward, the serving kas tells the routing kas that
 //! such a call was handed to a tunnel with a `Delivered` frame, before any answer frame.
 //!
+//! An agent ends a tunnel by asking: it sends `Closing` while it has no call on it, then
+//! serves the one call kas may have sent before reading that, and kas ends the stream.
+//! After `Closing` at most that one call starts.
+//!
 //! Only a kas may say a call was not delivered (at-most-once): an `Error` frame from an
 //! agent on a tunnel, and an `Error` after any answer frame on a forward, are protocol
 //! violations that end the call without a retry. (An agent's `Error` was once relayed by
@@ -108,6 +112,10 @@ pub enum FrameError {
     },
     /// A `Delivered` frame twice, or after the answer began.
     DeliveredOutOfOrder,
+    /// A second `Closing` on one tunnel.
+    ClosingTwice,
+    /// A call started after the agent's `Closing`, other than the one call that crossed it.
+    StartAfterClosing,
 }
 
 impl std::fmt::Display for FrameError {
@@ -144,6 +152,11 @@ impl std::fmt::Display for FrameError {
             FrameError::DeliveredOutOfOrder => {
                 write!(f, "delivered frame twice or after the answer began")
             }
+            FrameError::ClosingTwice => write!(f, "second closing frame on one tunnel"),
+            FrameError::StartAfterClosing => write!(
+                f,
+                "request start after the agent closed the tunnel (only a call sent before kas read the close may follow it)"
+            ),
         }
     }
 }
@@ -167,6 +180,8 @@ pub struct FrameSequence {
     last_finished: Option<u64>,
     /// The last finished call ended before its request side closed.
     late_requests: bool,
+    /// Calls that may still start after the agent's `Closing`; `None` before it.
+    starts_after_closing: Option<u8>,
 }
 
 impl FrameSequence {
@@ -178,7 +193,13 @@ impl FrameSequence {
             open: None,
             last_finished: None,
             late_requests: false,
+            starts_after_closing: None,
         }
+    }
+
+    /// True once the agent has sent `Closing`.
+    pub fn is_closing(&self) -> bool {
+        self.starts_after_closing.is_some()
     }
 
     /// True when no call is open (a tunnel is idle, a forward stream is not yet used or done).
@@ -219,6 +240,15 @@ impl FrameSequence {
                 Ok(Progress::Continue)
             }
             (Direction::FromAgent, _) if !self.is_ready() => Err(FrameError::DescriptorMissing),
+            (Direction::FromAgent, Kind::Closing(_)) if self.kind == StreamKind::Tunnel => {
+                if self.is_closing() {
+                    return Err(FrameError::ClosingTwice);
+                }
+                // Sent while idle at the agent: a call kas started before reading it
+                // crossed it; if kas had none open, one may still be on its way.
+                self.starts_after_closing = Some(u8::from(self.open.is_none()));
+                Ok(Progress::Continue)
+            }
             (Direction::ToAgent, Kind::RequestStart(start)) => self.start(start.request_id),
             (Direction::ToAgent, Kind::Message(m)) => self.request_frame(m.request_id, name, false),
             (Direction::ToAgent, Kind::CloseSend(c)) => {
@@ -270,6 +300,9 @@ impl FrameSequence {
         }
         if !self.is_ready() {
             return Err(FrameError::DescriptorMissing);
+        }
+        if let Some(left) = &mut self.starts_after_closing {
+            *left = left.checked_sub(1).ok_or(FrameError::StartAfterClosing)?;
         }
         self.open = Some(OpenCall {
             id,
@@ -332,6 +365,7 @@ fn kind_name(kind: &Kind) -> &'static str {
         Kind::Error(_) => "error",
         Kind::Heartbeat(_) => "heartbeat",
         Kind::Delivered(_) => "delivered",
+        Kind::Closing(_) => "closing",
     }
 }
 
@@ -491,7 +525,7 @@ mod tests {
 
     fn any_frame() -> impl proptest::strategy::Strategy<Value = Frame> {
         use proptest::strategy::Strategy;
-        (0u8..10, 0u64..3).prop_map(|(k, id)| match k {
+        (0u8..11, 0u64..3).prop_map(|(k, id)| match k {
             0 => descriptor(),
             1 => start(id),
             2 => msg(id),
@@ -501,6 +535,7 @@ mod tests {
             6 => error(id),
             7 => fr(Kind::Heartbeat(f::Heartbeat { sequence: id })),
             8 => delivered(id),
+            9 => closing(),
             _ => Frame { kind: None },
         })
     }
@@ -549,6 +584,39 @@ mod tests {
         assert_eq!(s.check(Up, &Frame { kind: None }), Err(FrameError::Empty));
         let hb = fr(Kind::Heartbeat(f::Heartbeat { sequence: 1 }));
         assert_eq!(s.check(Up, &hb), Ok(Progress::Continue));
+    }
+
+    fn closing() -> Frame {
+        fr(Kind::Closing(f::Closing {}))
+    }
+
+    #[test]
+    fn after_closing_only_the_call_that_crossed_it_starts() {
+        // Idle when the close arrives: kas may have sent one call before reading it.
+        let mut s = ready_tunnel();
+        assert_eq!(s.check(Up, &closing()), Ok(Progress::Continue));
+        assert!(s.is_closing());
+        assert_eq!(s.check(Up, &closing()), Err(FrameError::ClosingTwice));
+        s.check(Down, &start(1)).unwrap();
+        s.check(Down, &close(1)).unwrap();
+        s.check(Up, &trailer(1)).unwrap();
+        assert_eq!(s.check(Down, &start(2)), Err(FrameError::StartAfterClosing));
+        // Read by kas during a call: that call was the crossing one, no other follows.
+        let mut s = ready_tunnel();
+        s.check(Down, &start(1)).unwrap();
+        s.check(Up, &closing()).unwrap();
+        s.check(Up, &trailer(1)).unwrap();
+        assert_eq!(s.check(Down, &start(2)), Err(FrameError::StartAfterClosing));
+        // Never on a forward stream, and never towards the agent.
+        let mut fwd = FrameSequence::new(StreamKind::Forward);
+        assert!(matches!(
+            fwd.check(Up, &closing()),
+            Err(FrameError::WrongDirection { .. })
+        ));
+        assert!(matches!(
+            ready_tunnel().check(Down, &closing()),
+            Err(FrameError::WrongDirection { .. })
+        ));
     }
 
     fn delivered(id: u64) -> Frame {

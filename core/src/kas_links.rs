@@ -12,8 +12,10 @@
 //! time.
 //!
 //! A kas may ask a connection to move (it is stopping, or the connection is old): the
-//! connection stops counting and a replacement is dialled; once enough others serve, the
-//! old one drains (its running calls finish, then it closes). Make before break.
+//! connection stops counting and a replacement is dialled; once another connection serves,
+//! the old one drains (its running calls finish, then it closes). Make before break: the
+//! agent is never without a serving connection because a kas asked it to move, and a
+//! stopping kas is left as soon as its calls end.
 //!
 //! Driving contract: feed [`KasLinks::handle_input`], drain [`KasLinks::poll_output`], call
 //! [`KasLinks::handle_timeout`] at [`KasLinks::poll_timeout`].
@@ -86,7 +88,7 @@ enum State {
     Serving {
         kas: String,
     },
-    /// Asked to move: not counted; drained once enough others serve.
+    /// Asked to move: not counted; drained once another serves.
     Moving,
     /// Told to drain or close; waiting for its end.
     Leaving,
@@ -253,7 +255,7 @@ impl KasLinks {
             self.links.insert(link, State::Dialing);
             self.outputs.push_back(LinksOutput::Dial(link));
         }
-        if self.serving() >= self.want() {
+        if self.serving() > 0 {
             let moving: Vec<Link> = self
                 .links
                 .iter()

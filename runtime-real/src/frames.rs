@@ -18,7 +18,7 @@ pub fn with_request_id(mut frame: Frame, id: u64) -> Frame {
         Some(Kind::Trailer(x)) => x.request_id = id,
         Some(Kind::Error(x)) => x.request_id = id,
         Some(Kind::Delivered(x)) => x.request_id = id,
-        Some(Kind::Descriptor(_) | Kind::Heartbeat(_)) | None => {}
+        Some(Kind::Descriptor(_) | Kind::Heartbeat(_) | Kind::Closing(_)) | None => {}
     }
     frame
 }
@@ -61,6 +61,11 @@ pub fn delivered(request_id: u64) -> Frame {
 /// A heartbeat.
 pub fn heartbeat(sequence: u64) -> Frame {
     frame(Kind::Heartbeat(f::Heartbeat { sequence }))
+}
+
+/// The agent's request that kas end an idle tunnel.
+pub fn closing() -> Frame {
+    frame(Kind::Closing(f::Closing {}))
 }
 
 /// Longest status message passed on, in bytes. The message travels as the

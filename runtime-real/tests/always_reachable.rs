@@ -170,14 +170,13 @@ async fn no_call_fails_while_every_kas_restarts_in_turn() {
 }
 
 /// A connection older than `agent.listen.max_connection_age` is asked to move: the agent
-/// connects again first, then drains the old connection, and calls go on being answered.
+/// connects again first, then drains the old connection, and no call fails.
 ///
-/// Not asserted yet: that no call fails. kas goes on sending calls down the old
-/// connection's idle tunnels while the agent closes them (this kas is not stopping), and a
-/// call sent down one as it closes fails ("the agent disconnected during the call"): in
-/// about one run in three here. The agent's close must tell kas what it has not seen.
+/// kas goes on sending calls down the old connection's idle tunnels while the agent
+/// closes them (this kas is not stopping). Before the agent asked kas to end its tunnels
+/// (`Closing`), a call sent down one as it closed failed in about one run in three.
 #[tokio::test(flavor = "multi_thread")]
-async fn an_old_connection_is_asked_to_move_and_calls_go_on() {
+async fn an_old_connection_is_asked_to_move_and_no_call_fails() {
     let secrets = Secrets::new();
     let extra = Extra {
         agent_listen: "    max_connection_age: 2s\n",
@@ -192,18 +191,28 @@ async fn an_old_connection_is_asked_to_move_and_calls_go_on() {
         PODS,
         &["--min-idle-tunnels", "2", "--heartbeat", "1s"],
     );
-    let gitlab = GitLab::new(&secrets, kas.api).await;
-    let began = Instant::now();
-    let (mut answered, mut failed) = (0, Vec::new());
-    while began.elapsed() < Duration::from_secs(8) {
-        match gitlab.pods(1, None, Duration::from_secs(5)).await {
-            Ok(pods) => {
-                assert_eq!(pods, ["web-1"]);
-                answered += 1;
-            }
-            Err(e) => failed.push(e.message().to_string()),
-        }
-        tokio::time::sleep(Duration::from_millis(20)).await;
+    let gitlab = Arc::new(GitLab::new(&secrets, kas.api).await);
+    let tally = Arc::new(Tally::default());
+    // Eight callers at once, so that calls are often on their way down idle tunnels.
+    let callers: Vec<_> = (0..8)
+        .map(|_| {
+            let (gitlab, tally) = (gitlab.clone(), tally.clone());
+            tokio::spawn(async move {
+                let began = Instant::now();
+                while began.elapsed() < Duration::from_secs(8) {
+                    match gitlab.pods(1, None, Duration::from_secs(5)).await {
+                        Ok(pods) if pods == ["web-1"] => {
+                            tally.made.fetch_add(1, Ordering::Relaxed);
+                        }
+                        answer => tally.failed.lock().unwrap().push(format!("{answer:?}")),
+                    }
+                    tokio::time::sleep(Duration::from_millis(10)).await;
+                }
+            })
+        })
+        .collect();
+    for caller in callers {
+        caller.await.unwrap();
     }
     eventually(Duration::from_secs(10), "two moves", || {
         let moved = agentk.count("kas asked this connection to move");
@@ -212,12 +221,12 @@ async fn an_old_connection_is_asked_to_move_and_calls_go_on() {
     .await;
     let log = kas.log_text();
     assert!(log.contains("max_connection_age"), "{log}");
-    assert!(answered > 50, "{answered} answered, failed: {failed:?}");
-    // At most the one call racing each move's idle closes (calls go one at a time).
-    let moves = agentk.count("kas asked this connection to move");
+    let answered = tally.made.load(Ordering::Relaxed);
+    let failed = tally.failed.lock().unwrap().clone();
+    assert!(answered > 100, "{answered} answered, failed: {failed:?}");
     assert!(
-        failed.len() <= moves,
-        "more than the race explains ({moves} moves): {failed:?}"
+        failed.is_empty(),
+        "{answered} answered, failed: {failed:#?}"
     );
     // The last call, after the moves, is answered.
     let pods = gitlab.pods(1, None, Duration::from_secs(5)).await;

@@ -32,7 +32,9 @@ pub struct TunnelHooks {
     pub slot: Slot,
     /// Receives `Opened`, `Claimed` and `Released` for this slot.
     pub reports: mpsc::UnboundedSender<PoolInput>,
-    /// Fires when the pool wants the tunnel closed; honoured while it is idle.
+    /// Fires when the pool wants the tunnel closed; honoured while it is idle: the agent
+    /// asks kas to end it, serves the call that may cross that request, and waits for kas
+    /// to end the stream (at most [`CLOSE_WAIT`] while idle).
     pub close: oneshot::Receiver<()>,
 }
 
@@ -131,6 +133,7 @@ impl AgentClient {
             sequence,
             beats: 0,
             hooks,
+            closing: false,
         };
         match tunnel.serve().await {
             Ok(()) => Status::ok("tunnel closed"),
@@ -147,6 +150,8 @@ struct Tunnel {
     sequence: FrameSequence,
     beats: u64,
     hooks: Option<TunnelHooks>,
+    /// The agent has sent `Closing`.
+    closing: bool,
 }
 
 /// Resolves when the pool asks for the close, never without hooks.
@@ -177,14 +182,35 @@ impl Tunnel {
             .map_err(|_| Status::unavailable("tunnel closed"))
     }
 
-    /// Receives the next frame from kas, heartbeating meanwhile. `None`: kas ended the
-    /// tunnel, or the pool closed it while idle (`idle`).
-    async fn next(&mut self, idle: bool) -> Result<Option<Frame>, Status> {
+    /// Receives the next frame from kas while idle, heartbeating meanwhile, and asks kas
+    /// to end the tunnel when the pool closes it. `None`: kas ended the tunnel, or did not
+    /// within [`CLOSE_WAIT`] of being asked.
+    async fn next(&mut self) -> Result<Option<Frame>, Status> {
+        // Since the agent asked kas to end the tunnel: it is idle, so only kas is late.
+        let mut close_wait = self
+            .closing
+            .then(|| tokio::time::Instant::now() + CLOSE_WAIT);
         loop {
             tokio::select! {
                 biased;
                 frame = self.inbound.message() => return frame,
-                () = close_requested(&mut self.hooks), if idle => return Ok(None),
+                () = close_requested(&mut self.hooks), if !self.closing => {
+                    // Closing the stream here would cut a call kas may be sending.
+                    let frame = frames::closing();
+                    self.sequence
+                        .check(Direction::FromAgent, &frame)
+                        .map_err(|e| Status::internal(format!("agent close out of order: {e}")))?;
+                    self.tx
+                        .send(frame)
+                        .await
+                        .map_err(|_| Status::unavailable("tunnel closed"))?;
+                    self.closing = true;
+                    close_wait = Some(tokio::time::Instant::now() + CLOSE_WAIT);
+                }
+                () = tokio::time::sleep_until(close_wait.unwrap_or_else(tokio::time::Instant::now)), if close_wait.is_some() => {
+                    tracing::warn!(wait = ?CLOSE_WAIT, "kas did not end a tunnel the agent asked it to end: dropping it");
+                    return Ok(None);
+                }
                 _ = self.heartbeat.tick() => self.beat().await?,
             }
         }
@@ -193,7 +219,7 @@ impl Tunnel {
     async fn serve(mut self) -> Result<(), Status> {
         self.report(PoolInput::Opened);
         loop {
-            let Some(frame) = self.next(true).await? else {
+            let Some(frame) = self.next().await? else {
                 return Ok(());
             };
             self.check_down(&frame)?;
@@ -272,6 +298,9 @@ impl Tunnel {
         }
     }
 }
+
+/// How long an idle tunnel waits for kas to end it once the agent asked.
+pub const CLOSE_WAIT: Duration = Duration::from_secs(5);
 
 /// How many request messages wait for a module before kas is held back.
 const REQUEST_MESSAGES: usize = 16;

@@ -1,5 +1,6 @@
 //! One agent tunnel on the kas side: a task that owns the stream, echoes heartbeats while
-//! idle, and carries one call at a time when the engine hands it one.
+//! idle, carries one call at a time when the engine hands it one, and ends it when the
+//! agent asks (`Closing`) and no call is on it.
 
 use super::call::{Call, Responses};
 use super::engine::EngineHandle;
@@ -72,6 +73,8 @@ pub struct Tunnel {
 enum End {
     /// The agent closed the stream or it broke.
     Gone,
+    /// The agent asked kas to end the tunnel, and no call is on it.
+    Closed,
     /// The engine dropped the tunnel (missed heartbeats, shutdown, connection ended).
     Dropped,
     /// The agent broke the protocol or overran a deadline: close the stream with this.
@@ -94,6 +97,10 @@ impl Tunnel {
         }
         let status = match end {
             End::Gone => return,
+            End::Closed => {
+                tracing::debug!(tunnel = %self.id, "the agent closed its tunnel");
+                return;
+            }
             End::Dropped if *self.leaving.borrow() => {
                 Status::unavailable("kas is shutting down: reconnect to another kas")
             }
@@ -115,6 +122,7 @@ impl Tunnel {
                     Some(order) => {
                         let request = order.request;
                         match self.carry(order, &mut last_report).await {
+                            Ok(()) if self.sequence.is_closing() => return (End::Closed, Some(request)),
                             Ok(()) => self.engine.input(NodeInput::CallDone(request)),
                             Err(end) => return (end, Some(request)),
                         }
@@ -128,8 +136,11 @@ impl Tunnel {
                     if let Err(e) = self.sequence.check(Direction::FromAgent, &frame) {
                         return (End::Fault(Status::invalid_argument(format!("tunnel protocol error: {e}"))), None);
                     }
-                    let Some(Kind::Heartbeat(hb)) = frame.kind else {
-                        return (End::Fault(Status::invalid_argument("tunnel protocol error: call frame while idle")), None);
+                    let hb = match frame.kind {
+                        Some(Kind::Heartbeat(hb)) => hb,
+                        // No call is on it: kas ends it, and never offers it again.
+                        Some(Kind::Closing(_)) => return (End::Closed, None),
+                        _ => return (End::Fault(Status::invalid_argument("tunnel protocol error: call frame while idle")), None),
                     };
                     let _ = self.outbound.try_send(Box::new(Ok(frames::heartbeat(hb.sequence))));
                     self.report_activity(&mut last_report, true);
@@ -257,7 +268,9 @@ impl Tunnel {
                 frame = buggify::read(self.inbound.message()), if to_caller.is_none() && !finished => {
                     let (frame, progress) = Self::up(&mut self.sequence, frame, agent, &responses, give_up).await?;
                     self.report_activity(last_report, false);
-                    if matches!(frame.kind, Some(Kind::Heartbeat(_))) {
+                    // A close that crossed this call: the call goes on, and the tunnel ends
+                    // after it.
+                    if matches!(frame.kind, Some(Kind::Heartbeat(_) | Kind::Closing(_))) {
                         continue;
                     }
                     if let Progress::Finished(_) = progress {
