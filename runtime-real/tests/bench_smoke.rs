@@ -28,6 +28,7 @@ fn kas_bench_runs_every_part_and_writes_its_json() {
             "--rollout-grace",
             "3s",
         ])
+        .args(["--rehome-agents", "20"])
         .arg("--json")
         .arg(&json)
         .output()
@@ -102,6 +103,22 @@ fn kas_bench_runs_every_part_and_writes_its_json() {
         3,
         "{rollout}"
     );
+    let rehome = &v["rehome"];
+    // Each share of the lost connections was replaced, the last one last.
+    let replaced: Vec<f64> = rehome["replaced_ms"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|r| r["ms"].as_f64().unwrap())
+        .collect();
+    assert_eq!(replaced.len(), 4, "{rehome}");
+    assert!(replaced.is_sorted(), "{rehome}");
+    assert!(
+        rehome["lost_connections"].as_f64().unwrap() > 0.0,
+        "{rehome}"
+    );
+    assert_eq!(rehome["windows"].as_array().unwrap().len(), 3, "{rehome}");
     assert!(stdout.contains("## Rollout"), "{stdout}");
+    assert!(stdout.contains("## Re-homing"), "{stdout}");
     assert!(stdout.contains("## Kubernetes API"), "{stdout}");
 }

@@ -3,6 +3,7 @@
 
 mod deadlines;
 mod kube;
+mod rehome;
 mod rollout;
 mod scale;
 mod setup;
@@ -47,6 +48,9 @@ use std::time::Duration;
 ///    (twice) and then one is killed and restarted, under GitLab calls through every kas
 ///    that is up: calls made and failed, long streams cut, the longest time an agent was
 ///    unreachable, and how long each kas took to stop.
+/// 7. Re-homing: --rehome-agents agents, each on two of three kas through one balancer;
+///    one kas is killed and stays down: how long until every agent is on the two left, and
+///    Redis's commands per second meanwhile, against the steady rate before.
 ///
 /// kas runs as child processes (`kas` next to this binary); agents and GitLab's client run
 /// in this process.
@@ -82,7 +86,7 @@ struct Args {
     #[arg(
         long,
         value_delimiter = ',',
-        default_value = "unary,streaming,wakeup,scale,kube,rollout"
+        default_value = "unary,streaming,wakeup,scale,kube,rollout,rehome"
     )]
     parts: Vec<Part>,
     /// Size of the response body streamed through the Kubernetes API, in MiB.
@@ -109,6 +113,16 @@ struct Args {
     /// The kas's `shutdown_grace` in the rollout part.
     #[arg(long, value_name = "DURATION", default_value = "10s", value_parser = humantime::parse_duration)]
     rollout_grace: Duration,
+    /// Agents in the re-homing part (one replica each, agentk's defaults).
+    #[arg(long, default_value_t = 10_000)]
+    rehome_agents: i64,
+    /// (Internal: the re-homing part's child processes.) Run agents FIRST..FIRST+COUNT
+    /// dialling --host-kas through a balancer, until stdin closes.
+    #[arg(long, hide = true, num_args = 2, value_names = ["FIRST", "COUNT"])]
+    host_agents: Option<Vec<i64>>,
+    /// (Internal.) The kas agent addresses for --host-agents, comma-separated.
+    #[arg(long, hide = true, value_delimiter = ',')]
+    host_kas: Vec<std::net::SocketAddr>,
     /// Where to write the results as JSON.
     #[arg(long, value_name = "FILE", default_value = "kas-bench.json")]
     json: PathBuf,
@@ -133,6 +147,8 @@ enum Part {
     Kube,
     /// Agents on several kas while every kas restarts in turn, and one is killed (6).
     Rollout,
+    /// Many agents re-homing after a kas dies: time, and Redis's load (7).
+    Rehome,
 }
 
 fn main() -> ExitCode {
@@ -147,6 +163,17 @@ fn main() -> ExitCode {
             return ExitCode::FAILURE;
         }
     };
+    if let Some([first, count]) = args.host_agents.as_deref() {
+        raise_file_limit();
+        let hosted = runtime.block_on(rehome::host(*first, *count, args.host_kas.clone()));
+        return match hosted {
+            Ok(()) => ExitCode::SUCCESS,
+            Err(e) => {
+                eprintln!("kas-bench agent host: {e}");
+                ExitCode::FAILURE
+            }
+        };
+    }
     match runtime.block_on(run(&args)) {
         Ok(results) => {
             let text = serde_json::to_string_pretty(&results).unwrap_or_default();
@@ -222,9 +249,10 @@ async fn run(args: &Args) -> Result<Value, String> {
     }
     let poll_samples = (args.wakeups / 3).max(1);
     // Tokens: agents 1..=agents for the idle part, then one per wake-up sample, then the
-    // rollout's.
+    // rollout's, then the re-homing part's.
     let rollout_first = agents.max(1) + (args.wakeups + poll_samples) as i64 + 1;
-    let mut world = World::start(rollout_first - 1 + args.rollout_agents.max(1))?;
+    let rehome_first = rollout_first + args.rollout_agents.max(1);
+    let mut world = World::start(rehome_first - 1 + args.rehome_agents.max(1))?;
     let cores = std::thread::available_parallelism().map_or(1, |n| n.get());
     println!(
         "kas-bench: {cores} cores, redis {}, loopback",
@@ -283,6 +311,10 @@ async fn run(args: &Args) -> Result<Value, String> {
             rounds: args.rollout_rounds,
         };
         results["rollout"] = rollout::part(&mut world, pubsub, &sizes).await?;
+    }
+    if args.parts.contains(&Part::Rehome) {
+        let agents = args.rehome_agents.max(1);
+        results["rehome"] = rehome::part(&mut world, pubsub, agents, rehome_first).await?;
     }
     Ok(results)
 }

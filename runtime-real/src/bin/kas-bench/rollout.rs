@@ -45,7 +45,7 @@ const PIECE_EVERY: Duration = Duration::from_millis(100);
 const PIECE: usize = 1024;
 
 /// A duration as the table shows it.
-fn secs(d: Duration) -> String {
+pub fn secs(d: Duration) -> String {
     format!("{:.2} s", d.as_secs_f64())
 }
 
@@ -120,10 +120,7 @@ async fn await_homed(
     let began = Instant::now();
     let mut connected = 0.0;
     while began.elapsed() < within {
-        connected = 0.0;
-        for k in kas {
-            connected += gauge(k, "kas_connected_agents").await.unwrap_or(0.0);
-        }
+        connected = connections(&kas.iter().collect::<Vec<_>>()).await;
         if connected == 2.0 * replicas as f64 {
             return Ok(began.elapsed());
         }
@@ -133,6 +130,15 @@ async fn await_homed(
         "{connected} replica connections, not {} (every replica on two kas), after {within:?}",
         2 * replicas
     ))
+}
+
+/// Replica connections on `kas`: their `kas_connected_agents` gauges added up.
+pub async fn connections(kas: &[&KasProcess]) -> f64 {
+    let mut connected = 0.0;
+    for k in kas {
+        connected += gauge(k, "kas_connected_agents").await.unwrap_or(0.0);
+    }
+    connected
 }
 
 /// Runs the part; prints its table and returns its JSON.
