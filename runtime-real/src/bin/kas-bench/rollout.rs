@@ -61,9 +61,25 @@ struct Outcome {
     agent: i64,
     kas: usize,
     at: Instant,
-    /// `None`: answered (whole, for a stream); else the status code.
-    failed: Option<String>,
+    /// `None`: answered (whole, for a stream).
+    failed: Option<Failure>,
     stream: bool,
+}
+
+/// Why a call or stream failed.
+struct Failure {
+    /// The status code (or "short" for a stream that ended early).
+    code: String,
+    message: String,
+}
+
+impl Failure {
+    fn of(status: &tonic::Status) -> Failure {
+        Failure {
+            code: format!("{:?}", status.code()),
+            message: status.message().to_string(),
+        }
+    }
 }
 
 /// The modules of a rollout agent: the bench's pod list, and a log that comes one 1 KiB
@@ -252,6 +268,7 @@ pub async fn part(world: &mut World, options: KasOptions, sizes: &Sizes) -> Resu
         &rehomed,
         rehomed_after_kill,
         killed_at,
+        &fleet.listen[1][2].to_string(),
         sizes,
     ))
 }
@@ -326,7 +343,7 @@ impl Load {
             calls.push(tokio::spawn(async move {
                 let at = Instant::now();
                 let answer = api.pods(agent, None, "").await;
-                let failed = answer.err().map(|s| format!("{:?}", s.code()));
+                let failed = answer.err().map(|s| Failure::of(&s));
                 load.record(Outcome {
                     phase,
                     agent,
@@ -360,17 +377,22 @@ impl Load {
                 .pod_logs(agent, None, "default", "rollout", "", limit)
                 .await
             {
-                Err(s) => Some(format!("{:?}", s.code())),
+                Err(s) => Some(Failure::of(&s)),
                 Ok(mut log) => {
                     let mut bytes = 0;
                     loop {
                         match log.message().await {
                             Ok(Some(chunk)) => bytes += chunk.data.len(),
                             Ok(None) if bytes == pieces * PIECE => break None,
-                            Ok(None) => break Some(format!("short: {bytes} bytes")),
+                            Ok(None) => {
+                                break Some(Failure {
+                                    code: "short".into(),
+                                    message: format!("{bytes} bytes"),
+                                });
+                            }
                             Err(s) => {
                                 eprintln!("rollout: a long stream through kas{i} was cut: {s}");
-                                break Some(format!("{:?}", s.code()));
+                                break Some(Failure::of(&s));
                             }
                         }
                     }
@@ -416,12 +438,35 @@ fn longest_unreachable(outcomes: &[&Outcome]) -> Duration {
     longest
 }
 
+/// Where a failure in (b) came from.
+#[derive(Clone, Copy, PartialEq, Eq)]
+enum Cause {
+    /// It entered the killed kas before it died (GitLab's connection to it broke).
+    Entered,
+    /// Another kas had forwarded it to the killed kas, where it was delivered: the error
+    /// names the killed kas's private address.
+    Forwarded,
+    /// Anything else: against the goal.
+    Other,
+}
+
+fn cause(o: &Outcome, f: &Failure, killed_at: Instant, killed_private: &str) -> Cause {
+    if o.kas == 1 && o.at <= killed_at {
+        Cause::Entered
+    } else if f.message.contains(killed_private) {
+        Cause::Forwarded
+    } else {
+        Cause::Other
+    }
+}
+
 fn report(
     outcomes: &[Outcome],
     stops: &[Duration],
     rehomed: &[Duration],
     rehomed_after_kill: Duration,
     killed_at: Instant,
+    killed_private: &str,
     sizes: &Sizes,
 ) -> Value {
     println!("\n## Rollout (agents on two kas each through one balancer)\n");
@@ -434,7 +479,7 @@ fn report(
         secs(sizes.grace)
     );
     println!(
-        "| phase | calls | failed (by status) | long streams | streams cut (by status) | longest an agent was unreachable |"
+        "| phase | calls | failed (by status) | long streams | streams cut (by status) | longest an agent was unreachable (failures of the killed kas aside) |"
     );
     println!("|---|---|---|---|---|---|");
     let mut rows = Vec::new();
@@ -444,17 +489,28 @@ fn report(
         let streams: Vec<&&Outcome> = of.iter().filter(|o| o.stream).collect();
         let mut failed: BTreeMap<String, usize> = BTreeMap::new();
         for o in &calls {
-            if let Some(code) = &o.failed {
-                *failed.entry(code.clone()).or_default() += 1;
+            if let Some(f) = &o.failed {
+                *failed.entry(f.code.clone()).or_default() += 1;
             }
         }
         let mut cut: BTreeMap<String, usize> = BTreeMap::new();
         for o in &streams {
-            if let Some(why) = &o.failed {
-                *cut.entry(why.clone()).or_default() += 1;
+            if let Some(f) = &o.failed {
+                *cut.entry(f.code.clone()).or_default() += 1;
             }
         }
-        let unreachable = longest_unreachable(&of);
+        // A call that failed with the killed kas says nothing of its agent's reach.
+        let judged: Vec<&Outcome> = of
+            .iter()
+            .copied()
+            .filter(|o| {
+                o.phase == 0
+                    || o.failed
+                        .as_ref()
+                        .is_none_or(|f| cause(o, f, killed_at, killed_private) == Cause::Other)
+            })
+            .collect();
+        let unreachable = longest_unreachable(&judged);
         println!(
             "| {name} | {} | {} {failed:?} | {} | {} {cut:?} | {} |",
             calls.len(),
@@ -472,11 +528,17 @@ fn report(
             "longest_unreachable_ms": unreachable.as_secs_f64() * 1e3,
         }));
     }
-    // In (b), which failures entered the killed kas (GitLab's connection to it broke).
-    let through_killed = outcomes
-        .iter()
-        .filter(|o| o.phase == 1 && o.kas == 1 && o.failed.is_some() && o.at <= killed_at)
-        .count();
+    // In (b), where each failure came from.
+    let (mut entered, mut forwarded, mut other) = (0, 0, 0);
+    for o in outcomes.iter().filter(|o| o.phase == 1) {
+        if let Some(f) = &o.failed {
+            *match cause(o, f, killed_at, killed_private) {
+                Cause::Entered => &mut entered,
+                Cause::Forwarded => &mut forwarded,
+                Cause::Other => &mut other,
+            } += 1;
+        }
+    }
     let longest_stop = stops.iter().max().copied().unwrap_or_default();
     println!(
         "\nkas stops (SIGTERM to exit): {}; the longest {} (goal: within the grace + 2 s = {}).",
@@ -498,13 +560,15 @@ fn report(
         secs(rehomed_after_kill)
     );
     println!(
-        "In (b), {through_killed} of the failures were calls through the killed kas, under way when it died."
+        "In (b), failures: {entered} entered the killed kas before it died, {forwarded} were forwarded to it by another kas (delivered there), {other} other."
     );
     json!({
         "phases": rows,
         "stops_ms": stops.iter().map(|d| d.as_secs_f64() * 1e3).collect::<Vec<_>>(),
         "rehomed_ms": rehomed.iter().map(|d| d.as_secs_f64() * 1e3).collect::<Vec<_>>(),
         "rehomed_after_kill_ms": rehomed_after_kill.as_secs_f64() * 1e3,
-        "failed_through_killed_kas": through_killed,
+        "failed_through_killed_kas": entered,
+        "failed_forwarded_to_killed_kas": forwarded,
+        "failed_otherwise": other,
     })
 }
