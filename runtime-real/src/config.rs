@@ -312,8 +312,15 @@ fn default_keepalive_timeout() -> Duration {
 #[derive(Clone, Debug, Deserialize)]
 #[serde(deny_unknown_fields)]
 pub struct Redis {
-    /// The server.
-    pub server: RedisServer,
+    /// One server. Exactly one of `server`, `sentinel` and `cluster` is set.
+    #[serde(default)]
+    pub server: Option<RedisServer>,
+    /// A master found through Redis Sentinel, followed through failovers.
+    #[serde(default)]
+    pub sentinel: Option<RedisSentinel>,
+    /// A Redis Cluster.
+    #[serde(default)]
+    pub cluster: Option<RedisCluster>,
     /// Prefix of every key and channel.
     #[serde(default = "default_key_prefix")]
     pub key_prefix: String,
@@ -380,6 +387,27 @@ fn default_true() -> bool {
 pub struct RedisServer {
     /// `host:port`.
     pub address: String,
+}
+
+/// `redis.sentinel:` (GitLab kas's keys).
+#[derive(Clone, Debug, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct RedisSentinel {
+    /// The name the sentinels monitor the master under.
+    pub master_name: String,
+    /// The sentinels, `host:port` each; asked in turn for the master's address.
+    pub addresses: Vec<String>,
+    /// File holding the sentinels' password, if they require one.
+    #[serde(default)]
+    pub sentinel_password_file: Option<PathBuf>,
+}
+
+/// `redis.cluster:`
+#[derive(Clone, Debug, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct RedisCluster {
+    /// Some of the cluster's nodes, `host:port` each: the rest are discovered from them.
+    pub addresses: Vec<String>,
 }
 
 fn default_key_prefix() -> String {
@@ -788,8 +816,39 @@ impl Config {
                     r.key_prefix
                 ));
             }
-            if r.server.address.is_empty() {
+            let set = [
+                r.server.is_some(),
+                r.sentinel.is_some(),
+                r.cluster.is_some(),
+            ];
+            if set.iter().filter(|s| **s).count() != 1 {
+                p.push("redis: set exactly one of server, sentinel and cluster".into());
+            }
+            if r.server.as_ref().is_some_and(|s| s.address.is_empty()) {
                 p.push("redis.server.address is required".into());
+            }
+            if let Some(s) = &r.sentinel {
+                if s.master_name.is_empty() {
+                    p.push("redis.sentinel.master_name is required".into());
+                }
+                if s.addresses.is_empty() || s.addresses.iter().any(String::is_empty) {
+                    p.push(
+                        "redis.sentinel.addresses: list at least one sentinel, none empty".into(),
+                    );
+                }
+                if let Some(f) = &s.sentinel_password_file
+                    && let Err(e) = std::fs::read_to_string(f)
+                {
+                    p.push(format!(
+                        "redis.sentinel.sentinel_password_file {}: {e}",
+                        f.display()
+                    ));
+                }
+            }
+            if let Some(c) = &r.cluster
+                && (c.addresses.is_empty() || c.addresses.iter().any(String::is_empty))
+            {
+                p.push("redis.cluster.addresses: list at least one node, none empty".into());
             }
             if let Some(f) = &r.password_file
                 && let Err(e) = std::fs::read_to_string(f)

@@ -233,6 +233,35 @@ async fn bind(what: &'static str, addr: SocketAddr) -> Result<TcpListener, Start
         .map_err(|source| StartError::Bind { what, addr, source })
 }
 
+/// Where `redis` says the Redis is (the configuration was checked: exactly one is set).
+#[cfg(not(madsim))]
+fn redis_topology(r: &crate::config::Redis) -> Result<crate::store::RedisTopology, StartError> {
+    use crate::store::RedisTopology;
+    if let Some(s) = &r.sentinel {
+        let password = match &s.sentinel_password_file {
+            None => None,
+            Some(f) => Some(
+                std::fs::read_to_string(f)
+                    .map_err(|e| {
+                        StartError::Setup(format!("redis.sentinel.sentinel_password_file: {e}"))
+                    })?
+                    .trim()
+                    .to_string(),
+            ),
+        };
+        return Ok(RedisTopology::Sentinel {
+            master_name: s.master_name.clone(),
+            addresses: s.addresses.clone(),
+            password,
+        });
+    }
+    if let Some(c) = &r.cluster {
+        return Ok(RedisTopology::Cluster(c.addresses.clone()));
+    }
+    let address = r.server.as_ref().map(|s| s.address.clone());
+    Ok(RedisTopology::Server(address.unwrap_or_default()))
+}
+
 fn secret(path: Option<&std::path::PathBuf>, key: &str) -> Result<Secret, StartError> {
     let path = path.ok_or_else(|| StartError::Setup(format!("{key} is required")))?;
     Secret::load(path).map_err(|e| StartError::Setup(format!("{key}: {e}")))
@@ -305,14 +334,15 @@ impl Kas {
                         username: r.username.clone(),
                         password,
                     };
-                    crate::store::RedisStore::new(&r.server.address, &auth, &r.tls, r.timeout)
+                    crate::store::RedisStore::new(&redis_topology(r)?, &auth, &r.tls, r.timeout)
                         .map(Store::Redis)
                 };
                 // In the simulation the address is the simulated Redis node's.
                 #[cfg(madsim)]
                 let s = {
                     let _ = password;
-                    crate::store::SimStore::new(&r.server.address, r.timeout).map(Store::Sim)
+                    let address = r.server.as_ref().map_or("", |s| s.address.as_str());
+                    crate::store::SimStore::new(address, r.timeout).map(Store::Sim)
                 };
                 let s = s.map_err(|e| StartError::Setup(format!("redis: {e}")))?;
                 (s, Keys::new(r.key_prefix.clone()))

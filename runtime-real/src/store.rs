@@ -14,7 +14,7 @@ mod redis;
 pub mod sim;
 
 pub use self::memory::{Keyspace, MemoryStore};
-pub use self::redis::{RedisAuth, RedisStore};
+pub use self::redis::{RedisAuth, RedisStore, RedisTopology};
 #[cfg(madsim)]
 pub use self::sim::SimStore;
 
@@ -88,15 +88,13 @@ impl Store {
     }
 
     /// Deletes the fields of `keys` that are expired (or undecodable) at `now`. Returns how
-    /// many went. On Redis one script call per 256 keys decides and deletes atomically;
+    /// many went. On Redis one script call per 256 keys (of one slot) decides and deletes atomically;
     /// elsewhere each key is read, then each garbage field deleted only if it still holds
     /// the value that was judged garbage.
     pub async fn gc(&self, keys: &[String], now: Time) -> Result<usize, StoreError> {
         let mut n = 0;
         if let Store::Redis(s) = self {
-            for chunk in keys.chunks(256) {
-                n += s.gc(chunk, now).await?;
-            }
+            n = s.gc(keys, now).await?;
         } else {
             for key in keys {
                 n += self.gc_by_compare_and_delete(key, now).await?;

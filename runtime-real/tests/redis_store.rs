@@ -5,7 +5,7 @@
 mod support;
 
 use kas_core::tracker::KeyWrite;
-use kas_runtime::store::{PubSubEvent, RedisStore, Store};
+use kas_runtime::store::{PubSubEvent, RedisStore, RedisTopology, Store};
 use std::time::Duration;
 use support::Redis;
 use tokio::sync::mpsc;
@@ -13,7 +13,15 @@ use tokio::sync::mpsc;
 /// A store on `redis` (no TLS, no user) whose commands time out after `timeout`.
 fn store(redis: &Redis, timeout: Duration) -> Store {
     let (auth, tls) = (Default::default(), Default::default());
-    Store::Redis(RedisStore::new(&redis.address(), &auth, &tls, timeout).expect("store"))
+    Store::Redis(
+        RedisStore::new(
+            &RedisTopology::Server(redis.address()),
+            &auth,
+            &tls,
+            timeout,
+        )
+        .expect("store"),
+    )
 }
 
 fn write(key: &str, set: &[(&str, &str)], delete: &[&str], publish: &str) -> KeyWrite {

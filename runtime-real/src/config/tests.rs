@@ -65,6 +65,46 @@ fn redis_section_and_durations_parse() {
 }
 
 #[test]
+fn redis_is_one_server_a_sentinel_master_or_a_cluster() {
+    let f = Files::new();
+    let text = f.yaml(
+        "redis:\n  sentinel:\n    master_name: gitlab-redis\n    addresses: [s1:26379, s2:26379]\n",
+    );
+    let r = Config::parse(&text, "t.yaml").unwrap().redis.unwrap();
+    let s = r.sentinel.unwrap();
+    assert_eq!(s.master_name, "gitlab-redis");
+    assert_eq!(s.addresses, ["s1:26379", "s2:26379"]);
+    let text = f.yaml("redis:\n  cluster:\n    addresses: [n1:7000]\n");
+    let r = Config::parse(&text, "t.yaml").unwrap().redis.unwrap();
+    assert_eq!(r.cluster.unwrap().addresses, ["n1:7000"]);
+    for (yaml, problem) in [
+        (
+            "redis:\n  key_prefix: k\n",
+            "redis: set exactly one of server, sentinel and cluster",
+        ),
+        (
+            "redis:\n  server:\n    address: a:1\n  cluster:\n    addresses: [n1:7000]\n",
+            "redis: set exactly one of server, sentinel and cluster",
+        ),
+        (
+            "redis:\n  sentinel:\n    master_name: ''\n    addresses: [s:1]\n",
+            "redis.sentinel.master_name is required",
+        ),
+        (
+            "redis:\n  sentinel:\n    master_name: m\n    addresses: []\n",
+            "redis.sentinel.addresses: list at least one sentinel, none empty",
+        ),
+        (
+            "redis:\n  cluster:\n    addresses: ['']\n",
+            "redis.cluster.addresses: list at least one node, none empty",
+        ),
+    ] {
+        let p = problems(&f.yaml(yaml));
+        assert!(p.iter().any(|x| x == problem), "{yaml}: {p:?}");
+    }
+}
+
+#[test]
 fn every_problem_is_reported_with_its_key() {
     let f = Files::new();
     let text = f.yaml(

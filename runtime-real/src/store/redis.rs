@@ -1,10 +1,18 @@
 //! The Redis store: an auto-reconnecting multiplexed connection for commands and a
 //! separate connection for pub-sub, re-established (with every subscription) after a loss.
+//! The Redis is one server, the master that Redis Sentinel names (followed through
+//! failovers), or a Redis Cluster (scripts per slot, sharded pub-sub).
 
+mod cluster;
+mod sentinel;
+
+use self::sentinel::Sentinel;
 use super::pubsub::{self, Connection, Pushed, Transport};
 use super::{PubSubCommand, PubSubEvent, StoreError};
 use crate::config::RedisTls;
 use ::redis::aio::{ConnectionManager, ConnectionManagerConfig};
+use ::redis::cluster::ClusterClientBuilder;
+use ::redis::cluster_async::ClusterConnection;
 use ::redis::{Client, Script, Value};
 use futures::StreamExt;
 use kas_core::Time;
@@ -53,13 +61,15 @@ end
 return gone
 ";
 
-/// Applies a tracker batch in one round trip and one command, atomically. For each key
-/// (`KEYS[k]`), ARGV holds, in order: the fields to delete (count, then names), the fields
+/// Applies a tracker batch in one round trip and one command, atomically. ARGV[1] is the
+/// publish command (`PUBLISH`, or `SPUBLISH` on a cluster); then for each key (`KEYS[k]`),
+/// ARGV holds, in order: the fields to delete (count, then names), the fields
 /// to set (count, then name/value pairs), the key's TTL in ms (0: none), the messages to
 /// publish (count, then channel/payload pairs), and the messages to publish only if the
 /// set created a field (same shape). Long lists go in chunks (Lua's `unpack` limit).
 const WRITE_BATCH: &str = r"
-local a = 1
+local publish = ARGV[1]
+local a = 2
 local function take()
   a = a + 1
   return ARGV[a - 1]
@@ -87,27 +97,58 @@ for k = 1, #KEYS do
   end
   for i = 1, tonumber(take()) do
     local channel, payload = take(), take()
-    redis.call('PUBLISH', channel, payload)
+    redis.call(publish, channel, payload)
   end
   for i = 1, tonumber(take()) do
     local channel, payload = take(), take()
     if created > 0 then
-      redis.call('PUBLISH', channel, payload)
+      redis.call(publish, channel, payload)
     end
   end
 end
 return #KEYS
 ";
 
-/// A Redis server shared by the kas replicas.
+/// Where the Redis that kas shares is (`redis.server`, `redis.sentinel` or `redis.cluster`).
+#[derive(Clone, Debug)]
+pub enum RedisTopology {
+    /// One server: `host:port`, or a `redis://` URL.
+    Server(String),
+    /// The master that these sentinels name.
+    Sentinel {
+        /// `redis.sentinel.master_name`.
+        master_name: String,
+        /// The sentinels' `host:port`.
+        addresses: Vec<String>,
+        /// Their password (`redis.sentinel.sentinel_password_file`).
+        password: Option<String>,
+    },
+    /// A Redis Cluster, found from these nodes.
+    Cluster(Vec<String>),
+}
+
+/// The Redis shared by the kas replicas.
 #[derive(Clone)]
 pub struct RedisStore {
-    /// Shared: with TLS settings a client is a few hundred bytes.
-    client: Arc<Client>,
-    conn: ConnectionManager,
+    target: Arc<Target>,
     timeout: Duration,
     collect_garbage: Arc<Script>,
     write_batch: Arc<Script>,
+}
+
+/// What commands go to.
+enum Target {
+    Server {
+        client: Arc<Client>,
+        conn: ConnectionManager,
+    },
+    Sentinel(Arc<Sentinel>),
+    Cluster {
+        settings: NodeSettings,
+        nodes: Vec<String>,
+        /// Made on first use (it connects at once), then kept: it follows the cluster.
+        conn: tokio::sync::Mutex<Option<ClusterConnection>>,
+    },
 }
 
 fn err(e: impl std::fmt::Display) -> StoreError {
@@ -145,37 +186,18 @@ pub struct RedisAuth {
     pub password: Option<String>,
 }
 
-impl RedisStore {
-    /// Connects lazily to `address` (`host:port`, or a `redis://` URL); commands and
-    /// connection attempts time out after `timeout`.
-    pub fn new(
-        address: &str,
-        auth: &RedisAuth,
-        tls: &RedisTls,
-        timeout: Duration,
-    ) -> Result<Self, StoreError> {
-        let scheme = if tls.enabled { "rediss" } else { "redis" };
-        let url = match address.split_once("://") {
-            None => format!("{scheme}://{address}"),
-            Some(("redis", _)) if !tls.enabled => address.to_string(),
-            Some(("rediss", _)) if tls.enabled => address.to_string(),
-            Some(_) => {
-                return Err(StoreError(format!(
-                    "redis.server.address {address}: use host:port, or {scheme}:// as redis.tls.enabled says"
-                )));
-            }
-        };
-        let mut info =
-            ::redis::IntoConnectionInfo::into_connection_info(url.as_str()).map_err(err)?;
-        let mut settings = info.redis_settings().clone();
-        if let Some(u) = &auth.username {
-            settings = settings.set_username(u);
-        }
-        if let Some(p) = &auth.password {
-            settings = settings.set_password(p);
-        }
-        info = info.set_redis_settings(settings);
-        let client = if tls.enabled {
+/// How kas connects to one Redis node: auth, TLS, timeouts.
+#[derive(Clone)]
+pub(super) struct NodeSettings {
+    auth: RedisAuth,
+    /// Read once: `None` without TLS.
+    tls: Option<::redis::TlsCertificates>,
+    timeout: Duration,
+}
+
+impl NodeSettings {
+    fn new(auth: &RedisAuth, tls: &RedisTls, timeout: Duration) -> Result<Self, StoreError> {
+        let certs = if tls.enabled {
             let read = |f: &std::path::Path| {
                 std::fs::read(f).map_err(|e| StoreError(format!("{}: {e}", f.display())))
             };
@@ -187,59 +209,272 @@ impl RedisStore {
                 _ => None,
             };
             let root_cert = tls.ca_certificate_file.as_deref().map(read).transpose()?;
-            let certs = ::redis::TlsCertificates {
+            Some(::redis::TlsCertificates {
                 client_tls,
                 root_cert,
-            };
-            Client::build_with_tls(info, certs).map_err(err)?
+            })
         } else {
-            Client::open(info).map_err(err)?
+            None
         };
+        Ok(NodeSettings {
+            auth: auth.clone(),
+            tls: certs,
+            timeout,
+        })
+    }
+
+    /// The connection info of `address` (`host:port`, or a URL of the scheme TLS asks for).
+    fn info(&self, address: &str) -> Result<::redis::ConnectionInfo, StoreError> {
+        let scheme = if self.tls.is_some() {
+            "rediss"
+        } else {
+            "redis"
+        };
+        let url = match address.split_once("://") {
+            None => format!("{scheme}://{address}"),
+            Some((given, _)) if given == scheme => address.to_string(),
+            Some(_) => {
+                return Err(StoreError(format!(
+                    "redis address {address}: use host:port, or {scheme}:// as redis.tls.enabled says"
+                )));
+            }
+        };
+        let info = ::redis::IntoConnectionInfo::into_connection_info(url.as_str()).map_err(err)?;
+        let mut settings = info.redis_settings().clone();
+        if let Some(u) = &self.auth.username {
+            settings = settings.set_username(u);
+        }
+        if let Some(p) = &self.auth.password {
+            settings = settings.set_password(p);
+        }
+        Ok(info.set_redis_settings(settings))
+    }
+
+    fn client(&self, address: &str) -> Result<Client, StoreError> {
+        let info = self.info(address)?;
+        match &self.tls {
+            Some(certs) => Client::build_with_tls(info, certs.clone()).map_err(err),
+            None => Client::open(info).map_err(err),
+        }
+    }
+
+    /// An auto-reconnecting connection to `address`, made lazily.
+    fn manager(&self, address: &str) -> Result<ConnectionManager, StoreError> {
         let config = ConnectionManagerConfig::new()
-            .set_connection_timeout(Some(timeout))
-            .set_response_timeout(Some(timeout))
+            .set_connection_timeout(Some(self.timeout))
+            .set_response_timeout(Some(self.timeout))
             .set_number_of_retries(1)
             .set_max_delay(Duration::from_secs(2));
-        let conn =
-            ConnectionManager::new_lazy_with_config(client.clone(), config).map_err(redis_error)?;
+        ConnectionManager::new_lazy_with_config(self.client(address)?, config).map_err(redis_error)
+    }
+
+    /// A cluster client's builder, from `nodes`.
+    fn cluster(&self, nodes: &[String]) -> Result<ClusterClientBuilder, StoreError> {
+        let infos = nodes
+            .iter()
+            .map(|n| self.info(n))
+            .collect::<Result<Vec<_>, _>>()?;
+        let mut builder = ClusterClientBuilder::new(infos)
+            .connection_timeout(self.timeout)
+            .response_timeout(self.timeout)
+            .retries(3);
+        if let Some(certs) = &self.tls {
+            builder = builder.certs(certs.clone());
+        }
+        Ok(builder)
+    }
+}
+
+/// A connection commands go over.
+#[derive(Clone)]
+enum Conn {
+    Node(ConnectionManager),
+    Cluster(ClusterConnection),
+}
+
+impl ::redis::aio::ConnectionLike for Conn {
+    fn req_packed_command<'a>(
+        &'a mut self,
+        cmd: &'a ::redis::Cmd,
+    ) -> ::redis::RedisFuture<'a, Value> {
+        match self {
+            Conn::Node(c) => c.req_packed_command(cmd),
+            Conn::Cluster(c) => c.req_packed_command(cmd),
+        }
+    }
+
+    fn req_packed_commands<'a>(
+        &'a mut self,
+        pipeline: &'a ::redis::Pipeline,
+        offset: usize,
+        count: usize,
+    ) -> ::redis::RedisFuture<'a, Vec<Value>> {
+        match self {
+            Conn::Node(c) => c.req_packed_commands(pipeline, offset, count),
+            Conn::Cluster(c) => c.req_packed_commands(pipeline, offset, count),
+        }
+    }
+
+    fn get_db(&self) -> i64 {
+        match self {
+            Conn::Node(c) => c.get_db(),
+            Conn::Cluster(c) => c.get_db(),
+        }
+    }
+}
+
+impl RedisStore {
+    /// Connects lazily to the Redis of `topology`; commands and connection attempts time
+    /// out after `timeout`.
+    pub fn new(
+        topology: &RedisTopology,
+        auth: &RedisAuth,
+        tls: &RedisTls,
+        timeout: Duration,
+    ) -> Result<Self, StoreError> {
+        let settings = NodeSettings::new(auth, tls, timeout)?;
+        let target = match topology {
+            RedisTopology::Server(address) => Target::Server {
+                client: Arc::new(settings.client(address)?),
+                conn: settings.manager(address)?,
+            },
+            RedisTopology::Sentinel {
+                master_name,
+                addresses,
+                password,
+            } => {
+                // The sentinels have their own password (and no ACL user); TLS as the nodes.
+                let sentinels = NodeSettings {
+                    auth: RedisAuth {
+                        username: None,
+                        password: password.clone(),
+                    },
+                    ..settings.clone()
+                };
+                for a in addresses {
+                    sentinels.info(a)?;
+                }
+                Target::Sentinel(Arc::new(Sentinel::new(
+                    master_name.clone(),
+                    addresses.clone(),
+                    sentinels,
+                    settings,
+                )))
+            }
+            RedisTopology::Cluster(nodes) => {
+                settings.cluster(nodes)?.build().map_err(redis_error)?;
+                Target::Cluster {
+                    settings,
+                    nodes: nodes.clone(),
+                    conn: tokio::sync::Mutex::new(None),
+                }
+            }
+        };
         Ok(RedisStore {
-            client: Arc::new(client),
-            conn,
+            target: Arc::new(target),
             timeout,
             collect_garbage: Arc::new(Script::new(COLLECT_GARBAGE)),
             write_batch: Arc::new(Script::new(WRITE_BATCH)),
         })
     }
 
-    /// Writes the batch with one `EVALSHA` (see [`WRITE_BATCH`]).
+    /// The connection for the next command.
+    async fn conn(&self) -> Result<Conn, StoreError> {
+        match &*self.target {
+            Target::Server { conn, .. } => Ok(Conn::Node(conn.clone())),
+            Target::Sentinel(s) => s.conn().await.map(Conn::Node),
+            Target::Cluster {
+                settings,
+                nodes,
+                conn,
+            } => {
+                let mut conn = conn.lock().await;
+                if let Some(c) = conn.as_ref() {
+                    return Ok(Conn::Cluster(c.clone()));
+                }
+                let client = settings.cluster(nodes)?.build().map_err(redis_error)?;
+                let made = tokio::time::timeout(self.timeout, client.get_async_connection())
+                    .await
+                    .map_err(|_| {
+                        StoreError(format!(
+                            "connect: no cluster node of {nodes:?} answered within {:?}",
+                            self.timeout
+                        ))
+                    })?
+                    .map_err(redis_error)?;
+                *conn = Some(made.clone());
+                Ok(Conn::Cluster(made))
+            }
+        }
+    }
+
+    /// The outcome of a command: a failure may send Sentinel's master to be resolved again.
+    fn outcome<T>(&self, r: ::redis::RedisResult<T>) -> Result<T, StoreError> {
+        r.map_err(|e| {
+            if let Target::Sentinel(s) = &*self.target {
+                s.failed(&e);
+            }
+            redis_error(e)
+        })
+    }
+
+    fn cluster(&self) -> bool {
+        matches!(&*self.target, Target::Cluster { .. })
+    }
+
+    /// `items` in the groups one script call may take: all together, or on a cluster one
+    /// group per slot.
+    fn groups<'a, T>(&self, items: &'a [T], key: impl Fn(&T) -> &str) -> Vec<Vec<&'a T>> {
+        if self.cluster() {
+            cluster::by_slot(items, key).into_values().collect()
+        } else {
+            vec![items.iter().collect()]
+        }
+    }
+
+    /// Writes the batch with one `EVALSHA` per group (see [`WRITE_BATCH`]).
     pub(super) async fn execute(&self, writes: &[KeyWrite]) -> Result<(), StoreError> {
         if writes.is_empty() {
             return Ok(());
         }
-        let mut inv = self.write_batch.prepare_invoke();
-        for w in writes {
-            inv.key(&w.key);
-            inv.arg(w.delete.len()).arg(&w.delete);
-            inv.arg(w.set.len());
-            for (f, v) in &w.set {
-                inv.arg(f).arg(v);
-            }
-            let ttl = w
-                .expire
-                .map_or(0, |t| u64::try_from(t.as_millis()).unwrap_or(u64::MAX));
-            inv.arg(ttl);
-            for messages in [&w.publish, &w.announce] {
-                inv.arg(messages.len());
-                for (channel, payload) in messages {
-                    inv.arg(channel).arg(payload);
+        let conn = self.conn().await?;
+        let publish = if self.cluster() {
+            "SPUBLISH"
+        } else {
+            "PUBLISH"
+        };
+        let calls = self.groups(writes, |w| &w.key).into_iter().map(|group| {
+            let mut conn = conn.clone();
+            async move {
+                let mut inv = self.write_batch.prepare_invoke();
+                inv.arg(publish);
+                for w in &group {
+                    inv.key(&w.key);
+                    inv.arg(w.delete.len()).arg(&w.delete);
+                    inv.arg(w.set.len());
+                    for (f, v) in &w.set {
+                        inv.arg(f).arg(v);
+                    }
+                    let ttl = w
+                        .expire
+                        .map_or(0, |t| u64::try_from(t.as_millis()).unwrap_or(u64::MAX));
+                    inv.arg(ttl);
+                    for messages in [&w.publish, &w.announce] {
+                        inv.arg(messages.len());
+                        for (channel, payload) in messages {
+                            inv.arg(channel).arg(payload);
+                        }
+                    }
                 }
+                self.outcome(inv.invoke_async::<usize>(&mut conn).await)
             }
+        });
+        let mut keys = 0;
+        for applied in futures::future::join_all(calls).await {
+            keys += applied.map_err(|e| {
+                StoreError(format!("batch write of {} keys: {}", writes.len(), e.0))
+            })?;
         }
-        let mut conn = self.conn.clone();
-        let keys: usize = inv.invoke_async(&mut conn).await.map_err(|e| {
-            let e = redis_error(e);
-            StoreError(format!("batch write of {} keys: {}", writes.len(), e.0))
-        })?;
         if keys != writes.len() {
             return Err(StoreError(format!(
                 "batch write applied {keys} of {} keys",
@@ -250,31 +485,36 @@ impl RedisStore {
     }
 
     pub(super) async fn read(&self, key: &str) -> Result<Vec<(String, Vec<u8>)>, StoreError> {
-        let mut conn = self.conn.clone();
-        ::redis::cmd("HGETALL")
+        let mut conn = self.conn().await?;
+        let all = ::redis::cmd("HGETALL")
             .arg(key)
             .query_async(&mut conn)
-            .await
-            .map_err(redis_error)
+            .await;
+        self.outcome(all)
     }
 
-    /// Deletes the expired fields of `keys` at `now` with one `EVALSHA`.
+    /// Deletes the expired fields of `keys` at `now`: one `EVALSHA` per 256 keys (of one
+    /// slot, on a cluster).
     pub(super) async fn gc(&self, keys: &[String], now: Time) -> Result<usize, StoreError> {
-        let mut conn = self.conn.clone();
-        let mut inv = self.collect_garbage.prepare_invoke();
-        for k in keys {
-            inv.key(k);
+        let mut conn = self.conn().await?;
+        let mut gone = 0;
+        for group in self.groups(keys, String::as_str) {
+            for chunk in group.chunks(256) {
+                let mut inv = self.collect_garbage.prepare_invoke();
+                for k in chunk {
+                    inv.key(*k);
+                }
+                inv.arg(now.as_millis());
+                gone += self.outcome(inv.invoke_async::<usize>(&mut conn).await)?;
+            }
         }
-        inv.arg(now.as_millis());
-        inv.invoke_async(&mut conn).await.map_err(redis_error)
+        Ok(gone)
     }
 
     pub(super) async fn ping(&self) -> Result<(), StoreError> {
-        let mut conn = self.conn.clone();
-        ::redis::cmd("PING")
-            .query_async::<()>(&mut conn)
-            .await
-            .map_err(redis_error)
+        let mut conn = self.conn().await?;
+        let pong = ::redis::cmd("PING").query_async::<()>(&mut conn).await;
+        self.outcome(pong)
     }
 
     pub(super) fn spawn_pubsub(
@@ -282,17 +522,42 @@ impl RedisStore {
         cmds: mpsc::UnboundedReceiver<PubSubCommand>,
         events: mpsc::Sender<PubSubEvent>,
     ) {
-        let transport = RedisPubSub {
-            client: self.client.clone(),
-            timeout: self.timeout,
-        };
-        tokio::spawn(pubsub::run(transport, self.timeout, cmds, events));
+        let timeout = self.timeout;
+        match &*self.target {
+            Target::Server { client, .. } => {
+                let transport = RedisPubSub {
+                    source: Source::Server(client.clone()),
+                    timeout,
+                };
+                tokio::spawn(pubsub::run(transport, timeout, cmds, events));
+            }
+            Target::Sentinel(s) => {
+                let transport = RedisPubSub {
+                    source: Source::Sentinel(s.clone()),
+                    timeout,
+                };
+                tokio::spawn(pubsub::run(transport, timeout, cmds, events));
+            }
+            Target::Cluster {
+                settings, nodes, ..
+            } => {
+                let transport = cluster::ClusterPubSub(settings.clone(), nodes.clone());
+                tokio::spawn(pubsub::run(transport, timeout, cmds, events));
+            }
+        }
     }
 }
 
-/// Opens pub-sub connections to Redis.
+/// Where a subscriber connects.
+enum Source {
+    Server(Arc<Client>),
+    /// The master the sentinels name at the time.
+    Sentinel(Arc<Sentinel>),
+}
+
+/// Opens pub-sub connections to one Redis node.
 struct RedisPubSub {
-    client: Arc<Client>,
+    source: Source,
     timeout: Duration,
 }
 
@@ -309,8 +574,11 @@ impl Transport for RedisPubSub {
     type Conn = RedisSubscriber;
 
     async fn connect(&self) -> Result<RedisSubscriber, StoreError> {
-        let (sink, stream) = self
-            .client
+        let client = match &self.source {
+            Source::Server(client) => client.clone(),
+            Source::Sentinel(s) => Arc::new(s.master_client().await?),
+        };
+        let (sink, stream) = client
             .get_async_pubsub()
             .await
             .map_err(redis_error)?

@@ -115,6 +115,9 @@ pub struct Extra<'a> {
     pub redis: &'a str,
     /// A Redis of the test's own at this address, instead of `redis`.
     pub redis_at: Option<&'a str>,
+    /// The `redis:` section's lines naming a Sentinel or Cluster setup (two spaces in),
+    /// instead of `server:`.
+    pub redis_topology: Option<&'a str>,
     /// Run kas with this open-file limit (soft and hard).
     pub open_files: Option<u64>,
 }
@@ -203,10 +206,13 @@ impl KasProc {
             .redis_at
             .map(str::to_string)
             .or(redis.map(Redis::address));
-        if let Some(address) = redis_address {
-            config += &format!(
-                "redis:\n  server:\n    address: {address}\n  key_prefix: kas\n  timeout: 1s\n{extra_redis}"
-            );
+        let topology = match (extra.redis_topology, redis_address) {
+            (Some(lines), _) => Some(lines.to_string()),
+            (None, Some(address)) => Some(format!("  server:\n    address: {address}\n")),
+            (None, None) => None,
+        };
+        if let Some(topology) = topology {
+            config += &format!("redis:\n{topology}  key_prefix: kas\n  timeout: 1s\n{extra_redis}");
         }
         let path = secrets.path(&format!("{name}.yaml"));
         std::fs::write(&path, config).unwrap();

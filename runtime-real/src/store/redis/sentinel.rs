@@ -1,0 +1,164 @@
+//! The master that Redis Sentinel names, followed through failovers: kas asks the
+//! sentinels for the master's address, connects to it, and asks again when a command fails
+//! as it does when the master died or was demoted (connection errors, `READONLY`).
+
+use super::{NodeSettings, redis_error};
+use crate::store::StoreError;
+use ::redis::RedisError;
+use ::redis::aio::ConnectionManager;
+use std::sync::Mutex;
+use std::time::{Duration, Instant};
+
+/// How soon after one resolution a failing command may ask the sentinels again: a master
+/// that is down stays down for seconds before the sentinels agree on a new one, and every
+/// command in that time fails.
+const RESOLVE_EVERY: Duration = Duration::from_millis(250);
+
+/// The master behind `redis.sentinel`.
+pub(super) struct Sentinel {
+    master_name: String,
+    sentinels: Vec<String>,
+    /// Auth for the sentinels (`sentinel_password_file`).
+    sentinel_settings: NodeSettings,
+    /// Auth and TLS for the master.
+    node_settings: NodeSettings,
+    current: Mutex<Option<Current>>,
+    /// One resolution at a time.
+    resolving: tokio::sync::Mutex<()>,
+}
+
+struct Current {
+    address: String,
+    conn: ConnectionManager,
+    resolved_at: Instant,
+    /// A command failed as if this were no longer the master.
+    suspect: bool,
+}
+
+impl Sentinel {
+    pub(super) fn new(
+        master_name: String,
+        sentinels: Vec<String>,
+        sentinel_settings: NodeSettings,
+        node_settings: NodeSettings,
+    ) -> Self {
+        Sentinel {
+            master_name,
+            sentinels,
+            sentinel_settings,
+            node_settings,
+            current: Mutex::new(None),
+            resolving: tokio::sync::Mutex::new(()),
+        }
+    }
+
+    /// The connection to the master, resolved first when there is none yet or the one in
+    /// use is suspect.
+    pub(super) async fn conn(&self) -> Result<ConnectionManager, StoreError> {
+        if let Some(conn) = self.usable() {
+            return Ok(conn);
+        }
+        let _one = self.resolving.lock().await;
+        if let Some(conn) = self.usable() {
+            return Ok(conn);
+        }
+        let address = self.master_address().await;
+        let mut current = self.current.lock().expect("sentinel state");
+        let address = match address {
+            Ok(a) => a,
+            // The sentinels are unreachable: keep using what there is, if anything.
+            Err(e) => {
+                return match current.as_mut() {
+                    Some(c) => {
+                        c.resolved_at = Instant::now();
+                        Ok(c.conn.clone())
+                    }
+                    None => Err(e),
+                };
+            }
+        };
+        match current.as_mut() {
+            Some(c) if c.address == address => {
+                c.resolved_at = Instant::now();
+                c.suspect = false;
+                Ok(c.conn.clone())
+            }
+            _ => {
+                let conn = self.node_settings.manager(&address)?;
+                tracing::info!(master = %address, name = %self.master_name, "redis: the sentinels name this master");
+                *current = Some(Current {
+                    address,
+                    conn: conn.clone(),
+                    resolved_at: Instant::now(),
+                    suspect: false,
+                });
+                Ok(conn)
+            }
+        }
+    }
+
+    /// The connection in use, unless it is suspect and may be resolved again.
+    fn usable(&self) -> Option<ConnectionManager> {
+        let current = self.current.lock().expect("sentinel state");
+        let c = current.as_ref()?;
+        (!c.suspect || c.resolved_at.elapsed() < RESOLVE_EVERY).then(|| c.conn.clone())
+    }
+
+    /// Notes a failed command: one that a dead or demoted master fails makes the next
+    /// command ask the sentinels again.
+    pub(super) fn failed(&self, e: &RedisError) {
+        let moved = e.is_io_error()
+            || e.is_connection_refusal()
+            || e.is_connection_dropped()
+            || e.is_timeout()
+            || e.to_string().contains("READONLY");
+        if moved && let Some(c) = self.current.lock().expect("sentinel state").as_mut() {
+            c.suspect = true;
+        }
+    }
+
+    /// Asks each sentinel in turn for the master's `host:port`.
+    async fn master_address(&self) -> Result<String, StoreError> {
+        let mut problems = Vec::new();
+        for sentinel in &self.sentinels {
+            match self.ask(sentinel).await {
+                Ok(Some(address)) => return Ok(address),
+                Ok(None) => problems.push(format!(
+                    "{sentinel} does not know master {:?}",
+                    self.master_name
+                )),
+                Err(e) => problems.push(format!("{sentinel}: {}", e.0)),
+            }
+        }
+        Err(StoreError(format!(
+            "redis.sentinel: no sentinel named the master: {}",
+            problems.join("; ")
+        )))
+    }
+
+    /// A client of the master the sentinels name now (for a subscriber connection).
+    pub(super) async fn master_client(&self) -> Result<::redis::Client, StoreError> {
+        self.node_settings.client(&self.master_address().await?)
+    }
+
+    async fn ask(&self, sentinel: &str) -> Result<Option<String>, StoreError> {
+        let client = self.sentinel_settings.client(sentinel)?;
+        let timeout = self.sentinel_settings.timeout;
+        let asked = async {
+            let mut conn = client
+                .get_multiplexed_async_connection()
+                .await
+                .map_err(redis_error)?;
+            let master: Option<(String, u16)> = ::redis::cmd("SENTINEL")
+                .arg("GET-MASTER-ADDR-BY-NAME")
+                .arg(&self.master_name)
+                .query_async(&mut conn)
+                .await
+                .map_err(redis_error)?;
+            Ok(master.map(|(host, port)| format!("{host}:{port}")))
+        };
+        tokio::time::timeout(timeout, asked)
+            .await
+            .map_err(|_| StoreError(format!("no answer within {timeout:?}")))?
+    }
+}

@@ -1,0 +1,455 @@
+//! Three kas on a replicated Redis started by the test on loopback: Redis Sentinel (a
+//! master, a replica, three sentinels) and Redis Cluster (three masters, three replicas).
+//! They route, wake a waiting call through pub-sub (sharded on the cluster), and survive
+//! the master being SIGKILLed: after the failover every record is back within one refresh
+//! period and a call waiting through it is delivered.
+
+mod support;
+
+use kas_runtime::local::redis_server::free_port;
+use std::os::unix::process::CommandExt;
+use std::path::Path;
+use std::process::{Child, Command, Stdio};
+use std::time::{Duration, Instant};
+use support::*;
+
+/// Record TTL: kas refreshes every half of it (5 s), at least the tracker's longest retry
+/// delay after failed writes (5 s), so a failover costs no record more than one period.
+const TTL_MS: u64 = 10_000;
+const REFRESH: Duration = Duration::from_millis(TTL_MS / 2);
+
+/// A redis-server (or sentinel) process of the test's; SIGKILLed on drop.
+struct Node {
+    child: Option<Child>,
+    port: u16,
+}
+
+impl Node {
+    /// Starts `redis-server` with `args` on a free port and waits for its `PING`.
+    fn start(dir: &Path, name: &str, args: &[&str]) -> Node {
+        let port = free_port().expect("a free port");
+        let log = std::fs::File::create(dir.join(format!("{name}.log"))).unwrap();
+        let child = Command::new("redis-server")
+            .args(args)
+            .args(["--port", &port.to_string(), "--bind", "127.0.0.1"])
+            .stdout(log)
+            .stderr(Stdio::null())
+            .process_group(0)
+            .spawn()
+            .expect("redis-server runs (scripts/test installs it)");
+        let n = Node {
+            child: Some(child),
+            port,
+        };
+        wait(
+            Duration::from_secs(10),
+            &format!("{name} to answer PING"),
+            || n.cli(&["PING"]).trim() == "PONG",
+        );
+        n
+    }
+
+    fn address(&self) -> String {
+        format!("127.0.0.1:{}", self.port)
+    }
+
+    fn cli(&self, args: &[&str]) -> String {
+        Command::new("redis-cli")
+            .args(["-p", &self.port.to_string()])
+            .args(args)
+            .output()
+            .map(|o| String::from_utf8_lossy(&o.stdout).into_owned())
+            .unwrap_or_default()
+    }
+
+    fn kill(&mut self) {
+        if let Some(mut c) = self.child.take() {
+            let _ = c.kill();
+            let _ = c.wait();
+        }
+    }
+}
+
+impl Drop for Node {
+    fn drop(&mut self) {
+        self.kill();
+    }
+}
+
+/// Polls `ready` every 50 ms until it holds, for at most `within`.
+fn wait(within: Duration, what: &str, mut ready: impl FnMut() -> bool) {
+    let end = Instant::now() + within;
+    while !ready() {
+        assert!(
+            Instant::now() < end,
+            "timed out after {within:?} waiting for {what}"
+        );
+        std::thread::sleep(Duration::from_millis(50));
+    }
+}
+
+/// Three kas on the Redis that `topology` (the `redis:` lines) names.
+async fn three_kas(secrets: &Secrets, topology: &str) -> Vec<KasProc> {
+    let mut kas = Vec::new();
+    for i in 0..3 {
+        let extra = Extra {
+            redis_topology: Some(topology),
+            ..Extra::default()
+        };
+        let name = format!("kas{i}");
+        kas.push(KasProc::start_extra(secrets, &name, None, TTL_MS, extra, None).await);
+    }
+    kas
+}
+
+/// Waits until every kas routes to every agent in `agents` (agent, pod).
+async fn every_kas_routes(secrets: &Secrets, kas: &[KasProc], agents: &[(i64, &str)]) {
+    for k in kas {
+        let gl = GitLab::new(secrets, k.api).await;
+        for (agent, pod) in agents {
+            let gl = &gl;
+            eventually(
+                Duration::from_secs(15),
+                "a route to the agent",
+                || async move {
+                    let pods = gl.pods(*agent, None, Duration::from_secs(2)).await.ok()?;
+                    (pods == [*pod]).then_some(())
+                },
+            )
+            .await;
+        }
+    }
+}
+
+/// A call through `kas` for `agent` (not connected yet), left waiting: it must still wait
+/// 700 ms later.
+async fn waiting_call(
+    secrets: &Secrets,
+    kas: &KasProc,
+    agent: i64,
+) -> tokio::task::JoinHandle<Result<Vec<String>, tonic::Status>> {
+    let gl = GitLab::new(secrets, kas.api).await;
+    let call = tokio::spawn(async move { gl.pods(agent, None, Duration::from_secs(40)).await });
+    tokio::time::sleep(Duration::from_millis(700)).await;
+    assert!(
+        !call.is_finished(),
+        "the call for agent {agent} waits for it"
+    );
+    call
+}
+
+/// Whether `redis` (a redis-cli runner) holds every record of three kas and `agents`.
+fn records_present(cli: impl Fn(&[&str]) -> String, agents: &[i64]) -> bool {
+    let instances = cli(&["HLEN", "kas:kas_instances"]).trim() == "3";
+    instances
+        && agents.iter().all(|a| {
+            let key = format!("kas:conn_by_agent:{{agent:{a}}}");
+            let tunnels = format!("kas:tunnels_by_agent:{{agent:{a}}}");
+            cli(&["HLEN", &key]).trim() == "1" && cli(&["HLEN", &tunnels]).trim() == "1"
+        })
+}
+
+/// Whether a `PUBSUB NUMSUB` or `SHARDNUMSUB` answer for one channel counts one subscriber.
+fn one_subscriber(answer: &str) -> bool {
+    answer.lines().nth(1).map(str::trim) == Some("1")
+}
+
+struct SentinelSetup {
+    master: Node,
+    replica: Node,
+    sentinels: Vec<Node>,
+}
+
+const MASTER_NAME: &str = "kasmaster";
+
+impl SentinelSetup {
+    fn start(dir: &Path) -> SentinelSetup {
+        let plain = ["--save", "", "--appendonly", "no"];
+        let master = Node::start(dir, "master", &plain);
+        let replicaof = master.address().replace(':', " ");
+        let mut args = plain.to_vec();
+        args.extend(["--replicaof", &replicaof]);
+        let replica = Node::start(dir, "replica", &args);
+        let sentinels = (0..3)
+            .map(|i| {
+                // A sentinel rewrites its configuration file: one each.
+                let conf = dir.join(format!("sentinel{i}.conf"));
+                std::fs::write(
+                    &conf,
+                    format!(
+                        "sentinel monitor {MASTER_NAME} 127.0.0.1 {} 2\nsentinel down-after-milliseconds {MASTER_NAME} 1000\nsentinel failover-timeout {MASTER_NAME} 10000\n",
+                        master.port
+                    ),
+                )
+                .unwrap();
+                let conf = conf.display().to_string();
+                Node::start(dir, &format!("sentinel{i}"), &[&conf, "--sentinel"])
+            })
+            .collect();
+        let s = SentinelSetup {
+            master,
+            replica,
+            sentinels,
+        };
+        wait(
+            Duration::from_secs(30),
+            "the replica in sync and the sentinels to know each other",
+            || {
+                s.replica
+                    .cli(&["INFO", "replication"])
+                    .contains("master_link_status:up")
+                    && s.sentinels.iter().all(|n| {
+                        let known = n.cli(&["SENTINEL", "SENTINELS", MASTER_NAME]);
+                        let replicas = n.cli(&["SENTINEL", "REPLICAS", MASTER_NAME]);
+                        known.matches("127.0.0.1").count() == 2 && replicas.contains("127.0.0.1")
+                    })
+            },
+        );
+        s
+    }
+
+    /// The master's address as the first sentinel names it.
+    fn named_master(&self) -> String {
+        let out = self.sentinels[0].cli(&["SENTINEL", "GET-MASTER-ADDR-BY-NAME", MASTER_NAME]);
+        out.split_whitespace().collect::<Vec<_>>().join(":")
+    }
+}
+
+#[tokio::test(flavor = "multi_thread")]
+async fn three_kas_on_a_sentinel_master_route_wake_and_survive_its_failover() {
+    let secrets = Secrets::new();
+    let mut ha = SentinelSetup::start(&secrets.path(""));
+    let topology = format!(
+        "  sentinel:\n    master_name: {MASTER_NAME}\n    addresses: [{}]\n",
+        ha.sentinels
+            .iter()
+            .map(Node::address)
+            .collect::<Vec<_>>()
+            .join(", ")
+    );
+    let kas = three_kas(&secrets, &topology).await;
+    let _a1 = TestAgent::connect(kas[0].agent, 1, "agent1-pod", 1).await;
+    let _a2 = TestAgent::connect(kas[1].agent, 2, "agent2-pod", 1).await;
+    every_kas_routes(&secrets, &kas, &[(1, "agent1-pod"), (2, "agent2-pod")]).await;
+
+    // A waiting call is woken through pub-sub (kas does not poll while pub-sub is up).
+    let call = waiting_call(&secrets, &kas[2], 3).await;
+    wait(
+        Duration::from_secs(5),
+        "kas2's SUBSCRIBE on the master",
+        || {
+            one_subscriber(
+                &ha.master
+                    .cli(&["PUBSUB", "NUMSUB", "kas:tunnel_events:{agent:3}"]),
+            )
+        },
+    );
+    let _a3 = TestAgent::connect(kas[0].agent, 3, "agent3-pod", 1).await;
+    let pods = call.await.unwrap().expect("the waiting call completes");
+    assert_eq!(pods, ["agent3-pod"]);
+
+    // The master dies while a call waits for agent 4, which connects before the failover.
+    let call = waiting_call(&secrets, &kas[2], 4).await;
+    let old = ha.master.address();
+    ha.master.kill();
+    let _a4 = TestAgent::connect(kas[1].agent, 4, "agent4-pod", 1).await;
+    wait(
+        Duration::from_secs(30),
+        "the sentinels to promote the replica",
+        || ha.named_master() == ha.replica.address(),
+    );
+    let promoted = Instant::now();
+    eventually(
+        REFRESH + Duration::from_secs(1),
+        "every record on the new master within one refresh period",
+        || async { records_present(|a| ha.replica.cli(a), &[1, 2, 3, 4]).then_some(()) },
+    )
+    .await;
+    println!(
+        "records back {:?} after the promotion of {} (the master was {old})",
+        promoted.elapsed(),
+        ha.replica.address()
+    );
+    let pods = call
+        .await
+        .unwrap()
+        .expect("the call waiting through the failover completes");
+    assert_eq!(pods, ["agent4-pod"]);
+    every_kas_routes(
+        &secrets,
+        &kas,
+        &[
+            (1, "agent1-pod"),
+            (2, "agent2-pod"),
+            (3, "agent3-pod"),
+            (4, "agent4-pod"),
+        ],
+    )
+    .await;
+    for k in &kas {
+        let followed = k.log_text().lines().any(|l| {
+            l.contains("the sentinels name this master") && l.contains(&ha.replica.address())
+        });
+        assert!(
+            followed,
+            "kas {} names the promoted master in its log",
+            k.id()
+        );
+    }
+}
+
+struct ClusterSetup {
+    nodes: Vec<Node>,
+}
+
+impl ClusterSetup {
+    fn start(dir: &Path) -> ClusterSetup {
+        let nodes: Vec<Node> = (0..6)
+            .map(|i| {
+                let conf = dir.join(format!("nodes{i}.conf")).display().to_string();
+                let args = [
+                    "--save",
+                    "",
+                    "--appendonly",
+                    "no",
+                    "--cluster-enabled",
+                    "yes",
+                    "--cluster-config-file",
+                    &conf,
+                    "--cluster-node-timeout",
+                    "1000",
+                    // A replica of an idle master may take over however long ago they spoke.
+                    "--cluster-replica-validity-factor",
+                    "0",
+                ];
+                Node::start(dir, &format!("node{i}"), &args)
+            })
+            .collect();
+        let addresses: Vec<String> = nodes.iter().map(Node::address).collect();
+        let created = Command::new("redis-cli")
+            .args(["--cluster", "create"])
+            .args(&addresses)
+            .args(["--cluster-replicas", "1", "--cluster-yes"])
+            .output()
+            .expect("redis-cli runs");
+        assert!(
+            created.status.success(),
+            "redis-cli --cluster create: {}",
+            String::from_utf8_lossy(&created.stdout)
+        );
+        let c = ClusterSetup { nodes };
+        wait(
+            Duration::from_secs(30),
+            "the cluster to be ok on every node",
+            || {
+                c.nodes
+                    .iter()
+                    .all(|n| n.cli(&["CLUSTER", "INFO"]).contains("cluster_state:ok"))
+            },
+        );
+        c
+    }
+
+    /// The node serving `key`'s slot as master, as node `at` sees it.
+    fn master_of(&self, at: usize, key: &str) -> Option<usize> {
+        let slot: u16 = self.nodes[at]
+            .cli(&["CLUSTER", "KEYSLOT", key])
+            .trim()
+            .parse()
+            .ok()?;
+        let table = self.nodes[at].cli(&["CLUSTER", "NODES"]);
+        let line = table.lines().find(|l| {
+            l.contains("master")
+                && l.split_whitespace().skip(8).any(|range| {
+                    let (a, b) = range.split_once('-').unwrap_or((range, range));
+                    a.parse::<u16>().is_ok_and(|a| a <= slot)
+                        && b.parse::<u16>().is_ok_and(|b| slot <= b)
+                })
+        })?;
+        let address = line.split_whitespace().nth(1)?;
+        let port = address.split(['@', ':']).nth(1)?;
+        self.nodes.iter().position(|n| n.port.to_string() == port)
+    }
+
+    /// `redis-cli -c` on a node still alive (it follows redirections).
+    fn cli(&self, alive: usize, args: &[&str]) -> String {
+        let mut with_c = vec!["-c"];
+        with_c.extend(args);
+        self.nodes[alive].cli(&with_c)
+    }
+}
+
+#[tokio::test(flavor = "multi_thread")]
+async fn three_kas_on_a_redis_cluster_route_wake_by_sharded_pubsub_and_survive_a_failover() {
+    let secrets = Secrets::new();
+    let mut c = ClusterSetup::start(&secrets.path(""));
+    let topology = format!(
+        "  cluster:\n    addresses: [{}]\n",
+        c.nodes
+            .iter()
+            .map(Node::address)
+            .collect::<Vec<_>>()
+            .join(", ")
+    );
+    let kas = three_kas(&secrets, &topology).await;
+    let _a1 = TestAgent::connect(kas[0].agent, 1, "agent1-pod", 1).await;
+    let _a2 = TestAgent::connect(kas[1].agent, 2, "agent2-pod", 1).await;
+    every_kas_routes(&secrets, &kas, &[(1, "agent1-pod"), (2, "agent2-pod")]).await;
+
+    // Woken by an SPUBLISH on the agent's shard (kas does not poll while pub-sub is up).
+    let call = waiting_call(&secrets, &kas[2], 3).await;
+    let channel = "kas:tunnel_events:{agent:3}";
+    let shard = c.master_of(0, channel).expect("a master serves the slot");
+    wait(
+        Duration::from_secs(5),
+        "kas2's SSUBSCRIBE on the agent's shard",
+        || one_subscriber(&c.nodes[shard].cli(&["PUBSUB", "SHARDNUMSUB", channel])),
+    );
+    let _a3 = TestAgent::connect(kas[0].agent, 3, "agent3-pod", 1).await;
+    let pods = call.await.unwrap().expect("the waiting call completes");
+    assert_eq!(pods, ["agent3-pod"]);
+
+    // The master of agent 4's shard dies while a call waits for agent 4.
+    let victim = c
+        .master_of(0, "kas:tunnel_events:{agent:4}")
+        .expect("a master serves the slot");
+    let alive = (victim + 1) % c.nodes.len();
+    let call = waiting_call(&secrets, &kas[2], 4).await;
+    c.nodes[victim].kill();
+    let _a4 = TestAgent::connect(kas[1].agent, 4, "agent4-pod", 1).await;
+    wait(
+        Duration::from_secs(30),
+        "a replica to take over the shard",
+        || {
+            c.nodes[alive]
+                .cli(&["CLUSTER", "INFO"])
+                .contains("cluster_state:ok")
+                && c.master_of(alive, "kas:tunnel_events:{agent:4}")
+                    .is_some_and(|m| m != victim)
+        },
+    );
+    let promoted = Instant::now();
+    eventually(
+        REFRESH + Duration::from_secs(1),
+        "every record in the cluster within one refresh period",
+        || async { records_present(|a| c.cli(alive, a), &[1, 2, 3, 4]).then_some(()) },
+    )
+    .await;
+    println!("records back {:?} after the failover", promoted.elapsed());
+    let pods = call
+        .await
+        .unwrap()
+        .expect("the call waiting through the failover completes");
+    assert_eq!(pods, ["agent4-pod"]);
+    every_kas_routes(
+        &secrets,
+        &kas,
+        &[
+            (1, "agent1-pod"),
+            (2, "agent2-pod"),
+            (3, "agent3-pod"),
+            (4, "agent4-pod"),
+        ],
+    )
+    .await;
+}
