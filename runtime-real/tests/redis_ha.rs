@@ -29,8 +29,14 @@ impl Node {
     fn start(dir: &Path, name: &str, args: &[&str]) -> Node {
         let port = free_port().expect("a free port");
         let log = std::fs::File::create(dir.join(format!("{name}.log"))).unwrap();
+        // A directory of its own: a replica's full sync writes `dump.rdb` there, and a node
+        // started where one lies loads it (a cluster node then claims its keys' slots).
+        let home = dir.join(name);
+        std::fs::create_dir_all(&home).unwrap();
         let child = Command::new("redis-server")
             .args(args)
+            .arg("--dir")
+            .arg(&home)
             .args(["--port", &port.to_string(), "--bind", "127.0.0.1"])
             .stdout(log)
             .stderr(Stdio::null())
