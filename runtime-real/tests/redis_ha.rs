@@ -13,9 +13,9 @@ use std::process::{Child, Command, Stdio};
 use std::time::{Duration, Instant};
 use support::*;
 
-/// Record TTL: kas refreshes every half of it (5 s), at least the tracker's longest retry
+/// Record TTL: kas refreshes every half of it (10 s), more than the tracker's longest retry
 /// delay after failed writes (5 s), so a failover costs no record more than one period.
-const TTL_MS: u64 = 10_000;
+const TTL_MS: u64 = 20_000;
 const REFRESH: Duration = Duration::from_millis(TTL_MS / 2);
 
 /// A redis-server (or sentinel) process of the test's; SIGKILLed on drop.
@@ -60,12 +60,7 @@ impl Node {
     }
 
     fn cli(&self, args: &[&str]) -> String {
-        Command::new("redis-cli")
-            .args(["-p", &self.port.to_string()])
-            .args(args)
-            .output()
-            .map(|o| String::from_utf8_lossy(&o.stdout).into_owned())
-            .unwrap_or_default()
+        kas_runtime::local::redis_server::cli(self.port, args)
     }
 
     fn kill(&mut self) {
@@ -221,77 +216,100 @@ impl SentinelSetup {
     }
 }
 
-#[tokio::test(flavor = "multi_thread")]
-async fn three_kas_on_a_sentinel_master_route_wake_and_survive_its_failover() {
-    let secrets = Secrets::new();
-    let mut ha = SentinelSetup::start(&secrets.path(""));
-    let topology = format!(
-        "  sentinel:\n    master_name: {MASTER_NAME}\n    addresses: [{}]\n",
-        ha.sentinels
-            .iter()
-            .map(Node::address)
-            .collect::<Vec<_>>()
-            .join(", ")
-    );
-    let kas = three_kas(&secrets, &topology).await;
+/// A replicated Redis whose master the test can kill.
+trait Replicated {
+    /// The `redis:` lines that name it.
+    fn topology(&self) -> String;
+    /// Whether kas's subscription to `channel` is where the publishes go.
+    fn subscribed(&self, channel: &str) -> bool;
+    /// SIGKILLs the master (of `channel`'s shard).
+    fn kill_master(&mut self, channel: &str);
+    /// Whether a replica has taken over.
+    fn promoted(&self) -> bool;
+    /// `redis-cli` against the (new) master.
+    fn cli(&self, args: &[&str]) -> String;
+}
+
+/// Three kas on `redis`: they route to agents on the others, a waiting call is woken by
+/// pub-sub, and after the master is SIGKILLed while a call waits and its agent connects,
+/// the call is delivered, every record is back within one refresh period and every kas
+/// routes to every agent. Returns the kas.
+async fn route_wake_and_fail_over(secrets: &Secrets, redis: &mut impl Replicated) -> Vec<KasProc> {
+    let kas = three_kas(secrets, &redis.topology()).await;
     let _a1 = TestAgent::connect(kas[0].agent, 1, "agent1-pod", 1).await;
     let _a2 = TestAgent::connect(kas[1].agent, 2, "agent2-pod", 1).await;
-    every_kas_routes(&secrets, &kas, &[(1, "agent1-pod"), (2, "agent2-pod")]).await;
+    every_kas_routes(secrets, &kas, &[(1, "agent1-pod"), (2, "agent2-pod")]).await;
 
-    // A waiting call is woken through pub-sub (kas does not poll while pub-sub is up).
-    let call = waiting_call(&secrets, &kas[2], 3).await;
-    wait(
-        Duration::from_secs(5),
-        "kas2's SUBSCRIBE on the master",
-        || {
-            one_subscriber(
-                &ha.master
-                    .cli(&["PUBSUB", "NUMSUB", "kas:tunnel_events:{agent:3}"]),
-            )
-        },
-    );
+    // Woken through pub-sub: kas does not poll while pub-sub is up.
+    let call = waiting_call(secrets, &kas[2], 3).await;
+    wait(Duration::from_secs(5), "kas2's subscription", || {
+        redis.subscribed("kas:tunnel_events:{agent:3}")
+    });
     let _a3 = TestAgent::connect(kas[0].agent, 3, "agent3-pod", 1).await;
     let pods = call.await.unwrap().expect("the waiting call completes");
     assert_eq!(pods, ["agent3-pod"]);
 
     // The master dies while a call waits for agent 4, which connects before the failover.
-    let call = waiting_call(&secrets, &kas[2], 4).await;
-    let old = ha.master.address();
-    ha.master.kill();
+    let call = waiting_call(secrets, &kas[2], 4).await;
+    redis.kill_master("kas:tunnel_events:{agent:4}");
     let _a4 = TestAgent::connect(kas[1].agent, 4, "agent4-pod", 1).await;
-    wait(
-        Duration::from_secs(30),
-        "the sentinels to promote the replica",
-        || ha.named_master() == ha.replica.address(),
-    );
+    wait(Duration::from_secs(30), "a replica to take over", || {
+        redis.promoted()
+    });
     let promoted = Instant::now();
     eventually(
         REFRESH + Duration::from_secs(1),
         "every record on the new master within one refresh period",
-        || async { records_present(|a| ha.replica.cli(a), &[1, 2, 3, 4]).then_some(()) },
+        || async { records_present(|a| redis.cli(a), &[1, 2, 3, 4]).then_some(()) },
     )
     .await;
-    println!(
-        "records back {:?} after the promotion of {} (the master was {old})",
-        promoted.elapsed(),
-        ha.replica.address()
-    );
+    println!("records back {:?} after the promotion", promoted.elapsed());
     let pods = call
         .await
         .unwrap()
         .expect("the call waiting through the failover completes");
     assert_eq!(pods, ["agent4-pod"]);
-    every_kas_routes(
-        &secrets,
-        &kas,
-        &[
-            (1, "agent1-pod"),
-            (2, "agent2-pod"),
-            (3, "agent3-pod"),
-            (4, "agent4-pod"),
-        ],
-    )
-    .await;
+    let all = [
+        (1, "agent1-pod"),
+        (2, "agent2-pod"),
+        (3, "agent3-pod"),
+        (4, "agent4-pod"),
+    ];
+    every_kas_routes(secrets, &kas, &all).await;
+    kas
+}
+
+impl Replicated for SentinelSetup {
+    fn topology(&self) -> String {
+        let sentinels: Vec<String> = self.sentinels.iter().map(Node::address).collect();
+        format!(
+            "  sentinel:\n    master_name: {MASTER_NAME}\n    addresses: [{}]\n",
+            sentinels.join(", ")
+        )
+    }
+
+    fn subscribed(&self, channel: &str) -> bool {
+        one_subscriber(&self.master.cli(&["PUBSUB", "NUMSUB", channel]))
+    }
+
+    fn kill_master(&mut self, _: &str) {
+        self.master.kill();
+    }
+
+    fn promoted(&self) -> bool {
+        self.named_master() == self.replica.address()
+    }
+
+    fn cli(&self, args: &[&str]) -> String {
+        self.replica.cli(args)
+    }
+}
+
+#[tokio::test(flavor = "multi_thread")]
+async fn three_kas_on_a_sentinel_master_route_wake_and_survive_its_failover() {
+    let secrets = Secrets::new();
+    let mut ha = SentinelSetup::start(&secrets.path(""));
+    let kas = route_wake_and_fail_over(&secrets, &mut ha).await;
     for k in &kas {
         let followed = k.log_text().lines().any(|l| {
             l.contains("the sentinels name this master") && l.contains(&ha.replica.address())
@@ -306,6 +324,10 @@ async fn three_kas_on_a_sentinel_master_route_wake_and_survive_its_failover() {
 
 struct ClusterSetup {
     nodes: Vec<Node>,
+    /// A node not killed.
+    alive: usize,
+    /// The master killed, and the channel whose shard it served.
+    victim: Option<(usize, String)>,
 }
 
 impl ClusterSetup {
@@ -343,7 +365,11 @@ impl ClusterSetup {
             "redis-cli --cluster create: {}",
             String::from_utf8_lossy(&created.stdout)
         );
-        let c = ClusterSetup { nodes };
+        let c = ClusterSetup {
+            nodes,
+            alive: 0,
+            victim: None,
+        };
         wait(
             Duration::from_secs(30),
             "the cluster to be ok on every node",
@@ -376,12 +402,44 @@ impl ClusterSetup {
         let port = address.split(['@', ':']).nth(1)?;
         self.nodes.iter().position(|n| n.port.to_string() == port)
     }
+}
 
-    /// `redis-cli -c` on a node still alive (it follows redirections).
-    fn cli(&self, alive: usize, args: &[&str]) -> String {
+impl Replicated for ClusterSetup {
+    fn topology(&self) -> String {
+        let nodes: Vec<String> = self.nodes.iter().map(Node::address).collect();
+        format!("  cluster:\n    addresses: [{}]\n", nodes.join(", "))
+    }
+
+    fn subscribed(&self, channel: &str) -> bool {
+        self.master_of(self.alive, channel).is_some_and(|shard| {
+            one_subscriber(&self.nodes[shard].cli(&["PUBSUB", "SHARDNUMSUB", channel]))
+        })
+    }
+
+    fn kill_master(&mut self, channel: &str) {
+        let victim = self
+            .master_of(self.alive, channel)
+            .expect("a master serves the slot");
+        self.nodes[victim].kill();
+        self.victim = Some((victim, channel.to_string()));
+        self.alive = (victim + 1) % self.nodes.len();
+    }
+
+    fn promoted(&self) -> bool {
+        let (victim, channel) = self.victim.clone().expect("a master was killed");
+        self.nodes[self.alive]
+            .cli(&["CLUSTER", "INFO"])
+            .contains("cluster_state:ok")
+            && self
+                .master_of(self.alive, &channel)
+                .is_some_and(|m| m != victim)
+    }
+
+    /// `redis-cli -c` (following redirections) on a node still alive.
+    fn cli(&self, args: &[&str]) -> String {
         let mut with_c = vec!["-c"];
         with_c.extend(args);
-        self.nodes[alive].cli(&with_c)
+        self.nodes[self.alive].cli(&with_c)
     }
 }
 
@@ -389,73 +447,5 @@ impl ClusterSetup {
 async fn three_kas_on_a_redis_cluster_route_wake_by_sharded_pubsub_and_survive_a_failover() {
     let secrets = Secrets::new();
     let mut c = ClusterSetup::start(&secrets.path(""));
-    let topology = format!(
-        "  cluster:\n    addresses: [{}]\n",
-        c.nodes
-            .iter()
-            .map(Node::address)
-            .collect::<Vec<_>>()
-            .join(", ")
-    );
-    let kas = three_kas(&secrets, &topology).await;
-    let _a1 = TestAgent::connect(kas[0].agent, 1, "agent1-pod", 1).await;
-    let _a2 = TestAgent::connect(kas[1].agent, 2, "agent2-pod", 1).await;
-    every_kas_routes(&secrets, &kas, &[(1, "agent1-pod"), (2, "agent2-pod")]).await;
-
-    // Woken by an SPUBLISH on the agent's shard (kas does not poll while pub-sub is up).
-    let call = waiting_call(&secrets, &kas[2], 3).await;
-    let channel = "kas:tunnel_events:{agent:3}";
-    let shard = c.master_of(0, channel).expect("a master serves the slot");
-    wait(
-        Duration::from_secs(5),
-        "kas2's SSUBSCRIBE on the agent's shard",
-        || one_subscriber(&c.nodes[shard].cli(&["PUBSUB", "SHARDNUMSUB", channel])),
-    );
-    let _a3 = TestAgent::connect(kas[0].agent, 3, "agent3-pod", 1).await;
-    let pods = call.await.unwrap().expect("the waiting call completes");
-    assert_eq!(pods, ["agent3-pod"]);
-
-    // The master of agent 4's shard dies while a call waits for agent 4.
-    let victim = c
-        .master_of(0, "kas:tunnel_events:{agent:4}")
-        .expect("a master serves the slot");
-    let alive = (victim + 1) % c.nodes.len();
-    let call = waiting_call(&secrets, &kas[2], 4).await;
-    c.nodes[victim].kill();
-    let _a4 = TestAgent::connect(kas[1].agent, 4, "agent4-pod", 1).await;
-    wait(
-        Duration::from_secs(30),
-        "a replica to take over the shard",
-        || {
-            c.nodes[alive]
-                .cli(&["CLUSTER", "INFO"])
-                .contains("cluster_state:ok")
-                && c.master_of(alive, "kas:tunnel_events:{agent:4}")
-                    .is_some_and(|m| m != victim)
-        },
-    );
-    let promoted = Instant::now();
-    eventually(
-        REFRESH + Duration::from_secs(1),
-        "every record in the cluster within one refresh period",
-        || async { records_present(|a| c.cli(alive, a), &[1, 2, 3, 4]).then_some(()) },
-    )
-    .await;
-    println!("records back {:?} after the failover", promoted.elapsed());
-    let pods = call
-        .await
-        .unwrap()
-        .expect("the call waiting through the failover completes");
-    assert_eq!(pods, ["agent4-pod"]);
-    every_kas_routes(
-        &secrets,
-        &kas,
-        &[
-            (1, "agent1-pod"),
-            (2, "agent2-pod"),
-            (3, "agent3-pod"),
-            (4, "agent4-pod"),
-        ],
-    )
-    .await;
+    route_wake_and_fail_over(&secrets, &mut c).await;
 }

@@ -11,6 +11,17 @@ pub fn free_port() -> std::io::Result<u16> {
         .map(|a| a.port())
 }
 
+/// Runs `redis-cli` against the server on 127.0.0.1:`port` and returns its standard output
+/// (empty when it cannot run).
+pub fn cli(port: u16, args: &[&str]) -> String {
+    Command::new("redis-cli")
+        .args(["-p", &port.to_string()])
+        .args(args)
+        .output()
+        .map(|out| String::from_utf8_lossy(&out.stdout).into_owned())
+        .unwrap_or_default()
+}
+
 /// True when `redis-server` can be run.
 pub fn installed() -> bool {
     Command::new("redis-server")
@@ -96,12 +107,7 @@ impl RedisServer {
     /// Runs `redis-cli` against this server and returns its standard output (empty when
     /// it cannot run).
     pub fn cli(&self, args: &[&str]) -> String {
-        Command::new("redis-cli")
-            .args(["-p", &self.port.to_string()])
-            .args(args)
-            .output()
-            .map(|out| String::from_utf8_lossy(&out.stdout).into_owned())
-            .unwrap_or_default()
+        cli(self.port, args)
     }
 
     /// Every key, sorted.
