@@ -9,6 +9,7 @@ fn kas_bench_runs_every_part_and_writes_its_json() {
     let json = std::env::temp_dir().join(format!("kas-bench-smoke-{}.json", std::process::id()));
     let out = Command::new(env!("CARGO_BIN_EXE_kas-bench"))
         .args(["--agents", "100", "--point", "300ms", "--wakeups", "3"])
+        .args(["--concurrency", "1,16,64", "--callers", "2"])
         .args(["--waiting", "20", "--waiting-window", "1s", "--ttl", "2s"])
         .args(["--log-mib", "2", "--log-reads", "1", "--tls"])
         .args(["--kube-mib", "2", "--watches", "20"])
@@ -41,7 +42,13 @@ fn kas_bench_runs_every_part_and_writes_its_json() {
     );
     let v: Value = serde_json::from_str(&std::fs::read_to_string(&json).unwrap()).unwrap();
     let _ = std::fs::remove_file(&json);
-    let unary = v["unary"].as_array().unwrap();
+    assert_eq!(v["unary"]["callers"], 2);
+    assert_eq!(
+        v["unary"]["peaks"].as_array().unwrap().len(),
+        5,
+        "a peak per path"
+    );
+    let unary = v["unary"]["points"].as_array().unwrap();
     assert_eq!(unary.len(), 15, "5 paths (2 over TLS) x 3 concurrencies");
     for row in unary {
         assert!(row["calls"].as_u64().unwrap() > 0, "{row}");

@@ -28,9 +28,11 @@ use std::time::Duration;
 ///
 ///   cargo build --release --bin kas --bin kas-bench && target/release/kas-bench
 ///
-/// 1. Unary latency and throughput at concurrency 1, 16 and 64 on three paths: direct
-///    (GitLab calling the agent's Pods service), local route (the kas holding the tunnel)
-///    and remote route (another kas, which forwards), each as a ratio to direct.
+/// 1. Unary latency and throughput at each --concurrency (default 1 to 1,024 calls in
+///    flight) on three paths: direct (GitLab calling the agent's Pods service), local
+///    route (the kas holding the tunnel) and remote route (another kas, which forwards),
+///    each as a ratio to direct, over --callers client connections per path; then each
+///    path's peak and how far below it the higher concurrencies fall.
 /// 2. Streaming throughput: a pod log of --log-mib MiB in 64 KiB messages, read whole on
 ///    the same three paths, as a ratio to direct.
 ///    With --tls, parts 1 and 2 also measure both routes over TLS on every hop.
@@ -60,6 +62,12 @@ struct Args {
     /// Agents for the idle-cost and Redis-cost part (each on its own TCP connection).
     #[arg(long, default_value_t = 10_000)]
     agents: i64,
+    /// Calls in flight at the unary part's points, comma-separated.
+    #[arg(long, value_delimiter = ',', default_value = "1,16,64,256,1024")]
+    concurrency: Vec<usize>,
+    /// Client connections (HTTP/2) each path's unary calls are spread over, in turn.
+    #[arg(long, default_value_t = 1)]
+    callers: usize,
     /// How long each latency point is measured (after a warm-up of a third of it).
     #[arg(long, value_name = "DURATION", default_value = "3s", value_parser = humantime::parse_duration)]
     point: Duration,
@@ -235,6 +243,20 @@ async fn gitlab(world: &World, kas: &KasProcess, tls: bool) -> Result<ApiClient,
     ApiClient::connect_with_ca(&url, ca, &world.gitlab, Duration::from_secs(10)).await
 }
 
+/// `n` more clients of kas's public API, each on a connection of its own.
+async fn gitlabs(
+    world: &World,
+    kas: &KasProcess,
+    tls: bool,
+    n: usize,
+) -> Result<Vec<ApiClient>, String> {
+    let mut clients = Vec::with_capacity(n);
+    for _ in 0..n {
+        clients.push(gitlab(world, kas, tls).await?);
+    }
+    Ok(clients)
+}
+
 async fn run(args: &Args) -> Result<Value, String> {
     let files = raise_file_limit();
     // Each end of an agent's connection is in its own process: kas, or this one.
@@ -382,11 +404,22 @@ async fn routed_parts(
 ) -> Result<(), String> {
     let (a, b) = pair(world, pubsub).await?;
     let mut agents = vec![warm_agent(world, &a, 1, false).await?];
-    let direct = unary::direct_client(unary::serve_direct().await?).await?;
+    let direct_addr = unary::serve_direct().await?;
+    let direct = unary::direct_client(direct_addr).await?;
     let (gitlab_a, gitlab_b) = (
         gitlab(world, &a, false).await?,
         gitlab(world, &b, false).await?,
     );
+    // The unary part's extra client connections, per route (--callers).
+    let callers = if args.parts.contains(&Part::Unary) {
+        args.callers.max(1) - 1
+    } else {
+        0
+    };
+    let mut extra = vec![
+        gitlabs(world, &a, false, callers).await?,
+        gitlabs(world, &b, false, callers).await?,
+    ];
     let mut routes = vec![
         ("local route", gitlab_a, 1),
         ("remote route", gitlab_b.clone(), 1),
@@ -403,14 +436,22 @@ async fn routed_parts(
         agents.push(warm_agent(world, &ta, 2, true).await?);
         routes.push(("local route, TLS", gitlab(world, &ta, true).await?, 2));
         routes.push(("remote route, TLS", gitlab(world, &tb, true).await?, 2));
+        extra.push(gitlabs(world, &ta, true, callers).await?);
+        extra.push(gitlabs(world, &tb, true, callers).await?);
         Some((ta, tb))
     } else {
         None
     };
     if args.parts.contains(&Part::Unary) {
-        let mut paths = vec![("direct", unary::direct(direct.clone()))];
-        for (name, gl, agent) in &routes {
-            paths.push((*name, unary::routed(gl.clone(), *agent)));
+        let mut directs = vec![unary::direct(direct.clone())];
+        for _ in 0..callers {
+            directs.push(unary::direct(unary::direct_client(direct_addr).await?));
+        }
+        let mut paths = vec![("direct", unary::in_turn(directs))];
+        for ((name, gl, agent), more) in routes.iter().zip(&extra) {
+            let mut calls = vec![unary::routed(gl.clone(), *agent)];
+            calls.extend(more.iter().map(|g| unary::routed(g.clone(), *agent)));
+            paths.push((*name, unary::in_turn(calls)));
         }
         results["unary"] = unary_part(&paths, args).await;
         results["deadlines"] = deadlines::part(
@@ -440,19 +481,20 @@ async fn routed_parts(
     Ok(())
 }
 
-/// Part 1: each path at concurrency 1, 16 and 64.
+/// Part 1: each path at each `--concurrency`, then each path's peak.
 async fn unary_part(paths: &[(&str, unary::CallFn)], args: &Args) -> Value {
     let warmup = args.point / 3;
     println!(
         "\n## Unary calls (a 10-pod list, {} bytes)\n",
         prost::Message::encoded_len(&setup::pods())
     );
+    println!("{} client connection(s) per path\n", args.callers.max(1));
     println!(
         "| path | concurrency | p50 ms | p99 ms | calls/s | p50 / direct | calls/s / direct | errors |"
     );
     println!("|---|---|---|---|---|---|---|---|");
     let mut rows = Vec::new();
-    for concurrency in [1, 16, 64] {
+    for &concurrency in &args.concurrency {
         let mut base: Option<unary::Point> = None;
         for (name, call) in paths {
             let p = unary::measure(call.clone(), concurrency, warmup, args.point).await;
@@ -479,7 +521,47 @@ async fn unary_part(paths: &[(&str, unary::CallFn)], args: &Args) -> Value {
             }));
         }
     }
-    Value::Array(rows)
+    let peaks = peaks(paths, &rows);
+    json!({ "callers": args.callers.max(1), "points": rows, "peaks": peaks })
+}
+
+/// Each path's peak throughput, and the lowest throughput at a higher concurrency as a
+/// share of it (a collapse under load shows there).
+fn peaks(paths: &[(&str, unary::CallFn)], rows: &[Value]) -> Value {
+    println!(
+        "\n| path | peak calls/s | at concurrency | lowest above it, calls/s | at concurrency | lowest / peak |"
+    );
+    println!("|---|---|---|---|---|---|");
+    let mut out = Vec::new();
+    for (name, _) in paths {
+        let points: Vec<(u64, f64)> = rows
+            .iter()
+            .filter(|r| r["path"] == *name)
+            .map(|r| {
+                let c = r["concurrency"].as_u64().unwrap_or(0);
+                (c, r["calls_per_s"].as_f64().unwrap_or(0.0))
+            })
+            .collect();
+        let Some(&(peak_at, peak)) = points.iter().max_by(|a, b| a.1.total_cmp(&b.1)) else {
+            continue;
+        };
+        let lowest = points
+            .iter()
+            .filter(|(c, _)| *c > peak_at)
+            .min_by(|a, b| a.1.total_cmp(&b.1))
+            .copied();
+        let (low_at, low) = lowest.unwrap_or((peak_at, peak));
+        let share = low / peak.max(1e-9);
+        println!(
+            "| {name} | {peak:.0} | {peak_at} | {low:.0} | {low_at} | {:.0}% |",
+            share * 100.0
+        );
+        out.push(json!({
+            "path": name, "peak_calls_per_s": peak, "peak_concurrency": peak_at,
+            "lowest_above_calls_per_s": low, "lowest_above_concurrency": low_at, "lowest_to_peak": share,
+        }));
+    }
+    Value::Array(out)
 }
 
 /// Part 2: the log read whole, --log-reads times per path.

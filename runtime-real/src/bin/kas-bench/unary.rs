@@ -89,6 +89,18 @@ pub fn routed(api: ApiClient, agent: i64) -> CallFn {
     })
 }
 
+/// One call made by each of `calls` in turn (several client connections, one path).
+pub fn in_turn(calls: Vec<CallFn>) -> CallFn {
+    if calls.len() == 1 {
+        return calls[0].clone();
+    }
+    let next = Arc::new(std::sync::atomic::AtomicUsize::new(0));
+    Arc::new(move || {
+        let i = next.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+        calls[i % calls.len()]()
+    })
+}
+
 /// What one (path, concurrency) point measured.
 #[derive(Clone, Debug)]
 pub struct Point {
