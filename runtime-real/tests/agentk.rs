@@ -1,10 +1,11 @@
 //! The agentk binary against a kas process: reconnects after a kas restart, backs off when
-//! its token is refused, and leaves cleanly on SIGTERM.
+//! its token is refused, leaves cleanly on SIGTERM, and keeps its pool within the tunnels
+//! kas allows.
 
 mod support;
 
 use std::time::{Duration, Instant};
-use support::{AgentkProc, GitLab, KasProc, Secrets, agent_token, eventually};
+use support::{AgentkProc, Extra, GitLab, KasProc, Secrets, agent_token, eventually};
 
 const PODS: &str = "- {namespace: default, name: web-1, phase: Running, node_name: node-a}\n";
 
@@ -114,4 +115,45 @@ async fn agentk_leaves_on_sigterm_and_kas_forgets_it() {
         async move { gitlab.connections(1).await.ok().filter(|c| c.is_empty()) }
     })
     .await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn agentk_asks_for_no_more_tunnels_than_kas_keeps() {
+    let secrets = Secrets::new();
+    let extra = Extra {
+        agent: "  max_tunnels_per_connection: 2\n",
+        ..Extra::default()
+    };
+    let kas = KasProc::start_extra(&secrets, "kas", None, 10_000, extra, None).await;
+    // Its own pool would keep 4 idle; kas says it keeps 2.
+    let _agentk = AgentkProc::start(
+        &secrets,
+        &kas.agent.to_string(),
+        &agent_token(1),
+        "agent1-pod",
+        PODS,
+        &["--min-idle-tunnels", "4", "--max-tunnels", "8"],
+    );
+    let gitlab = GitLab::new(&secrets, kas.api).await;
+    let calls: Vec<_> = (0..6)
+        .map(|_| {
+            let gl = &gitlab;
+            async move { gl.pods(1, None, Duration::from_secs(10)).await }
+        })
+        .collect();
+    for pods in futures::future::join_all(calls).await {
+        assert_eq!(pods.expect("routed, two at a time"), ["web-1"]);
+    }
+    let kas = &kas;
+    eventually(Duration::from_secs(10), "two tunnels open", || async move {
+        let text = kas.metrics().await;
+        (kas_runtime::kas::observability::gauge(&text, "kas_tunnels")? == 2.0).then_some(())
+    })
+    .await;
+    // An agent asking for more has them refused at once, again and again: none was.
+    tokio::time::sleep(Duration::from_millis(1500)).await;
+    let text = kas.metrics().await;
+    let series = "kas_limit_refusals_total{limit=\"agent.max_tunnels_per_connection\"}";
+    let refused = kas_runtime::kas::observability::gauge(&text, series).unwrap_or(0.0);
+    assert_eq!(refused, 0.0, "tunnels refused:\n{text}");
 }

@@ -126,6 +126,7 @@ impl AgentApi for AgentService {
             kas_id: self.kas_address.to_string(),
             live_kas,
             drain: false,
+            max_tunnels: u32::try_from(self.limits.max_tunnels()).unwrap_or(u32::MAX),
         };
         let drain = ConfigurationResponse {
             drain: true,

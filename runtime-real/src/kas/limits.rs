@@ -157,6 +157,11 @@ impl AgentLimits {
         })
     }
 
+    /// Most tunnels one connection may hold (`agent.max_tunnels_per_connection`).
+    pub fn max_tunnels(&self) -> usize {
+        self.tunnels.max()
+    }
+
     /// A place for one more tunnel of `agent`'s `connection`.
     pub fn tunnel(
         &self,
