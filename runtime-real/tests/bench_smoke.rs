@@ -9,7 +9,14 @@ fn kas_bench_runs_every_part_and_writes_its_json() {
     let json = std::env::temp_dir().join(format!("kas-bench-smoke-{}.json", std::process::id()));
     let out = Command::new(env!("CARGO_BIN_EXE_kas-bench"))
         .args(["--agents", "100", "--point", "300ms", "--wakeups", "3"])
-        .args(["--concurrency", "1,16,64", "--callers", "2"])
+        .args([
+            "--concurrency",
+            "1,16,64",
+            "--callers",
+            "2",
+            "--unary-agents",
+            "5",
+        ])
         .args(["--waiting", "20", "--waiting-window", "1s", "--ttl", "2s"])
         .args(["--log-mib", "2", "--log-reads", "1", "--tls"])
         .args(["--kube-mib", "2", "--watches", "20"])
@@ -45,11 +52,19 @@ fn kas_bench_runs_every_part_and_writes_its_json() {
     assert_eq!(v["unary"]["callers"], 2);
     assert_eq!(
         v["unary"]["peaks"].as_array().unwrap().len(),
-        5,
+        7,
         "a peak per path"
     );
     let unary = v["unary"]["points"].as_array().unwrap();
-    assert_eq!(unary.len(), 15, "5 paths (2 over TLS) x 3 concurrencies");
+    assert_eq!(
+        unary.len(),
+        21,
+        "7 paths (2 over TLS, 2 over 5 agents) x 3 concurrencies"
+    );
+    assert!(
+        unary.iter().any(|r| r["path"] == "remote route, 5 agents"),
+        "{unary:?}"
+    );
     for row in unary {
         assert!(row["calls"].as_u64().unwrap() > 0, "{row}");
         assert_eq!(row["errors"], 0, "{row}");

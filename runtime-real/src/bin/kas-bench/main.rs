@@ -31,8 +31,9 @@ use std::time::Duration;
 /// 1. Unary latency and throughput at each --concurrency (default 1 to 1,024 calls in
 ///    flight) on three paths: direct (GitLab calling the agent's Pods service), local
 ///    route (the kas holding the tunnel) and remote route (another kas, which forwards),
-///    each as a ratio to direct, over --callers client connections per path; then each
-///    path's peak and how far below it the higher concurrencies fall.
+///    each as a ratio to direct, over --callers client connections per path; both routes
+///    again with calls spread over --unary-agents agents; then each path's peak and how
+///    far below it the higher concurrencies fall.
 /// 2. Streaming throughput: a pod log of --log-mib MiB in 64 KiB messages, read whole on
 ///    the same three paths, as a ratio to direct.
 ///    With --tls, parts 1 and 2 also measure both routes over TLS on every hop.
@@ -65,6 +66,10 @@ struct Args {
     /// Calls in flight at the unary part's points, comma-separated.
     #[arg(long, value_delimiter = ',', default_value = "1,16,64,256,1024")]
     concurrency: Vec<usize>,
+    /// Agents the unary part's many-agents paths spread their calls over (each with a pool
+    /// of 2 idle tunnels, on the local route's kas); 0 leaves those paths out.
+    #[arg(long, default_value_t = 1_000)]
+    unary_agents: i64,
     /// Client connections (HTTP/2) each path's unary calls are spread over, in turn.
     #[arg(long, default_value_t = 1)]
     callers: usize,
@@ -394,6 +399,47 @@ async fn agent_with(
     Ok((stop, task))
 }
 
+/// Agents `first..first + n` on `kas`, each with a pool of 2 idle tunnels (at most 16),
+/// once kas holds all their tunnels.
+async fn many_agents(kas: &KasProcess, first: i64, n: i64) -> Result<Vec<RunningAgent>, String> {
+    let before = scale::gauge(kas, "kas_tunnels").await.unwrap_or(0.0);
+    let mut running = Vec::new();
+    for agent in first..first + n {
+        let mut options = kas_runtime::agent::AgentOptions::new(
+            kas.addresses.agent.to_string(),
+            setup::token(agent),
+            kas_proto::registry::AgentMeta {
+                version: "bench".into(),
+                pod_name: format!("bench-agent-{agent}"),
+                ..Default::default()
+            },
+        );
+        options.kas_connections = 1;
+        options.pool.min_idle = 2;
+        options.pool.max = 16;
+        let (stop, shutdown) = tokio::sync::watch::channel(false);
+        let task = tokio::spawn(kas_runtime::agent::run(
+            options,
+            setup::modules(|| {}),
+            shutdown,
+        ));
+        running.push((stop, task));
+    }
+    let all = before + 2.0 * n as f64;
+    await_gauge(kas, "kas_tunnels", all, Duration::from_secs(60)).await?;
+    Ok(running)
+}
+
+/// Stops `agents` and waits (up to 15 s each) for them to leave.
+async fn stop(agents: Vec<RunningAgent>) {
+    for (stop, _) in &agents {
+        let _ = stop.send(true);
+    }
+    for (_, task) in agents {
+        let _ = tokio::time::timeout(Duration::from_secs(15), task).await;
+    }
+}
+
 /// Parts 1 and 2: agent 1 on kas A (a warm tunnel pool), a direct Pods server, and with
 /// --tls agent 2 on kas TA of a pair serving TLS.
 async fn routed_parts(
@@ -443,6 +489,13 @@ async fn routed_parts(
         None
     };
     if args.parts.contains(&Part::Unary) {
+        // Agents 3.. on kas A (tokens exist for 1..=--agents and beyond).
+        let many = args.unary_agents.clamp(0, args.agents.saturating_sub(2));
+        let many_agents = many_agents(&a, 3, many).await?;
+        let many_names = [
+            format!("local route, {many} agents"),
+            format!("remote route, {many} agents"),
+        ];
         let mut directs = vec![unary::direct(direct.clone())];
         for _ in 0..callers {
             directs.push(unary::direct(unary::direct_client(direct_addr).await?));
@@ -453,7 +506,16 @@ async fn routed_parts(
             calls.extend(more.iter().map(|g| unary::routed(g.clone(), *agent)));
             paths.push((*name, unary::in_turn(calls)));
         }
+        if many > 0 {
+            // The plaintext routes, first in `routes`.
+            for (((_, gl, _), more), label) in routes.iter().zip(&extra).zip(&many_names) {
+                let mut calls = vec![unary::spread(gl.clone(), 3, many)];
+                calls.extend(more.iter().map(|g| unary::spread(g.clone(), 3, many)));
+                paths.push((label.as_str(), unary::in_turn(calls)));
+            }
+        }
         results["unary"] = unary_part(&paths, args).await;
+        stop(many_agents).await;
         results["deadlines"] = deadlines::part(
             unary::routed(gitlab_b.clone(), 1),
             gitlab_b.clone(),
@@ -473,10 +535,7 @@ async fn routed_parts(
         }
         results["streaming"] = streaming_part(&paths, args).await?;
     }
-    for (stop, task) in agents {
-        let _ = stop.send(true);
-        let _ = tokio::time::timeout(Duration::from_secs(15), task).await;
-    }
+    stop(agents).await;
     drop(tls_pair);
     Ok(())
 }

@@ -89,6 +89,21 @@ pub fn routed(api: ApiClient, agent: i64) -> CallFn {
     })
 }
 
+/// A path's call: through kas's public API for agents `first..first + n`, in turn.
+pub fn spread(api: ApiClient, first: i64, n: i64) -> CallFn {
+    let next = Arc::new(std::sync::atomic::AtomicI64::new(0));
+    Arc::new(move || {
+        let agent = first + next.fetch_add(1, std::sync::atomic::Ordering::Relaxed) % n.max(1);
+        let api = api.clone();
+        Box::pin(async move {
+            api.pods(agent, None, "")
+                .await
+                .map(|_| ())
+                .map_err(|s| s.to_string())
+        })
+    })
+}
+
 /// One call made by each of `calls` in turn (several client connections, one path).
 pub fn in_turn(calls: Vec<CallFn>) -> CallFn {
     if calls.len() == 1 {
