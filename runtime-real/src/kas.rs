@@ -238,21 +238,13 @@ async fn bind(what: &'static str, addr: SocketAddr) -> Result<TcpListener, Start
 fn redis_topology(r: &crate::config::Redis) -> Result<crate::store::RedisTopology, StartError> {
     use crate::store::RedisTopology;
     if let Some(s) = &r.sentinel {
-        let password = match &s.sentinel_password_file {
-            None => None,
-            Some(f) => Some(
-                std::fs::read_to_string(f)
-                    .map_err(|e| {
-                        StartError::Setup(format!("redis.sentinel.sentinel_password_file: {e}"))
-                    })?
-                    .trim()
-                    .to_string(),
-            ),
-        };
         return Ok(RedisTopology::Sentinel {
             master_name: s.master_name.clone(),
             addresses: s.addresses.clone(),
-            password,
+            password: password(
+                s.sentinel_password_file.as_ref(),
+                "redis.sentinel.sentinel_password_file",
+            )?,
         });
     }
     if let Some(c) = &r.cluster {
@@ -260,6 +252,16 @@ fn redis_topology(r: &crate::config::Redis) -> Result<crate::store::RedisTopolog
     }
     let address = r.server.as_ref().map(|s| s.address.clone());
     Ok(RedisTopology::Server(address.unwrap_or_default()))
+}
+
+/// The password in the file configured at `key`, if one is, without surrounding blanks.
+fn password(path: Option<&std::path::PathBuf>, key: &str) -> Result<Option<String>, StartError> {
+    path.map(|f| {
+        std::fs::read_to_string(f)
+            .map(|p| p.trim().to_string())
+            .map_err(|e| StartError::Setup(format!("{key}: {e}")))
+    })
+    .transpose()
 }
 
 fn secret(path: Option<&std::path::PathBuf>, key: &str) -> Result<Secret, StartError> {
@@ -319,15 +321,7 @@ impl Kas {
                 Keys::new("gitlab-kas"),
             ),
             Some(r) => {
-                let password = match &r.password_file {
-                    None => None,
-                    Some(f) => Some(
-                        std::fs::read_to_string(f)
-                            .map_err(|e| StartError::Setup(format!("redis.password_file: {e}")))?
-                            .trim()
-                            .to_string(),
-                    ),
-                };
+                let password = password(r.password_file.as_ref(), "redis.password_file")?;
                 #[cfg(not(madsim))]
                 let s = {
                     let auth = crate::store::RedisAuth {

@@ -453,7 +453,6 @@ async fn three_kas_on_a_redis_cluster_route_wake_by_sharded_pubsub_and_survive_a
 #[tokio::test(flavor = "multi_thread")]
 async fn one_batch_and_one_gc_over_keys_of_many_slots_of_a_cluster() {
     use kas_core::tracker::KeyWrite;
-    use kas_core::{Time, expiring};
     use kas_runtime::store::{RedisStore, RedisTopology, Store};
     let secrets = Secrets::new();
     let c = ClusterSetup::start(&secrets.path(""));
@@ -462,9 +461,7 @@ async fn one_batch_and_one_gc_over_keys_of_many_slots_of_a_cluster() {
     let topology = RedisTopology::Cluster(nodes);
     let store =
         Store::Redis(RedisStore::new(&topology, &auth, &tls, Duration::from_secs(2)).unwrap());
-    let now = Time(1_700_000_000_000);
-    let live = expiring::encode(b"payload", Time(now.0 + 1));
-    let dead = expiring::encode(b"payload", now);
+    let now = kas_core::Time(1_700_000_000_000);
     // 50 agents' keys: slots on every shard, in one batch (a script may touch one slot).
     let keys: Vec<String> = (0..50)
         .map(|a| format!("kas:conn_by_agent:{{agent:{a}}}"))
@@ -472,20 +469,12 @@ async fn one_batch_and_one_gc_over_keys_of_many_slots_of_a_cluster() {
     let writes: Vec<KeyWrite> = keys
         .iter()
         .enumerate()
-        .map(|(a, key)| KeyWrite {
-            key: key.clone(),
-            delete: vec![],
-            set: vec![
-                ("live".into(), live.clone()),
-                ("dead".into(), dead.clone()),
-                ("junk".into(), b"not an expiring value".to_vec()),
-            ],
-            expire: None,
-            publish: vec![(
+        .map(|(a, key)| {
+            let event = (
                 format!("kas:tunnel_events:{{agent:{a}}}"),
                 b"event".to_vec(),
-            )],
-            announce: vec![],
+            );
+            gc_fixture(key, now, vec![event])
         })
         .collect();
     store
@@ -493,14 +482,5 @@ async fn one_batch_and_one_gc_over_keys_of_many_slots_of_a_cluster() {
         .await
         .expect("one batch over many slots");
     assert_eq!(store.gc(&keys, now).await.expect("GC over many slots"), 100);
-    for key in &keys {
-        let fields: Vec<String> = store
-            .read(key)
-            .await
-            .unwrap()
-            .into_iter()
-            .map(|(f, _)| f)
-            .collect();
-        assert_eq!(fields, ["live"], "{key}");
-    }
+    support::only_live_left(&store, &keys).await;
 }

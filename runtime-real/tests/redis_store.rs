@@ -162,42 +162,21 @@ async fn pubsub_reports_down_and_up_across_a_redis_restart() {
 
 #[tokio::test]
 async fn gc_script_deletes_expired_and_undecodable_fields_only() {
-    use kas_core::{Time, expiring};
     let redis = Redis::start().expect("redis-server starts");
     let store = store(&redis, Duration::from_secs(2));
-    let now = Time(1_700_000_000_000);
-    let live = expiring::encode(b"payload", Time(now.0 + 1));
-    let dead = expiring::encode(b"payload", now);
+    let now = kas_core::Time(1_700_000_000_000);
     let mut keys = Vec::new();
     for k in 0..300 {
         let key = format!("gc{k}");
-        let w = KeyWrite {
-            key: key.clone(),
-            delete: vec![],
-            set: vec![
-                ("live".into(), live.clone()),
-                ("dead".into(), dead.clone()),
-                ("junk".into(), b"not an expiring value".to_vec()),
-            ],
-            expire: None,
-            publish: vec![],
-            announce: vec![],
-        };
-        store.execute(&[w]).await.unwrap();
+        store
+            .execute(&[support::gc_fixture(&key, now, vec![])])
+            .await
+            .unwrap();
         keys.push(key);
     }
     // 300 keys: two script calls (256 + 44), two garbage fields each.
     let before = calls(&redis, "evalsha");
     assert_eq!(store.gc(&keys, now).await.unwrap(), 600);
     assert_eq!(calls(&redis, "evalsha") - before, 2);
-    for key in &keys {
-        let fields: Vec<String> = store
-            .read(key)
-            .await
-            .unwrap()
-            .into_iter()
-            .map(|(f, _)| f)
-            .collect();
-        assert_eq!(fields, vec!["live".to_string()]);
-    }
+    support::only_live_left(&store, &keys).await;
 }

@@ -147,7 +147,7 @@ enum Target {
         settings: NodeSettings,
         nodes: Vec<String>,
         /// Made on first use (it connects at once), then kept: it follows the cluster.
-        conn: tokio::sync::Mutex<Option<ClusterConnection>>,
+        conn: Box<tokio::sync::OnceCell<ClusterConnection>>,
     },
 }
 
@@ -366,7 +366,7 @@ impl RedisStore {
                 Target::Cluster {
                     settings,
                     nodes: nodes.clone(),
-                    conn: tokio::sync::Mutex::new(None),
+                    conn: Box::default(),
                 }
             }
         };
@@ -388,22 +388,21 @@ impl RedisStore {
                 nodes,
                 conn,
             } => {
-                let mut conn = conn.lock().await;
-                if let Some(c) = conn.as_ref() {
-                    return Ok(Conn::Cluster(c.clone()));
-                }
-                let client = settings.cluster(nodes)?.build().map_err(redis_error)?;
-                let made = tokio::time::timeout(self.timeout, client.get_async_connection())
-                    .await
-                    .map_err(|_| {
-                        StoreError(format!(
-                            "connect: no cluster node of {nodes:?} answered within {:?}",
-                            self.timeout
-                        ))
-                    })?
-                    .map_err(redis_error)?;
-                *conn = Some(made.clone());
-                Ok(Conn::Cluster(made))
+                let connect = async {
+                    let client = settings.cluster(nodes)?.build().map_err(redis_error)?;
+                    tokio::time::timeout(self.timeout, client.get_async_connection())
+                        .await
+                        .map_err(|_| {
+                            StoreError(format!(
+                                "connect: no cluster node of {nodes:?} answered within {:?}",
+                                self.timeout
+                            ))
+                        })?
+                        .map_err(redis_error)
+                };
+                Ok(Conn::Cluster(
+                    conn.get_or_try_init(|| connect).await?.clone(),
+                ))
             }
         }
     }

@@ -665,3 +665,39 @@ pub fn ensure_package(binary: &str, package: &str) {
     }
     assert!(present(), "{binary} is missing: apt-get install {package}");
 }
+
+/// A write of three fields to `key` for the GC tests: `live` (expiring after `now`),
+/// `dead` (expiring at `now`) and `junk` (not an expiring value), publishing `publish`.
+pub fn gc_fixture(
+    key: &str,
+    now: kas_core::Time,
+    publish: Vec<(String, Vec<u8>)>,
+) -> kas_core::tracker::KeyWrite {
+    use kas_core::{Time, expiring};
+    kas_core::tracker::KeyWrite {
+        key: key.to_string(),
+        delete: vec![],
+        set: vec![
+            ("live".into(), expiring::encode(b"payload", Time(now.0 + 1))),
+            ("dead".into(), expiring::encode(b"payload", now)),
+            ("junk".into(), b"not an expiring value".to_vec()),
+        ],
+        expire: None,
+        publish,
+        announce: vec![],
+    }
+}
+
+/// Asserts that of each [`gc_fixture`] key only the `live` field is left.
+pub async fn only_live_left(store: &kas_runtime::store::Store, keys: &[String]) {
+    for key in keys {
+        let fields: Vec<String> = store
+            .read(key)
+            .await
+            .unwrap()
+            .into_iter()
+            .map(|(f, _)| f)
+            .collect();
+        assert_eq!(fields, ["live"], "{key}");
+    }
+}

@@ -78,15 +78,7 @@ pub fn direct(client: PodsClient<Channel>) -> CallFn {
 
 /// A path's call: through kas's public API for `agent`.
 pub fn routed(api: ApiClient, agent: i64) -> CallFn {
-    Arc::new(move || {
-        let api = api.clone();
-        Box::pin(async move {
-            api.pods(agent, None, "")
-                .await
-                .map(|_| ())
-                .map_err(|s| s.to_string())
-        })
-    })
+    spread(api, agent, 1)
 }
 
 /// A path's call: through kas's public API for agents `first..first + n`, in turn.
