@@ -19,6 +19,7 @@ mod listener;
 mod live_kas;
 mod metrics;
 pub mod observability;
+mod peers;
 mod private_api;
 mod public_api;
 mod reply;
@@ -419,13 +420,16 @@ impl Kas {
             node,
             store: store.clone(),
             forwarder: forward::Forwarder::new(
-                signer,
+                peers::Peers::new(
+                    signer,
+                    a.max_message_size,
+                    peers::PrivateTls {
+                        tls: config.private_api.listen.tls().is_some(),
+                        ca_file: config.private_api.listen.ca_certificate_file.clone(),
+                    },
+                    peers::connections(),
+                ),
                 metrics.clone(),
-                a.max_message_size,
-                forward::PrivateTls {
-                    tls: config.private_api.listen.tls().is_some(),
-                    ca_file: config.private_api.listen.ca_certificate_file.clone(),
-                },
             ),
             metrics: metrics.clone(),
             store_ready: store_ready_tx,
@@ -450,6 +454,7 @@ impl Kas {
         let private = KasPrivateServer::with_interceptor(
             private_api::PrivateService {
                 engine: engine.clone(),
+                closing: closing_rx.clone(),
                 default_timeout: config.api.default_timeout,
                 max_timeout: config.api.max_timeout,
             },

@@ -14,9 +14,14 @@ pub fn deadline(metadata: &MetadataMap, default: Duration, max: Duration) -> Tim
         .get("grpc-timeout")
         .and_then(|v| v.to_str().ok())
         .and_then(parse_grpc_timeout)
-        .unwrap_or(default)
-        .min(max);
-    clock::now() + (timeout - (timeout / 10).min(DEADLINE_MARGIN))
+        .unwrap_or(default);
+    deadline_after(clock::now(), timeout, max)
+}
+
+/// The deadline of a call with `timeout` (capped at `max`) from `start`, less the margin.
+pub fn deadline_after(start: Time, timeout: Duration, max: Duration) -> Time {
+    let timeout = timeout.min(max);
+    start + (timeout - (timeout / 10).min(DEADLINE_MARGIN))
 }
 
 /// Parses `grpc-timeout` (`<up to 8 digits><H|M|S|m|u|n>`).

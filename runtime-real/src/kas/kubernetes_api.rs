@@ -208,6 +208,7 @@ impl KubernetesApiService {
                 metadata: Default::default(),
                 hops: 0,
                 streaming: true,
+                deadline_millis: None,
             },
             requests: Arc::new(requests),
             rest,

@@ -2,7 +2,7 @@
 //! never routing it further, so a call takes at most two kas hops.
 
 use super::call::{Call, Rest};
-use super::deadline::deadline;
+use super::deadline::{deadline, deadline_after};
 use super::engine::{CancelOnDrop, EngineHandle};
 use crate::frames;
 use kas_core::frame_sequence::{Direction, FrameSequence, StreamKind};
@@ -30,6 +30,8 @@ pub struct PrivateService {
     pub default_timeout: Duration,
     /// Longest deadline honoured.
     pub max_timeout: Duration,
+    /// True once this kas is stopping: streams still waiting for a call are refused.
+    pub closing: tokio::sync::watch::Receiver<bool>,
 }
 
 /// The answer stream of a forwarded call; dropping it (the routing kas went away) cancels
@@ -54,16 +56,59 @@ impl KasPrivate for PrivateService {
         &self,
         req: Request<Streaming<Frame>>,
     ) -> Result<Response<Self::ForwardStream>, Status> {
-        let deadline = deadline(req.metadata(), self.default_timeout, self.max_timeout);
+        // How long the stream waits for its call: it may be opened ahead of it.
+        let opened = crate::clock::now();
+        let wait = deadline(req.metadata(), self.default_timeout, self.max_timeout);
         let mut inbound = req.into_inner();
         let id = self.engine.next_request_id();
         let (tx, rx) = mpsc::channel(16);
         let engine = self.engine.clone();
+        let (mut closing, max_timeout) = (self.closing.clone(), self.max_timeout);
         tokio::spawn(async move {
             let mut sequence = FrameSequence::new(StreamKind::Forward);
+            let first = tokio::select! {
+                first = tokio::time::timeout(
+                    crate::clock::until(wait),
+                    next(&mut inbound, &mut sequence),
+                ) => first,
+                _ = async { closing.wait_for(|c| *c).await.is_ok() } => {
+                    // Nothing delivered: a refusal, so the call goes elsewhere.
+                    let status = Status::unavailable("kas is stopping");
+                    let _ = tx.send(Ok(frames::error(id.0, &status))).await;
+                    return;
+                }
+            };
+            let first = match first {
+                Ok(Ok(Some(first))) => first,
+                // The routing kas let a stream it opened ahead go unused.
+                Ok(Ok(None)) => return,
+                Ok(Err(status)) => {
+                    tracing::info!(error = %status.message(), "malformed forwarded call refused");
+                    let _ = tx.send(Err(status)).await;
+                    return;
+                }
+                Err(_) => {
+                    let status = Status::deadline_exceeded("no call came on this forward stream");
+                    let _ = tx.send(Ok(frames::error(id.0, &status))).await;
+                    return;
+                }
+            };
+            let deadline = match &first.kind {
+                Some(Kind::RequestStart(RequestStart {
+                    deadline_millis: Some(ms),
+                    ..
+                })) => deadline_after(opened, Duration::from_millis(*ms), max_timeout),
+                _ => wait,
+            };
+            if deadline <= crate::clock::now() {
+                // Held up on the way past its deadline: the routing kas has given up on it.
+                let status = Status::deadline_exceeded("the call came after its deadline");
+                let _ = tx.send(Ok(frames::error(id.0, &status))).await;
+                return;
+            }
             let read = tokio::time::timeout(
                 crate::clock::until(deadline),
-                read_call(&mut inbound, &mut sequence),
+                read_call(first, &mut inbound, &mut sequence),
             );
             let (start, requests) = match read.await {
                 Ok(Ok(call)) => call,
@@ -114,16 +159,21 @@ impl KasPrivate for PrivateService {
 /// Reads `RequestStart, Message*, CloseSend` (a streaming call: its `RequestStart`
 /// alone), checking the grammar and the hop count.
 async fn read_call(
+    first: Frame,
     inbound: &mut Streaming<Frame>,
     sequence: &mut FrameSequence,
 ) -> Result<(RequestStart, Vec<Frame>), Status> {
     let mut start = None;
     let mut requests = Vec::new();
     let mut bytes = 0usize;
+    let mut first = Some(first);
     loop {
-        let frame = next(inbound, sequence)
-            .await?
-            .ok_or_else(|| Status::invalid_argument("forward stream ended before close-send"))?;
+        let frame = match first.take() {
+            Some(f) => f,
+            None => next(inbound, sequence).await?.ok_or_else(|| {
+                Status::invalid_argument("forward stream ended before close-send")
+            })?,
+        };
         match &frame.kind {
             Some(Kind::RequestStart(s)) => {
                 if s.hops != 1 {

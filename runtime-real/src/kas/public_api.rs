@@ -110,6 +110,7 @@ impl PublicService {
                 metadata: Default::default(),
                 hops: 0,
                 streaming,
+                deadline_millis: None,
             },
             requests: Arc::new(requests),
             rest,
