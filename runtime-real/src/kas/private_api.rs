@@ -7,7 +7,7 @@ use super::engine::{CancelOnDrop, EngineHandle};
 use crate::frames;
 use kas_core::frame_sequence::{Direction, FrameSequence, StreamKind};
 use kas_core::node::Origin;
-use kas_core::{AgentId, ConnectionId};
+use kas_core::{AgentId, ConnectionId, Time};
 use kas_proto::frame::{Frame, RequestStart, frame::Kind};
 use kas_proto::private_api::kas_private_server::KasPrivate;
 use std::pin::Pin;
@@ -63,66 +63,29 @@ impl KasPrivate for PrivateService {
         let id = self.engine.next_request_id();
         let (tx, rx) = mpsc::channel(16);
         let engine = self.engine.clone();
-        let (mut closing, max_timeout) = (self.closing.clone(), self.max_timeout);
+        let (closing, max_timeout) = (self.closing.clone(), self.max_timeout);
         tokio::spawn(async move {
             let mut sequence = FrameSequence::new(StreamKind::Forward);
-            let first = tokio::select! {
-                first = tokio::time::timeout(
-                    crate::clock::until(wait),
-                    next(&mut inbound, &mut sequence),
-                ) => first,
-                _ = async { closing.wait_for(|c| *c).await.is_ok() } => {
-                    // Nothing delivered: a refusal, so the call goes elsewhere.
-                    let status = Status::unavailable("kas is stopping");
-                    let _ = tx.send(Ok(frames::error(id.0, &status))).await;
-                    return;
-                }
+            let waiting = Waiting {
+                opened,
+                wait,
+                max_timeout,
+                closing,
             };
-            let first = match first {
-                Ok(Ok(Some(first))) => first,
-                // The routing kas let a stream it opened ahead go unused.
-                Ok(Ok(None)) => return,
-                Ok(Err(status)) => {
-                    tracing::info!(error = %status.message(), "malformed forwarded call refused");
-                    let _ = tx.send(Err(status)).await;
-                    return;
-                }
-                Err(_) => {
-                    let status = Status::deadline_exceeded("no call came on this forward stream");
-                    let _ = tx.send(Ok(frames::error(id.0, &status))).await;
-                    return;
-                }
-            };
-            let deadline = match &first.kind {
-                Some(Kind::RequestStart(RequestStart {
-                    deadline_millis: Some(ms),
-                    ..
-                })) => deadline_after(opened, Duration::from_millis(*ms), max_timeout),
-                _ => wait,
-            };
-            if deadline <= crate::clock::now() {
-                // Held up on the way past its deadline: the routing kas has given up on it.
-                let status = Status::deadline_exceeded("the call came after its deadline");
-                let _ = tx.send(Ok(frames::error(id.0, &status))).await;
-                return;
-            }
-            let read = tokio::time::timeout(
-                crate::clock::until(deadline),
-                read_call(first, &mut inbound, &mut sequence),
-            );
-            let (start, requests) = match read.await {
-                Ok(Ok(call)) => call,
-                Ok(Err(status)) => {
-                    tracing::info!(error = %status.message(), "malformed forwarded call refused");
-                    let _ = tx.send(Err(status)).await;
-                    return;
-                }
-                Err(_) => {
-                    let status = Status::deadline_exceeded("call not received by its deadline");
-                    let _ = tx.send(Err(status)).await;
-                    return;
-                }
-            };
+            let (start, requests, deadline) =
+                match receive(&mut inbound, &mut sequence, waiting).await {
+                    Ok(call) => call,
+                    Err(Unread::Quiet) => return,
+                    Err(Unread::Refused(status)) => {
+                        // Nothing delivered: the routing kas may offer the call elsewhere.
+                        let _ = tx.send(Ok(frames::error(id.0, &status))).await;
+                        return;
+                    }
+                    Err(Unread::Failed(status)) => {
+                        let _ = tx.send(Err(status)).await;
+                        return;
+                    }
+                };
             let (rest_tx, rest) = match start.streaming {
                 true => {
                     let (rest_tx, rest) = Rest::channel();
@@ -154,6 +117,86 @@ impl KasPrivate for PrivateService {
             _cancel: CancelOnDrop::new(self.engine.clone(), id),
         }))
     }
+}
+
+/// How long a forward stream waits for its call, which may come well after the stream
+/// was opened (ahead of it).
+struct Waiting {
+    /// When its headers came.
+    opened: Time,
+    /// Its own deadline (`grpc-timeout`): the wait for a call.
+    wait: Time,
+    max_timeout: Duration,
+    /// True once this kas is stopping.
+    closing: tokio::sync::watch::Receiver<bool>,
+}
+
+/// Why a forward stream carries no call to deliver.
+enum Unread {
+    /// The routing kas let a stream it opened ahead go unused.
+    Quiet,
+    /// Not taken (this kas is stopping, no call came, or it came past its deadline): an
+    /// `Error` frame tells the routing kas nothing was delivered.
+    Refused(Status),
+    /// The call broke the protocol.
+    Failed(Status),
+}
+
+/// Waits for the call on a forward stream and reads it: its start, its buffered request
+/// frames, and its deadline (counted from the stream's opening, see
+/// `RequestStart.deadline_millis`).
+async fn receive(
+    inbound: &mut Streaming<Frame>,
+    sequence: &mut FrameSequence,
+    mut waiting: Waiting,
+) -> Result<(RequestStart, Vec<Frame>, Time), Unread> {
+    let first = tokio::select! {
+        first = tokio::time::timeout(crate::clock::until(waiting.wait), next(inbound, sequence)) => first,
+        _ = async { waiting.closing.wait_for(|c| *c).await.is_ok() } => {
+            return Err(Unread::Refused(Status::unavailable("kas is stopping")));
+        }
+    };
+    let first = match first {
+        Ok(Ok(Some(first))) => first,
+        Ok(Ok(None)) => return Err(Unread::Quiet),
+        Ok(Err(status)) => return Err(malformed(status)),
+        Err(_) => {
+            let status = Status::deadline_exceeded("no call came on this forward stream");
+            return Err(Unread::Refused(status));
+        }
+    };
+    let deadline = match &first.kind {
+        Some(Kind::RequestStart(RequestStart {
+            deadline_millis: Some(ms),
+            ..
+        })) => deadline_after(
+            waiting.opened,
+            Duration::from_millis(*ms),
+            waiting.max_timeout,
+        ),
+        _ => waiting.wait,
+    };
+    if deadline <= crate::clock::now() {
+        // Held up on the way past its deadline: the routing kas has given up on it.
+        let status = Status::deadline_exceeded("the call came after its deadline");
+        return Err(Unread::Refused(status));
+    }
+    let read = tokio::time::timeout(
+        crate::clock::until(deadline),
+        read_call(first, inbound, sequence),
+    );
+    match read.await {
+        Ok(Ok((start, requests))) => Ok((start, requests, deadline)),
+        Ok(Err(status)) => Err(malformed(status)),
+        Err(_) => Err(Unread::Failed(Status::deadline_exceeded(
+            "call not received by its deadline",
+        ))),
+    }
+}
+
+fn malformed(status: Status) -> Unread {
+    tracing::info!(error = %status.message(), "malformed forwarded call refused");
+    Unread::Failed(status)
 }
 
 /// Reads `RequestStart, Message*, CloseSend` (a streaming call: its `RequestStart`

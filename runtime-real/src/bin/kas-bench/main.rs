@@ -490,7 +490,9 @@ async fn routed_parts(
     };
     if args.parts.contains(&Part::Unary) {
         // Agents 3.. on kas A (tokens exist for 1..=--agents and beyond).
-        let many = args.unary_agents.clamp(0, args.agents.saturating_sub(2).max(0));
+        let many = args
+            .unary_agents
+            .clamp(0, args.agents.saturating_sub(2).max(0));
         let many_agents = many_agents(&a, 3, many).await?;
         let many_names = [
             format!("local route, {many} agents"),
