@@ -299,3 +299,33 @@ async fn sigterm_lets_running_calls_finish_then_deletes_records() {
     assert!(instances.contains(&c.kas[0].id()), "{instances}");
     assert!(c.kas[1].log_text().contains("stopped"));
 }
+
+/// kas0 keeps forward streams opened ahead to kas1. kas1's stop ends them (it does not
+/// wait out its grace for them), and once kas1 is back on the same addresses the first
+/// call forwarded to it succeeds: no stream of the old process carries it.
+#[tokio::test(flavor = "multi_thread")]
+async fn streams_opened_ahead_neither_hold_up_a_stop_nor_outlive_their_kas() {
+    let mut c = cluster(&["", ""]).await;
+    let agent = TestAgent::connect(c.kas[1].agent, 1, "agent1-pod", 1).await;
+    c.await_connections(1, 1).await;
+    let gl = c.gitlab(0).await;
+    let t = Duration::from_secs(5);
+    for _ in 0..3 {
+        assert_eq!(gl.pods(1, None, t).await.unwrap(), ["agent1-pod"]);
+    }
+    drop(agent);
+    c.await_connections(1, 0).await;
+    let status = tokio::task::block_in_place(|| c.kas[1].terminate());
+    assert!(status.success(), "kas1 exits cleanly on SIGTERM: {status}");
+    let log = c.kas[1].log_text();
+    assert!(log.contains("every call ended"), "{log}");
+    assert!(!log.contains("calls still running"), "{log}");
+
+    let (secrets, redis) = (&c.secrets, &c.redis);
+    c.kas[1].restart(secrets, "kas1", Some(redis), TTL_MS).await;
+    let _agent = TestAgent::connect(c.kas[1].agent, 1, "agent1-pod", 1).await;
+    c.await_connections(1, 1).await;
+    for _ in 0..3 {
+        assert_eq!(gl.pods(1, None, t).await.unwrap(), ["agent1-pod"]);
+    }
+}
