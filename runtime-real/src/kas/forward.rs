@@ -85,11 +85,15 @@ impl Forwarder {
                 return Forwarded::Done;
             }
         }
-        let (mut inbound, mut frames_tx, first_answer) = match self.send(kas, &call, id).await {
+        let Sent {
+            mut inbound,
+            rest: mut frames_tx,
+            first,
+        } = match self.send(kas, &call, id).await {
             Ok(sent) => sent,
             Err(e) => return Forwarded::Refused(e),
         };
-        let mut first_answer = Some(first_answer);
+        let mut first_answer = Some(first);
         let mut rest = None;
         let mut to_peer = None;
         let mut to_caller = None;
@@ -179,20 +183,11 @@ impl Forwarder {
             }
         }
     }
-}
 
-impl Forwarder {
     /// Sends the call down a stream to `kas` and reads the serving kas's first answer.
-    /// Returns the stream, where a streaming call's later frames go, and that answer. A
-    /// stream opened ahead that refuses (its kas ended it before the call came: see
+    /// A stream opened ahead that refuses (its kas ended it before the call came: see
     /// [`peers`]) is tried once more on a stream opened now: nothing was delivered.
-    #[allow(clippy::type_complexity)]
-    async fn send(
-        &self,
-        kas: &KasId,
-        call: &Call,
-        id: u64,
-    ) -> Result<(Streaming<Frame>, Option<mpsc::Sender<Frame>>, Answer), String> {
+    async fn send(&self, kas: &KasId, call: &Call, id: u64) -> Result<Sent, String> {
         let mut ahead = true;
         loop {
             // Only on a stream whose headers the serving kas answered (see `peers`).
@@ -223,13 +218,24 @@ impl Forwarder {
                 ahead = false;
                 continue;
             }
-            return Ok((inbound, frames_tx, answer));
+            return Ok(Sent {
+                inbound,
+                rest: frames_tx,
+                first: answer,
+            });
         }
     }
 }
 
-/// What the serving kas answered first.
-type Answer = Result<Option<Frame>, Status>;
+/// A call sent to the serving kas.
+struct Sent {
+    /// The serving kas's answer.
+    inbound: Streaming<Frame>,
+    /// Where a streaming call's later frames go.
+    rest: Option<mpsc::Sender<Frame>>,
+    /// What the serving kas answered first.
+    first: Result<Option<Frame>, Status>,
+}
 
 /// The call's frames for the hop to the serving kas, with its deadline counted from the
 /// opening of the stream they go down, `age` ago.

@@ -182,7 +182,7 @@ impl Peers {
     /// error means nothing was sent.
     pub async fn take(&self, kas: &KasId, ahead: bool) -> Result<Opened, String> {
         let now = Instant::now();
-        let (taken, channel, refill) = {
+        let (taken, refill) = {
             let mut table = self.table.lock().unwrap_or_else(|p| p.into_inner());
             if !table.contains_key(kas) {
                 let peer = self.dial.peer(kas, now)?;
@@ -193,20 +193,20 @@ impl Peers {
             }
             let peer = table.get_mut(kas).expect("inserted");
             peer.used = now;
-            let taken = if ahead { peer.pop(now) } else { None };
-            let channel = match taken {
-                Some(_) => None,
+            // A stream opened ahead, or the channel to open one on now.
+            let taken = match ahead.then(|| peer.pop(now)).flatten() {
+                Some(opened) => Ok(opened),
                 None => {
                     if ahead {
                         peer.target = (peer.target * 2).min(MAX_READY);
                     }
-                    Some(peer.channel())
+                    Err(peer.channel())
                 }
             };
             let wanted = peer.target.saturating_sub(peer.ready.len() + peer.opening);
             peer.opening += wanted;
             let refill: Vec<Channel> = (0..wanted).map(|_| peer.channel()).collect();
-            (taken, channel, refill)
+            (taken, refill)
         };
         for channel in refill {
             let (this, kas) = (self.clone(), kas.clone());
@@ -215,9 +215,9 @@ impl Peers {
                 this.opened(&kas, opened);
             });
         }
-        match (taken, channel) {
-            (Some(opened), _) => Ok(opened),
-            (None, Some(channel)) => match self.dial.open(channel).await {
+        match taken {
+            Ok(opened) => Ok(opened),
+            Err(channel) => match self.dial.open(channel).await {
                 Ok(opened) => Ok(Opened {
                     ahead: false,
                     ..opened
@@ -227,7 +227,6 @@ impl Peers {
                     Err(status.to_string())
                 }
             },
-            (None, None) => unreachable!("a call takes a stream or opens one"),
         }
     }
 
