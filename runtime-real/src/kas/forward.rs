@@ -4,7 +4,7 @@
 //! frame — means no agent saw the call, and the router may try another kas. Anything
 //! after the first answer frame is relayed to the caller and the call is never retried.
 
-use super::call::Call;
+use super::call::{Call, REST_FRAMES};
 use super::engine::EngineHandle;
 use super::metrics::Metrics;
 use super::peers::{self, Peers, Request};
@@ -76,7 +76,8 @@ impl Forwarder {
     ) -> Forwarded {
         let id = request.0;
         let mut sequence = FrameSequence::new(StreamKind::Forward);
-        for f in &call.frames(id, 1) {
+        let up = call.frames(id, 1);
+        for f in &up {
             if let Err(e) = sequence.check(Direction::ToAgent, f) {
                 let _ = call
                     .responses
@@ -89,7 +90,7 @@ impl Forwarder {
             mut inbound,
             rest: mut frames_tx,
             first,
-        } = match self.send(kas, &call, id).await {
+        } = match self.send(kas, &call, id, up).await {
             Ok(sent) => sent,
             Err(e) => return Forwarded::Refused(e),
         };
@@ -184,10 +185,17 @@ impl Forwarder {
         }
     }
 
-    /// Sends the call down a stream to `kas` and reads the serving kas's first answer.
-    /// A stream opened ahead that refuses (its kas ended it before the call came: see
-    /// [`peers`]) is tried once more on a stream opened now: nothing was delivered.
-    async fn send(&self, kas: &KasId, call: &Call, id: u64) -> Result<Sent, String> {
+    /// Sends the call (`up`: its frames for this hop, numbered `id`) down a stream to
+    /// `kas` and reads the serving kas's first answer. A stream opened ahead that refuses
+    /// (its kas ended it before the call came: see [`peers`]) is tried once more on a
+    /// stream opened now: nothing was delivered.
+    async fn send(
+        &self,
+        kas: &KasId,
+        call: &Call,
+        id: u64,
+        mut up: Vec<Frame>,
+    ) -> Result<Sent, String> {
         let mut ahead = true;
         loop {
             // Only on a stream whose headers the serving kas answered (see `peers`).
@@ -198,13 +206,13 @@ impl Forwarder {
             // the call.
             let (frames_tx, rest) = match call.rest.is_some() {
                 true => {
-                    let (tx, rx) = peers::rest_channel();
+                    let (tx, rx) = mpsc::channel(REST_FRAMES);
                     (Some(tx), Some(rx))
                 }
                 false => (None, None),
             };
             let was_ahead = opened.ahead;
-            let up = hop_frames(call, id, opened.age());
+            stamp_deadline(&mut up, call, opened.age());
             let mut inbound = opened.send(Request { up, rest });
             let answer = buggify::read(inbound.message()).await;
             let refused = matches!(
@@ -216,6 +224,7 @@ impl Forwarder {
             if was_ahead && refused {
                 tokio::spawn(peers::drain(inbound));
                 ahead = false;
+                up = call.frames(id, 1);
                 continue;
             }
             return Ok(Sent {
@@ -237,10 +246,9 @@ struct Sent {
     first: Result<Option<Frame>, Status>,
 }
 
-/// The call's frames for the hop to the serving kas, with its deadline counted from the
-/// opening of the stream they go down, `age` ago.
-fn hop_frames(call: &Call, id: u64, age: Duration) -> Vec<Frame> {
-    let mut up = call.frames(id, 1);
+/// Sets the call's deadline in its start frame (`up`'s first), counted from the opening
+/// of the stream it goes down, `age` ago.
+fn stamp_deadline(up: &mut [Frame], call: &Call, age: Duration) {
     if let Some(Frame {
         kind: Some(Kind::RequestStart(start)),
     }) = up.first_mut()
@@ -248,7 +256,6 @@ fn hop_frames(call: &Call, id: u64, age: Duration) -> Vec<Frame> {
         let ms = (age + clock::until(call.deadline)).as_millis();
         start.deadline_millis = Some(u64::try_from(ms).unwrap_or(u64::MAX));
     }
-    up
 }
 
 /// Reads the stream to its end (the serving kas ends it right after the call's): see

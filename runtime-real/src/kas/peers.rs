@@ -12,7 +12,6 @@
 //! Several connections per peer carry the streams in turn, so that the remote route is not
 //! held to one HTTP/2 connection's task.
 
-use super::call::REST_FRAMES;
 use super::timing::FORWARD_DRAIN;
 use crate::jwt::Signer;
 use crate::tls::KasUrl;
@@ -346,12 +345,6 @@ impl Dial {
             ahead: true,
         })
     }
-}
-
-/// A streaming call's later frames: the channel they go down, and its receiving end for
-/// [`Request::rest`].
-pub fn rest_channel() -> (mpsc::Sender<Frame>, mpsc::Receiver<Frame>) {
-    mpsc::channel(REST_FRAMES)
 }
 
 #[cfg(all(test, not(madsim)))]
