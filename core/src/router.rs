@@ -256,7 +256,10 @@ pub struct Router {
     /// When a kas last refused a call, by what the refusal was about: the agent, and the
     /// replica for a pinned call.
     failed_at: BTreeMap<Refusal, Time>,
-    timers: BinaryHeap<Reverse<(Time, RequestId)>>,
+    /// Deadlines, deadline-plus-grace instants and polls of live calls: a call's entries
+    /// go when it does, so the set (and the engine's wake-ups) follow the calls in flight,
+    /// not the call rate times the deadline.
+    timers: BTreeSet<(Time, RequestId)>,
     /// When lingering agents may be unsubscribed.
     linger_timers: BinaryHeap<Reverse<(Time, AgentId)>>,
     outputs: VecDeque<RouterOutput>,
@@ -274,7 +277,7 @@ impl Router {
             agents: Map::default(),
             local: Set::default(),
             failed_at: BTreeMap::new(),
-            timers: BinaryHeap::new(),
+            timers: BTreeSet::new(),
             linger_timers: BinaryHeap::new(),
             outputs: VecDeque::new(),
             pubsub_up: false,
@@ -413,11 +416,11 @@ impl Router {
                 self.unsubscribe(agent);
             }
         }
-        while let Some(&Reverse((at, request))) = self.timers.peek() {
+        while let Some(&(at, request)) = self.timers.first() {
             if at > now {
                 break;
             }
-            self.timers.pop();
+            self.timers.pop_first();
             let Some(r) = self.routes.get(&request) else {
                 continue;
             };
@@ -453,7 +456,7 @@ impl Router {
     /// When to call [`Self::handle_timeout`] next (may be early, never late).
     #[must_use]
     pub fn poll_timeout(&self) -> Option<Time> {
-        let call = self.timers.peek().map(|r| r.0.0);
+        let call = self.timers.first().map(|t| t.0);
         let linger = self.linger_timers.peek().map(|r| r.0.0);
         call.into_iter().chain(linger).min()
     }
@@ -500,9 +503,8 @@ impl Router {
         let a = self.agents.entry(agent).or_default();
         a.requests.insert(request);
         a.idle_since = None;
-        self.timers.push(Reverse((deadline, request)));
-        self.timers
-            .push(Reverse((deadline + self.config.grace, request)));
+        self.timers.insert((deadline, request));
+        self.timers.insert((deadline + self.config.grace, request));
         if self.local.contains(&agent) {
             self.routes
                 .get_mut(&request)
@@ -659,7 +661,7 @@ impl Router {
         let poll_at = now + delay;
         r.phase = Phase::Waiting { poll_at };
         if poll_at < r.deadline {
-            self.timers.push(Reverse((poll_at, request)));
+            self.timers.insert((poll_at, request));
         }
     }
 
@@ -709,6 +711,12 @@ impl Router {
         let Some(r) = self.routes.remove(&request) else {
             return;
         };
+        self.timers.remove(&(r.deadline, request));
+        self.timers
+            .remove(&(r.deadline + self.config.grace, request));
+        if let Phase::Waiting { poll_at } = r.phase {
+            self.timers.remove(&(poll_at, request));
+        }
         let Some(a) = self.agents.get_mut(&r.agent) else {
             return;
         };

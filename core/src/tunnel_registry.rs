@@ -18,7 +18,7 @@ use crate::ids::{AgentId, ConnectionId, RequestId, TunnelId};
 use crate::time::{Time, earliest};
 use indexmap::IndexSet;
 use std::cmp::Reverse;
-use std::collections::{BTreeMap, BinaryHeap, VecDeque};
+use std::collections::{BTreeMap, BTreeSet, BinaryHeap, VecDeque};
 use std::time::Duration;
 
 /// What the driver tells the registry.
@@ -163,7 +163,8 @@ pub struct TunnelRegistry {
     queue_by_agent: Map<AgentId, BTreeMap<u64, RequestId>>,
     queue_by_conn: Map<ConnKey, BTreeMap<u64, RequestId>>,
     next_seq: u64,
-    waiter_deadlines: BinaryHeap<Reverse<(Time, RequestId)>>,
+    /// Deadlines of the waiters there are (each goes with its waiter).
+    waiter_deadlines: BTreeSet<(Time, RequestId)>,
     heartbeat_deadlines: BinaryHeap<Reverse<(Time, TunnelId)>>,
     outputs: VecDeque<RegistryOutput>,
 }
@@ -183,7 +184,7 @@ impl TunnelRegistry {
             queue_by_agent: Map::default(),
             queue_by_conn: Map::default(),
             next_seq: 0,
-            waiter_deadlines: BinaryHeap::new(),
+            waiter_deadlines: BTreeSet::new(),
             heartbeat_deadlines: BinaryHeap::new(),
             outputs: VecDeque::new(),
         }
@@ -262,11 +263,11 @@ impl TunnelRegistry {
 
     /// Expires waiters and silent tunnels due at `now`.
     pub fn handle_timeout(&mut self, now: Time) {
-        while let Some(&Reverse((at, request))) = self.waiter_deadlines.peek() {
+        while let Some(&(at, request)) = self.waiter_deadlines.first() {
             if at > now {
                 break;
             }
-            self.waiter_deadlines.pop();
+            self.waiter_deadlines.pop_first();
             if self.waiters.get(&request).is_some_and(|w| w.deadline == at) {
                 self.remove_waiter(request);
                 self.outputs
@@ -303,7 +304,7 @@ impl TunnelRegistry {
     #[must_use]
     pub fn poll_timeout(&self) -> Option<Time> {
         earliest(
-            self.waiter_deadlines.peek().map(|r| r.0.0),
+            self.waiter_deadlines.first().map(|t| t.0),
             self.heartbeat_deadlines.peek().map(|r| r.0.0),
         )
     }
@@ -394,6 +395,16 @@ impl TunnelRegistry {
             if idle_match {
                 return Err(format!("request {r} waits while a matching tunnel is idle"));
             }
+            if !self.waiter_deadlines.contains(&(w.deadline, *r)) {
+                return Err(format!("request {r} waits without a deadline timer"));
+            }
+        }
+        if self.waiter_deadlines.len() != self.waiters.len() {
+            return Err(format!(
+                "{} waiter deadlines for {} waiters",
+                self.waiter_deadlines.len(),
+                self.waiters.len()
+            ));
         }
         Ok(())
     }
@@ -445,7 +456,7 @@ impl TunnelRegistry {
             Some(c) => self.queue_by_conn.entry((agent, c)).or_default(),
         }
         .insert(seq, request);
-        self.waiter_deadlines.push(Reverse((deadline, request)));
+        self.waiter_deadlines.insert((deadline, request));
     }
 
     /// Hands an idle (or newly released) tunnel to the oldest matching waiter, or files it
@@ -538,6 +549,7 @@ impl TunnelRegistry {
         let Some(w) = self.waiters.remove(&request) else {
             return;
         };
+        self.waiter_deadlines.remove(&(w.deadline, request));
         match w.connection {
             None => remove_from_queue(&mut self.queue_by_agent, w.agent, w.seq),
             Some(c) => remove_from_queue(&mut self.queue_by_conn, (w.agent, c), w.seq),

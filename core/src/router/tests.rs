@@ -247,6 +247,39 @@ fn waiting_call_wakes_on_tunnel_event_and_goes_straight_there() {
     assert_eq!(drain(&mut r), vec![attempt(1, Target::Kas(kas(3)))]);
 }
 
+/// A finished call takes its deadline, grace and poll timers with it: the engine is not
+/// woken at the deadlines of calls long gone, and the timers follow the calls in flight.
+#[test]
+fn a_finished_call_leaves_no_timer_behind() {
+    let mut r = router();
+    r.handle_input(
+        Time(0),
+        RouterInput::LocalPresence {
+            agent: A,
+            present: true,
+        },
+    );
+    for id in 1..=100 {
+        start(&mut r, 0, id, 30_000);
+        finish(&mut r, 1, id);
+    }
+    assert_eq!(r.poll_timeout(), None, "served locally, then finished");
+    r.handle_input(
+        Time(1),
+        RouterInput::LocalPresence {
+            agent: A,
+            present: false,
+        },
+    );
+    start(&mut r, 2, 101, 30_000);
+    r.handle_input(Time(2), RouterInput::Subscribed { agent: A });
+    answer_lookup(&mut r, 2, vec![]);
+    drain(&mut r);
+    assert_eq!(polls_until(&mut r, 1_000).len(), 4, "waiting, it polls");
+    finish(&mut r, 1_000, 101);
+    assert_eq!(r.poll_timeout(), None, "finished while waiting for a poll");
+}
+
 #[test]
 fn waiting_call_polls_with_backoff_when_no_event_comes() {
     let mut r = router();
