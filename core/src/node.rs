@@ -203,6 +203,9 @@ pub enum NodeInput<C> {
         /// Whether it committed.
         ok: bool,
     },
+    /// A [`NodeOutput::ReadKas`] finished: the live kas ids with their incarnations, or
+    /// `None` when the store failed.
+    LiveKas(Option<BTreeMap<String, u64>>),
     /// A [`NodeOutput::Lookup`] finished: the kas holding live tunnel records of the agent,
     /// or `None` when the store failed.
     LookupDone {
@@ -242,6 +245,11 @@ pub enum NodeOutput<C> {
     },
     /// Run this transaction batch; answer with `BatchDone`.
     Write(Batch),
+    /// Read the live kas records of this hash; answer with `LiveKas`.
+    ReadKas {
+        /// The kas instances hash.
+        key: String,
+    },
     /// Remove expired fields of these keys (best effort, no answer).
     Gc {
         /// The keys.
@@ -628,6 +636,9 @@ impl<C: Clone> KasNode<C> {
                 self.tracker
                     .handle_input(now, TrackerInput::BatchResult { batch, ok });
             }
+            NodeInput::LiveKas(live) => {
+                self.tracker.handle_input(now, TrackerInput::LiveKas(live));
+            }
             NodeInput::LookupDone { agent, kas } => {
                 let input = match kas {
                     Some(kas) => RouterInput::LookupDone { agent, kas },
@@ -812,6 +823,7 @@ impl<C: Clone> KasNode<C> {
                 any = true;
                 self.outputs.push_back(match out {
                     TrackerOutput::Write(batch) => NodeOutput::Write(batch),
+                    TrackerOutput::ReadKas { key } => NodeOutput::ReadKas { key },
                     TrackerOutput::Gc { keys } => NodeOutput::Gc { keys },
                     TrackerOutput::ShutdownComplete => NodeOutput::ShutdownComplete,
                 });
@@ -893,7 +905,7 @@ impl<C: Clone> KasNode<C> {
                 self.outputs.push_back(NodeOutput::Unsubscribe(channel));
             }
             RouterOutput::Lookup(agent) => {
-                let key = self.config.keys.tunnels_by_agent(agent);
+                let key = self.config.keys.agent(agent);
                 self.outputs.push_back(NodeOutput::Lookup { agent, key });
             }
             RouterOutput::Attempt { request, target } => {

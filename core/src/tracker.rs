@@ -6,9 +6,15 @@
 //! `MULTI; HDEL ..; HSET ..; PEXPIRE key ttl; PUBLISH ..; EXEC`, so the fields written
 //! together share one expiry and a tunnel event is published only with the write that
 //! makes it true. Every `refresh` period everything is written again (with a new
-//! `expires_at`), which also restores it all after Redis lost its data; every `gc` period
-//! the driver is asked to delete expired fields of the keys this kas writes. A failed batch
-//! is retried with jittered backoff; at shutdown everything is deleted.
+//! `expires_at`), which also restores it all after Redis lost its data. A failed batch is
+//! retried with jittered backoff; at shutdown everything is deleted.
+//!
+//! Expired fields are left only by a kas that stopped writing without deleting them: one
+//! that died, or restarted under the same id. So the GC does not read every key every
+//! period: each `gc` period the tracker asks for the live kas (id and incarnation) and,
+//! `ttl` after it saw one go or restart (its fields have expired by then), collects every
+//! key it writes. A key it starts writing is collected once `ttl` later, for what a kas
+//! that died before this one was watching left in it.
 //!
 //! This kas's instance record is its liveness: it lives only `liveness` and is rewritten
 //! every `liveness / 3`, so readers can skip the records of a kas that died without
@@ -60,6 +66,9 @@ pub enum TrackerInput {
     },
     /// The store lost its data (e.g. Redis restarted empty): write everything now.
     RewriteAll,
+    /// The answer to [`TrackerOutput::ReadKas`]: the live kas ids with their incarnations,
+    /// `None` when the read failed.
+    LiveKas(Option<BTreeMap<String, u64>>),
     /// Delete everything this kas wrote, then report [`TrackerOutput::ShutdownComplete`].
     Shutdown,
 }
@@ -69,6 +78,12 @@ pub enum TrackerInput {
 pub enum TrackerOutput {
     /// Execute the batch and answer with [`TrackerInput::BatchResult`].
     Write(Batch),
+    /// Read the live kas records of this hash (ids and `KasInstanceInfo.incarnation`s)
+    /// and answer with [`TrackerInput::LiveKas`].
+    ReadKas {
+        /// The kas instances hash.
+        key: String,
+    },
     /// Delete the expired (or undecodable) fields of these keys; no answer needed.
     Gc {
         /// Keys to scan.
@@ -102,7 +117,9 @@ pub struct KeyWrite {
     pub publish: Vec<(String, Vec<u8>)>,
     /// `PUBLISH channel payload` only if the `set` created a field the hash lacked: a
     /// tunnel record that expired or was lost (Redis restart, time jump) and is written
-    /// again is announced, so routers that wait without polling learn of it.
+    /// again is announced, so routers that wait without polling learn of it. (The agent's
+    /// connections share the hash: a connection recorded while this kas holds tunnels of
+    /// the agent announces them again, which is true and harmless.)
     pub announce: Vec<(String, Vec<u8>)>,
 }
 
@@ -158,6 +175,12 @@ pub struct Tracker {
     retry_at: Option<Time>,
     next_refresh: Time,
     next_gc: Time,
+    /// The live kas (id, incarnation) at the last read; `None` before the first.
+    live_kas: Option<BTreeMap<String, u64>>,
+    /// When to collect every key: `ttl` after a kas was seen to go or restart.
+    collect_all_at: BTreeSet<Time>,
+    /// Keys this kas started writing, with when to collect them (`ttl` later).
+    collect_new_at: VecDeque<(Time, String)>,
     next_heartbeat: Time,
     shutting_down: bool,
     shutdown_reported: bool,
@@ -181,6 +204,9 @@ impl Tracker {
         let mut t = Tracker {
             next_refresh: now + config.refresh,
             next_gc: now + config.gc,
+            live_kas: None,
+            collect_all_at: BTreeSet::new(),
+            collect_new_at: VecDeque::new(),
             next_heartbeat: Self::heartbeat_after(&config, now),
             config,
             instances_key: keys.kas_instances(),
@@ -199,7 +225,7 @@ impl Tracker {
         };
         let key = t.instances_key.clone();
         let field = t.kas_id.0.clone();
-        t.set(key, field, instance.encode_to_vec());
+        t.set(now, key, field, instance.encode_to_vec());
         t.flush(now);
         t
     }
@@ -209,15 +235,16 @@ impl Tracker {
         match input {
             TrackerInput::BatchResult { batch, ok } => self.batch_result(now, batch, ok),
             TrackerInput::RewriteAll => self.mark_all_dirty(),
+            TrackerInput::LiveKas(live) => self.collect(now, live),
             TrackerInput::Shutdown => self.shutdown(),
             _ if self.shutting_down => {}
             TrackerInput::AgentConnected(info) => {
                 let bytes = info.encode_to_vec();
                 let field = connection_field(ConnectionId(info.connection_id), &self.kas_id);
-                let by_agent = self.keys.connections_by_agent(AgentId(info.agent_id));
+                let by_agent = self.keys.agent(AgentId(info.agent_id));
                 let by_project = self.keys.connections_by_project(ProjectId(info.project_id));
-                self.set(by_agent, field.clone(), bytes.clone());
-                self.set(by_project, field, bytes);
+                self.set(now, by_agent, field.clone(), bytes.clone());
+                self.set(now, by_project, field, bytes);
             }
             TrackerInput::AgentDisconnected {
                 agent,
@@ -225,14 +252,14 @@ impl Tracker {
                 connection,
             } => {
                 let field = connection_field(connection, &self.kas_id);
-                self.delete(self.keys.connections_by_agent(agent), field.clone());
+                self.delete(self.keys.agent(agent), field.clone());
                 self.delete(self.keys.connections_by_project(project), field);
             }
             TrackerInput::TunnelPresence { agent, present } => {
-                let key = self.keys.tunnels_by_agent(agent);
+                let key = self.keys.agent(agent);
                 let field = self.kas_id.0.clone();
                 if present {
-                    self.set(key.clone(), field, Vec::new());
+                    self.set(now, key.clone(), field, Vec::new());
                 } else {
                     self.delete(key.clone(), field);
                 }
@@ -269,18 +296,52 @@ impl Tracker {
         }
         if now >= self.next_gc && !self.shutting_down {
             self.next_gc = now + self.config.gc;
-            let mut keys: Vec<String> = self
-                .state
+            let key = self.instances_key.clone();
+            self.outputs.push_back(TrackerOutput::ReadKas { key });
+        }
+        self.flush(now);
+    }
+
+    /// Notes which kas went or restarted since the last read, then asks for the keys due to
+    /// be collected (see the module docs).
+    fn collect(&mut self, now: Time, live: Option<BTreeMap<String, u64>>) {
+        if self.shutting_down {
+            return;
+        }
+        if let Some(live) = live {
+            let gone = self.live_kas.as_ref().is_some_and(|before| {
+                before
+                    .iter()
+                    .any(|(id, incarnation)| live.get(id) != Some(incarnation))
+            });
+            if gone {
+                self.collect_all_at.insert(now + self.config.ttl);
+            }
+            self.live_kas = Some(live);
+        }
+        let mut keys: Vec<String> = if self.collect_all_at.first().is_some_and(|&at| at <= now) {
+            self.collect_all_at.retain(|&at| at > now);
+            self.collect_new_at.retain(|(at, _)| *at > now);
+            self.state
                 .iter()
                 .filter(|(_, s)| !s.fields.is_empty())
                 .map(|(k, _)| k.clone())
-                .collect();
-            keys.sort();
-            if !keys.is_empty() {
-                self.outputs.push_back(TrackerOutput::Gc { keys });
+                .collect()
+        } else {
+            let mut due = Vec::new();
+            while self.collect_new_at.front().is_some_and(|(at, _)| *at <= now) {
+                let (_, key) = self.collect_new_at.pop_front().expect("a front entry");
+                if self.state.get(&key).is_some_and(|s| !s.fields.is_empty()) {
+                    due.push(key);
+                }
             }
+            due
+        };
+        keys.sort();
+        keys.dedup();
+        if !keys.is_empty() {
+            self.outputs.push_back(TrackerOutput::Gc { keys });
         }
-        self.flush(now);
     }
 
     /// When the instance record is next rewritten on its own: a third of its life after
@@ -330,8 +391,12 @@ impl Tracker {
         self.in_flight.is_none() && self.dirty_queue.is_empty()
     }
 
-    fn set(&mut self, key: String, field: String, value: Vec<u8>) {
+    fn set(&mut self, now: Time, key: String, field: String, value: Vec<u8>) {
         let st = self.state.entry(key.clone()).or_default();
+        if st.fields.is_empty() {
+            self.collect_new_at
+                .push_back((now + self.config.ttl, key.clone()));
+        }
         st.pending_delete.remove(&field);
         st.fields.insert(field, value);
         mark_dirty(&mut self.dirty_queue, key, st);

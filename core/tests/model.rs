@@ -539,11 +539,8 @@ impl World {
                         let view = fields.iter().map(|(f, v)| (f.as_str(), v.as_slice()));
                         expiring::live_fields(view, now)
                     })
-                    .unwrap_or_default()
-                    .into_iter()
-                    .map(|(f, _)| KasId(f))
-                    .collect();
-                let kas = Some(kas);
+                    .unwrap_or_default();
+                let kas = Some(kas_core::keys::tunnel_holders(kas));
                 input(self, n, NodeInput::LookupDone { agent, kas });
             }
             NodeOutput::Write(batch) => {
@@ -571,6 +568,24 @@ impl World {
                 }
                 let batch = batch.id;
                 input(self, n, NodeInput::BatchDone { batch, ok });
+            }
+            NodeOutput::ReadKas { key } => {
+                let live = self
+                    .store
+                    .hashes
+                    .get(&key)
+                    .map(|(_, fields)| {
+                        let view = fields.iter().map(|(f, v)| (f.as_str(), v.as_slice()));
+                        expiring::live_fields(view, now)
+                    })
+                    .unwrap_or_default()
+                    .into_iter()
+                    .map(|(id, info)| {
+                        let info = KasInstanceInfo::decode(info.as_slice()).unwrap();
+                        (id, info.incarnation)
+                    })
+                    .collect();
+                input(self, n, NodeInput::LiveKas(Some(live)));
             }
             NodeOutput::Gc { keys } => {
                 for key in keys {
@@ -823,7 +838,7 @@ impl World {
         let expected_tunnels: BTreeSet<(AgentId, usize)> =
             self.tunnels.values().map(|t| (t.agent, t.kas)).collect();
         for &(agent, kas) in &expected_tunnels {
-            let key = self.keys.tunnels_by_agent(agent);
+            let key = self.keys.agent(agent);
             assert!(
                 self.store
                     .hashes

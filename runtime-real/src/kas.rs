@@ -354,6 +354,7 @@ impl Kas {
                 ip: advertise.ip().to_string(),
                 port: u32::from(advertise.port()),
             }),
+            incarnation: rand::random(),
         };
         let tracker = Tracker::new(
             now,

@@ -84,14 +84,10 @@ async fn calls_through_every_kas_reach_the_right_agent_and_replica() {
 
     // Every registry key carries a TTL.
     let keys = c.redis.keys();
-    assert!(
-        keys.contains(&"kas:conn_by_agent:{agent:2}".to_string()),
-        "{keys:?}"
-    );
-    assert!(
-        keys.contains(&"kas:tunnels_by_agent:{agent:1}".to_string()),
-        "{keys:?}"
-    );
+    for agent in [1, 2] {
+        let key = format!("kas:agent:{{agent:{agent}}}");
+        assert!(keys.contains(&key), "{keys:?}");
+    }
     assert!(keys.contains(&"kas:kas_instances".to_string()), "{keys:?}");
     for k in &keys {
         let ttl: i64 = c.redis.cli(&["PTTL", k]).trim().parse().unwrap();
@@ -183,7 +179,7 @@ async fn killed_kas_expires_and_calls_stop_going_there() {
         Duration::from_secs(10),
         "expired fields collected",
         || async {
-            let tunnels = c.redis.cli(&["HKEYS", "kas:tunnels_by_agent:{agent:5}"]);
+            let tunnels = c.redis.cli(&["HKEYS", "kas:agent:{agent:5}"]);
             let instances = c.redis.cli(&["HKEYS", "kas:kas_instances"]);
             (!tunnels.contains(&dead) && !instances.contains(&dead)).then_some(())
         },
@@ -212,13 +208,11 @@ async fn kas_rides_out_redis_down_and_refills_it_after_an_empty_restart() {
     let _a6 = TestAgent::connect(c.kas[1].agent, 6, "agent6-pod", 1).await;
     // Agent 1 is in project 101, agent 6 in project 100.
     let expected: Vec<String> = [
-        "kas:conn_by_agent:{agent:1}",
-        "kas:conn_by_agent:{agent:6}",
+        "kas:agent:{agent:1}",
+        "kas:agent:{agent:6}",
         "kas:conn_by_project:{project:100}",
         "kas:conn_by_project:{project:101}",
         "kas:kas_instances",
-        "kas:tunnels_by_agent:{agent:1}",
-        "kas:tunnels_by_agent:{agent:6}",
     ]
     .map(String::from)
     .to_vec();
@@ -292,7 +286,7 @@ async fn sigterm_lets_running_calls_finish_then_deletes_records() {
         ["agent8-pod"]
     );
     // Deleted at once, not left to expire.
-    let fields = c.redis.cli(&["HKEYS", "kas:conn_by_agent:{agent:8}"]);
+    let fields = c.redis.cli(&["HKEYS", "kas:agent:{agent:8}"]);
     assert!(fields.trim().is_empty(), "left behind: {fields}");
     let instances = c.redis.cli(&["HKEYS", "kas:kas_instances"]);
     assert!(!instances.contains(&c.kas[1].id()), "{instances}");

@@ -502,11 +502,7 @@ async fn a_killed_kas_s_agents_leave_listings_within_its_liveness_ttl() {
     let gone_after = killed.elapsed();
     assert!(gone_after < Duration::from_secs(8), "{gone_after:?}");
     // Its records are still in Redis: readers skip them.
-    assert!(
-        redis
-            .keys()
-            .contains(&"kas:conn_by_agent:{agent:1}".to_string())
-    );
+    assert!(redis.keys().contains(&"kas:agent:{agent:1}".to_string()));
     assert_eq!(
         gl.connections(3).await.unwrap().len(),
         1,

@@ -144,9 +144,9 @@ fn records_present(cli: impl Fn(&[&str]) -> String, agents: &[i64]) -> bool {
     let instances = cli(&["HLEN", "kas:kas_instances"]).trim() == "3";
     instances
         && agents.iter().all(|a| {
-            let key = format!("kas:conn_by_agent:{{agent:{a}}}");
-            let tunnels = format!("kas:tunnels_by_agent:{{agent:{a}}}");
-            cli(&["HLEN", &key]).trim() == "1" && cli(&["HLEN", &tunnels]).trim() == "1"
+            // Its connection and its tunnels.
+            let key = format!("kas:agent:{{agent:{a}}}");
+            cli(&["HLEN", &key]).trim() == "2"
         })
 }
 
@@ -464,7 +464,7 @@ async fn one_batch_and_one_gc_over_keys_of_many_slots_of_a_cluster() {
     let now = kas_core::Time(1_700_000_000_000);
     // 50 agents' keys: slots on every shard, in one batch (a script may touch one slot).
     let keys: Vec<String> = (0..50)
-        .map(|a| format!("kas:conn_by_agent:{{agent:{a}}}"))
+        .map(|a| format!("kas:agent:{{agent:{a}}}"))
         .collect();
     let writes: Vec<KeyWrite> = keys
         .iter()

@@ -454,7 +454,7 @@ fn absence(outs: &[NodeOutput<&'static str>]) -> Vec<(String, Vec<String>, bool)
             _ => None,
         })
         .flat_map(|b| &b.writes)
-        .filter(|w| w.key.contains("tunnels_by_agent"))
+        .filter(|w| w.key.contains(":agent:") && !w.publish.is_empty())
         .map(|w| {
             let last = w.publish.last().expect("an event with the write");
             let connected = TunnelEvent::decode(last.1.as_slice()).unwrap().connected;
@@ -505,7 +505,7 @@ fn a_draining_kas_gives_no_new_call_to_its_tunnels_and_announces_it_has_none() {
     assert_eq!(
         writes,
         [(
-            "kas:tunnels_by_agent:{agent:7}".to_string(),
+            "kas:agent:{agent:7}".to_string(),
             vec!["10.0.0.1:8155".to_string()],
             false
         )]

@@ -85,10 +85,7 @@ fn connection_writes_both_indexes_and_changes_wait_for_the_batch_in_flight() {
     let b = next_batch(&mut t);
     assert_eq!(
         keys_of(&b),
-        vec![
-            "kas:conn_by_agent:{agent:7}",
-            "kas:conn_by_project:{project:100}"
-        ]
+        vec!["kas:agent:{agent:7}", "kas:conn_by_project:{project:100}"]
     );
     assert_eq!(
         b.writes[0].set[0].0, "70@k1:1",
@@ -128,7 +125,7 @@ fn tunnel_presence_publishes_with_its_write() {
     );
     let b = next_batch(&mut t);
     let w = &b.writes[0];
-    assert_eq!(w.key, "kas:tunnels_by_agent:{agent:3}");
+    assert_eq!(w.key, "kas:agent:{agent:3}");
     assert_eq!(w.set[0].0, "k1:1");
     assert_eq!(w.publish.len(), 1);
     let event = TunnelEvent::decode(w.publish[0].1.as_slice()).unwrap();
@@ -159,7 +156,7 @@ fn refresh_announces_a_tunnel_record_only_if_it_was_missing() {
     let w = refresh
         .writes
         .iter()
-        .find(|w| w.key == "kas:tunnels_by_agent:{agent:3}")
+        .find(|w| w.key == "kas:agent:{agent:3}")
         .unwrap();
     assert!(w.publish.is_empty());
     assert_eq!(w.announce.len(), 1);
@@ -257,19 +254,78 @@ fn rewrite_all_restores_lost_data_at_once() {
     assert_eq!(keys_of(&next_batch(&mut t)), vec!["kas:kas_instances"]);
 }
 
-#[test]
-fn gc_names_the_keys_this_kas_writes() {
-    let mut t = tracker();
-    let first = next_batch(&mut t);
-    ack(&mut t, 0, &first, true);
-    t.handle_timeout(Time(600));
-    let gc = std::iter::from_fn(|| t.poll_output())
+/// Runs the GC period at `now`: answers its read of the live kas with `live` and returns
+/// the keys it then collects.
+fn gc_at(t: &mut Tracker, now: u64, live: &[(&str, u64)]) -> Vec<String> {
+    t.handle_timeout(Time(now));
+    let outs: Vec<_> = std::iter::from_fn(|| t.poll_output()).collect();
+    assert!(
+        outs.contains(&TrackerOutput::ReadKas {
+            key: "kas:kas_instances".into()
+        }),
+        "{outs:?}"
+    );
+    let live = live.iter().map(|(id, i)| (id.to_string(), *i)).collect();
+    t.handle_input(Time(now), TrackerInput::LiveKas(Some(live)));
+    std::iter::from_fn(|| t.poll_output())
         .find_map(|o| match o {
             TrackerOutput::Gc { keys } => Some(keys),
             _ => None,
         })
-        .unwrap();
-    assert_eq!(gc, vec!["kas:kas_instances".to_string()]);
+        .unwrap_or_default()
+}
+
+#[test]
+fn gc_collects_a_key_once_a_ttl_after_it_is_first_written_not_every_period() {
+    let mut t = tracker();
+    let first = next_batch(&mut t);
+    ack(&mut t, 0, &first, true);
+    t.handle_input(Time(400), TrackerInput::AgentConnected(info(7, 70)));
+    let live = [("k1:1", 1), ("k2:1", 2)];
+    assert_eq!(gc_at(&mut t, 600, &live), ["kas:kas_instances"]);
+    assert_eq!(
+        gc_at(&mut t, 1200, &live),
+        ["kas:agent:{agent:7}", "kas:conn_by_project:{project:100}"],
+        "written at 400, collected after 700"
+    );
+    for now in [1800, 2400, 3000] {
+        assert_eq!(gc_at(&mut t, now, &live), Vec::<String>::new());
+    }
+}
+
+#[test]
+fn a_kas_gone_or_restarted_has_every_key_collected_a_ttl_later() {
+    let all = [
+        "kas:agent:{agent:7}",
+        "kas:conn_by_project:{project:100}",
+        "kas:kas_instances",
+    ];
+    for after in [vec![("k1:1", 1)], vec![("k1:1", 1), ("k2:1", 3)]] {
+        let mut t = tracker();
+        let first = next_batch(&mut t);
+        ack(&mut t, 0, &first, true);
+        t.handle_input(Time(1), TrackerInput::AgentConnected(info(7, 70)));
+        let before = [("k1:1", 1), ("k2:1", 2)];
+        assert_eq!(gc_at(&mut t, 600, &before), all, "new keys");
+        assert_eq!(gc_at(&mut t, 1200, &after), Vec::<String>::new());
+        assert_eq!(gc_at(&mut t, 1800, &after), all, "{after:?}: 1500 passed");
+        assert_eq!(gc_at(&mut t, 2400, &after), Vec::<String>::new());
+    }
+    // A failed read sees nothing go; a kas that appears is no reason to collect.
+    let mut t = tracker();
+    let first = next_batch(&mut t);
+    ack(&mut t, 0, &first, true);
+    gc_at(&mut t, 600, &[("k1:1", 1)]);
+    t.handle_timeout(Time(1200));
+    t.handle_input(Time(1200), TrackerInput::LiveKas(None));
+    assert_eq!(
+        gc_at(&mut t, 1800, &[("k1:1", 1), ("k3:1", 5)]),
+        Vec::<String>::new()
+    );
+    assert_eq!(
+        gc_at(&mut t, 3000, &[("k1:1", 1), ("k3:1", 5)]),
+        Vec::<String>::new()
+    );
 }
 
 #[test]

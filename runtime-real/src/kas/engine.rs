@@ -20,8 +20,11 @@ use crate::frames;
 use crate::store::{PubSub, PubSubEvent, Store};
 use crate::tasks::Tasks;
 use kas_core::fixed_hash::Map;
+use kas_core::keys::tunnel_holders;
 use kas_core::node::{CallError, KasNode, NodeError, NodeInput, NodeOutput, NodeStats, Origin};
-use kas_core::{AgentId, ConnectionId, KasId, RequestId, TunnelId};
+use kas_core::{AgentId, ConnectionId, RequestId, TunnelId};
+use kas_proto::registry::KasInstanceInfo;
+use prost::Message;
 use std::sync::Arc;
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::time::Duration;
@@ -278,6 +281,7 @@ impl Engine {
                     }
                     NodeInput::BatchDone { ok: false, .. } => self.metrics.store_error("write"),
                     NodeInput::LookupDone { kas: None, .. } => self.metrics.store_error("lookup"),
+                    NodeInput::LiveKas(None) => self.metrics.store_error("read_kas"),
                     _ => {}
                 }
                 self.input(input);
@@ -364,7 +368,7 @@ impl Engine {
                         .read_live(&key, clock::now())
                         .await
                         .ok()
-                        .map(|live| live.into_iter().map(|(kas, _)| KasId(kas)).collect());
+                        .map(tunnel_holders);
                     handle.input(NodeInput::LookupDone { agent, kas });
                 });
             }
@@ -380,6 +384,21 @@ impl Engine {
                         batch: batch.id,
                         ok: result.is_ok(),
                     });
+                });
+            }
+            NodeOutput::ReadKas { key } => {
+                let store = self.store.clone();
+                let handle = self.handle.clone();
+                self.tasks.spawn(async move {
+                    let live = store.read_live(&key, clock::now()).await.ok().map(|live| {
+                        live.into_iter()
+                            .map(|(id, info)| {
+                                let info = KasInstanceInfo::decode(info.as_slice());
+                                (id, info.map_or(0, |i| i.incarnation))
+                            })
+                            .collect()
+                    });
+                    handle.input(NodeInput::LiveKas(live));
                 });
             }
             NodeOutput::Gc { keys } => {

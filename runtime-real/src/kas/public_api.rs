@@ -10,7 +10,7 @@ use crate::frames;
 use crate::store::Store;
 use bytes::Bytes;
 use futures::stream::{BoxStream, StreamExt, TryStreamExt};
-use kas_core::keys::Keys;
+use kas_core::keys::{Keys, is_connection_field};
 use kas_core::node::Origin;
 use kas_core::{AgentId, ConnectionId, ProjectId, Time};
 use kas_proto::frame::{Frame, RequestStart, frame::Kind};
@@ -45,7 +45,8 @@ pub struct PublicService {
 }
 
 impl PublicService {
-    /// The connections recorded under `key` by kas that are alive.
+    /// The connections recorded under `key` by kas that are alive (an agent's hash also
+    /// holds its tunnel records, skipped here).
     async fn connections(&self, key: String) -> Result<Vec<ConnectedAgentInfo>, Status> {
         let (live, kas) = self
             .store
@@ -57,6 +58,7 @@ impl PublicService {
             })?;
         let records = live
             .into_iter()
+            .filter(|(field, _)| is_connection_field(field))
             .filter_map(|(_, v)| ConnectedAgentInfo::decode(v.as_slice()).ok())
             .filter(|a| kas_id_of(a).is_some_and(|id| kas.contains(&id)));
         Ok(one_per_replica(records))
@@ -274,9 +276,7 @@ impl KasApi for PublicService {
         req: Request<ConnectedAgentsByIdRequest>,
     ) -> Result<Response<ConnectedAgentsByIdResponse>, Status> {
         let agent = AgentId(req.into_inner().agent_id);
-        let agents = self
-            .connections(self.keys.connections_by_agent(agent))
-            .await?;
+        let agents = self.connections(self.keys.agent(agent)).await?;
         Ok(Response::new(ConnectedAgentsByIdResponse { agents }))
     }
 

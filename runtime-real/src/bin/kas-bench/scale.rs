@@ -16,21 +16,25 @@ use std::time::Duration;
 use tokio::sync::Semaphore;
 use tokio::task::JoinHandle;
 
-/// Commands kas runs only inside its scripts (the batch write and the GC).
+/// Commands kas runs only inside its scripts (the batch write, the GC's deletes). Not
+/// `HGETALL`: lookups and the read of the live kas send it, and the GC, which runs it in
+/// its script, collects a key only a ttl after it is new or after a kas went.
 pub const IN_SCRIPTS: [&str; 5] = ["hset", "hdel", "hget", "pexpire", "publish"];
-/// The same with `HGETALL`, which lookups send but the GC runs inside its script: for a
-/// window in which no call is routed.
-pub const IN_SCRIPTS_NO_LOOKUPS: [&str; 6] =
-    ["hset", "hdel", "hget", "pexpire", "publish", "hgetall"];
 
-/// Successful calls per command (`INFO commandstats`).
+/// Successful calls, and the CPU time spent, per command (`INFO commandstats`).
 #[derive(Clone, Debug, Default)]
-pub struct Commands(pub BTreeMap<String, u64>);
+pub struct Commands {
+    /// Successful calls.
+    pub calls: BTreeMap<String, u64>,
+    /// Microseconds of Redis's CPU: a script's (`evalsha`) include its commands', which
+    /// are counted again under their own names.
+    pub usec: BTreeMap<String, u64>,
+}
 
 impl Commands {
     /// Reads them now.
     pub fn read(redis: &RedisServer) -> Commands {
-        let mut out = BTreeMap::new();
+        let mut out = Commands::default();
         for line in redis.cli(&["INFO", "commandstats"]).lines() {
             let Some((name, rest)) = line
                 .strip_prefix("cmdstat_")
@@ -44,34 +48,49 @@ impl Commands {
                     .and_then(|v| v.trim().parse().ok())
                     .unwrap_or(0)
             };
-            out.insert(name.to_string(), field("calls=") - field("failed_calls="));
+            let calls = field("calls=") - field("failed_calls=");
+            out.calls.insert(name.to_string(), calls);
+            out.usec.insert(name.to_string(), field("usec="));
         }
-        Commands(out)
+        out
     }
 
     /// What ran between `earlier` and `self`.
     pub fn since(&self, earlier: &Commands) -> Commands {
-        Commands(
-            self.0
-                .iter()
-                .map(|(k, v)| (k.clone(), v - earlier.0.get(k).copied().unwrap_or(0)))
+        let minus = |now: &BTreeMap<String, u64>, then: &BTreeMap<String, u64>| {
+            now.iter()
+                .map(|(k, v)| (k.clone(), v - then.get(k).copied().unwrap_or(0)))
                 .filter(|(_, v)| *v > 0)
-                .collect(),
-        )
+                .collect()
+        };
+        Commands {
+            calls: minus(&self.calls, &earlier.calls),
+            usec: minus(&self.usec, &earlier.usec),
+        }
     }
 
     /// Commands clients sent: all but those of `in_scripts`.
     pub fn sent(&self, in_scripts: &[&str]) -> u64 {
-        self.0
+        self.calls
             .iter()
             .filter(|(k, _)| !in_scripts.contains(&k.as_str()))
             .map(|(_, v)| v)
             .sum()
     }
 
+    /// Redis's CPU microseconds for the commands clients sent (those of `in_scripts` are
+    /// in their scripts' time), but for `INFO`, which only the benchmark sends.
+    pub fn sent_usec(&self, in_scripts: &[&str]) -> u64 {
+        self.usec
+            .iter()
+            .filter(|(k, _)| !in_scripts.contains(&k.as_str()) && k.as_str() != "info")
+            .map(|(_, v)| v)
+            .sum()
+    }
+
     /// Every command Redis ran, inside scripts too.
     pub fn all(&self) -> u64 {
-        self.0.values().sum()
+        self.calls.values().sum()
     }
 }
 
