@@ -206,6 +206,8 @@ pub enum NodeInput<C> {
     /// A [`NodeOutput::ReadKas`] finished: the live kas ids with their incarnations, or
     /// `None` when the store failed.
     LiveKas(Option<BTreeMap<String, u64>>),
+    /// The [`NodeOutput::Gc`] of these keys failed.
+    GcFailed(Vec<String>),
     /// A [`NodeOutput::Lookup`] finished: the kas holding live tunnel records of the agent,
     /// or `None` when the store failed.
     LookupDone {
@@ -250,7 +252,7 @@ pub enum NodeOutput<C> {
         /// The kas instances hash.
         key: String,
     },
-    /// Remove expired fields of these keys (best effort, no answer).
+    /// Remove expired fields of these keys; answer `GcFailed` if that failed.
     Gc {
         /// The keys.
         keys: Vec<String>,
@@ -638,6 +640,9 @@ impl<C: Clone> KasNode<C> {
             }
             NodeInput::LiveKas(live) => {
                 self.tracker.handle_input(now, TrackerInput::LiveKas(live));
+            }
+            NodeInput::GcFailed(keys) => {
+                self.tracker.handle_input(now, TrackerInput::GcFailed(keys));
             }
             NodeInput::LookupDone { agent, kas } => {
                 let input = match kas {

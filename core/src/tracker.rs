@@ -69,6 +69,8 @@ pub enum TrackerInput {
     /// The answer to [`TrackerOutput::ReadKas`]: the live kas ids with their incarnations,
     /// `None` when the read failed.
     LiveKas(Option<BTreeMap<String, u64>>),
+    /// The [`TrackerOutput::Gc`] of these keys failed: they are collected next period.
+    GcFailed(Vec<String>),
     /// Delete everything this kas wrote, then report [`TrackerOutput::ShutdownComplete`].
     Shutdown,
 }
@@ -84,7 +86,8 @@ pub enum TrackerOutput {
         /// The kas instances hash.
         key: String,
     },
-    /// Delete the expired (or undecodable) fields of these keys; no answer needed.
+    /// Delete the expired (or undecodable) fields of these keys; answer only a failure,
+    /// with [`TrackerInput::GcFailed`].
     Gc {
         /// Keys to scan.
         keys: Vec<String>,
@@ -236,6 +239,10 @@ impl Tracker {
             TrackerInput::BatchResult { batch, ok } => self.batch_result(now, batch, ok),
             TrackerInput::RewriteAll => self.mark_all_dirty(),
             TrackerInput::LiveKas(live) => self.collect(now, live),
+            TrackerInput::GcFailed(keys) => {
+                self.collect_new_at
+                    .extend(keys.into_iter().map(|key| (now, key)));
+            }
             TrackerInput::Shutdown => self.shutdown(),
             _ if self.shutting_down => {}
             TrackerInput::AgentConnected(info) => {
@@ -329,7 +336,11 @@ impl Tracker {
                 .collect()
         } else {
             let mut due = Vec::new();
-            while self.collect_new_at.front().is_some_and(|(at, _)| *at <= now) {
+            while self
+                .collect_new_at
+                .front()
+                .is_some_and(|(at, _)| *at <= now)
+            {
                 let (_, key) = self.collect_new_at.pop_front().expect("a front entry");
                 if self.state.get(&key).is_some_and(|s| !s.fields.is_empty()) {
                     due.push(key);

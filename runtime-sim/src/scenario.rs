@@ -473,6 +473,29 @@ async fn listed_on_dead(cluster: &Cluster, agents: &[AgentSpec], dead: usize) ->
     cluster.caller().spawn(probe).await.unwrap_or_default()
 }
 
+/// What a killed or restarted kas left must have been collected by the time the healed
+/// phase ends: each kas sees the kas go (or its incarnation change) within a GC period of
+/// its restart, waits out the TTL, and collects at its next period (GC period = TTL here),
+/// so 3 TTL after the last fault, which the healed wait outlasts. Every field must be live.
+fn expired_fields_left(cluster: &Cluster) -> Vec<String> {
+    let now = kas_runtime::clock::now();
+    let entries = cluster.redis.with_db(|db| db.entries(Instant::now()));
+    let mut out = Vec::new();
+    for (key, fields) in entries {
+        for (field, bytes) in fields {
+            match kas_core::expiring::decode(&bytes) {
+                Ok((at, _)) if at > now => {}
+                Ok((at, _)) => out.push(format!(
+                    "inv 6: after healing, Redis holds {key} field {field}, expired {} ms ago",
+                    now.0 - at.0
+                )),
+                Err(e) => out.push(format!("inv 6: Redis holds {key} field {field}: {e}")),
+            }
+        }
+    }
+    out
+}
+
 /// Sends kas `kas` a SIGTERM and waits for it to stop. A kas that says it deleted its
 /// registry records must have left none of this run's: no field named by its id (its
 /// instance record, its agents' tunnel records) that expires later than a record written
@@ -715,6 +738,7 @@ pub async fn run(scenario: Scenario) -> Report {
         }
     }
     calls.extend(final_calls);
+    violations.extend(expired_fields_left(&cluster));
 
     // Liveness: a call waits on every kas for an agent that is not connected; it connects
     // to one of them; every call must be delivered, woken by the tunnel's registration.

@@ -294,6 +294,19 @@ fn gc_collects_a_key_once_a_ttl_after_it_is_first_written_not_every_period() {
 }
 
 #[test]
+fn a_failed_gc_is_run_again_next_period() {
+    let mut t = tracker();
+    let first = next_batch(&mut t);
+    ack(&mut t, 0, &first, true);
+    let live = [("k1:1", 1)];
+    let keys = gc_at(&mut t, 600, &live);
+    assert_eq!(keys, ["kas:kas_instances"]);
+    t.handle_input(Time(601), TrackerInput::GcFailed(keys.clone()));
+    assert_eq!(gc_at(&mut t, 1200, &live), keys);
+    assert_eq!(gc_at(&mut t, 1800, &live), Vec::<String>::new());
+}
+
+#[test]
 fn a_kas_gone_or_restarted_has_every_key_collected_a_ttl_later() {
     let all = [
         "kas:agent:{agent:7}",

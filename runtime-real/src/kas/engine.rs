@@ -404,6 +404,7 @@ impl Engine {
             NodeOutput::Gc { keys } => {
                 let store = self.store.clone();
                 let metrics = self.metrics.clone();
+                let handle = self.handle.clone();
                 self.tasks.spawn(async move {
                     match store.gc(&keys, clock::now()).await {
                         Ok(0) => {}
@@ -412,7 +413,8 @@ impl Engine {
                         }
                         Err(e) => {
                             metrics.store_error("gc");
-                            tracing::warn!(keys = keys.len(), error = %e, "registry GC failed");
+                            tracing::warn!(keys = keys.len(), error = %e, "registry GC failed; retried next period");
+                            handle.input(NodeInput::GcFailed(keys));
                         }
                     }
                 });
