@@ -211,12 +211,37 @@ pub async fn connect(
     proxy: Option<&Proxy>,
     timeout: Duration,
 ) -> Result<tonic::transport::Channel, String> {
+    dial(url, ca_file, proxy, None, timeout).await
+}
+
+/// [`connect`] from `source`, an address of this host: kas-bench spreads its many agents
+/// over loopback addresses, each with its own range of ephemeral ports.
+#[cfg(not(madsim))]
+pub async fn connect_from(
+    url: &KasUrl,
+    ca_file: Option<&Path>,
+    source: std::net::IpAddr,
+    timeout: Duration,
+) -> Result<tonic::transport::Channel, String> {
+    dial(url, ca_file, None, Some(source), timeout).await
+}
+
+async fn dial(
+    url: &KasUrl,
+    ca_file: Option<&Path>,
+    proxy: Option<&Proxy>,
+    source: Option<std::net::IpAddr>,
+    timeout: Duration,
+) -> Result<tonic::transport::Channel, String> {
     let endpoint = plain_endpoint(url)?;
     let connected = if !url.tls && !url.websocket && proxy.is_none() {
-        endpoint.connect_timeout(timeout).connect().await
+        let endpoint = endpoint.connect_timeout(timeout);
+        #[cfg(not(madsim))]
+        let endpoint = endpoint.local_address(source);
+        endpoint.connect().await
     } else {
         let dialer = Dialer::new(url, ca_file, proxy, timeout)?;
-        dialer.connect(endpoint).await
+        dialer.from(source).connect(endpoint).await
     };
     connected.map_err(|e| explain_connect_error(url, &e))
 }
@@ -252,6 +277,8 @@ struct Dialer {
     url: KasUrl,
     tls: Option<Arc<rustls::ClientConfig>>,
     proxy: Option<Proxy>,
+    /// The local address to connect from (without a proxy); the system's choice if none.
+    source: Option<std::net::IpAddr>,
     timeout: Duration,
 }
 
@@ -268,8 +295,36 @@ impl Dialer {
             url: url.clone(),
             tls: url.tls.then(|| client_config(ca_file, alpn)).transpose()?,
             proxy: proxy.cloned(),
+            source: None,
             timeout,
         })
+    }
+
+    /// Connects from `source` when given.
+    fn from(self, source: Option<std::net::IpAddr>) -> Dialer {
+        Dialer { source, ..self }
+    }
+
+    /// A TCP connection to kas, from [`Dialer::source`] when set.
+    async fn tcp(&self) -> std::io::Result<tokio::net::TcpStream> {
+        let Some(source) = self.source else {
+            return tokio::net::TcpStream::connect(&self.url.authority).await;
+        };
+        let mut last = None;
+        for to in tokio::net::lookup_host(&self.url.authority).await? {
+            let socket = match to {
+                std::net::SocketAddr::V4(_) => tokio::net::TcpSocket::new_v4()?,
+                std::net::SocketAddr::V6(_) => tokio::net::TcpSocket::new_v6()?,
+            };
+            socket.bind(std::net::SocketAddr::new(source, 0))?;
+            match socket.connect(to).await {
+                Ok(tcp) => return Ok(tcp),
+                Err(e) => last = Some(e),
+            }
+        }
+        Err(last.unwrap_or_else(|| {
+            std::io::Error::new(std::io::ErrorKind::NotFound, "no address to connect to")
+        }))
     }
 
     async fn dial(&self) -> std::io::Result<Box<dyn crate::ws::Io>> {
@@ -277,7 +332,7 @@ impl Dialer {
         let tcp = match &self.proxy {
             Some(p) => p.connect(&url.authority).await?,
             None => {
-                let tcp = tokio::net::TcpStream::connect(&url.authority).await?;
+                let tcp = self.tcp().await?;
                 let _ = tcp.set_nodelay(true);
                 tcp
             }
@@ -358,6 +413,10 @@ impl Dialer {
     }
 
     fn connect_lazy(self, _: tonic::transport::Endpoint) -> tonic::transport::Channel {
+        match self {}
+    }
+
+    fn from(self, _: Option<std::net::IpAddr>) -> Dialer {
         match self {}
     }
 }
@@ -465,6 +524,30 @@ mod tests {
 
     fn served(cert: &ServerCert) -> Vec<u8> {
         cert.current.read().unwrap().cert[0].to_vec()
+    }
+
+    /// kas-bench's agents connect from the loopback address they are given, over plain TCP
+    /// and over TLS (the listener here speaks neither: only who dialled matters).
+    #[tokio::test]
+    async fn connections_from_a_source_address_come_from_it() {
+        let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+        let port = listener.local_addr().unwrap().port();
+        let (seen_tx, mut seen) = tokio::sync::mpsc::unbounded_channel();
+        tokio::spawn(async move {
+            let mut held = Vec::new();
+            while let Ok((tcp, from)) = listener.accept().await {
+                let _ = seen_tx.send(from.ip());
+                held.push(tcp);
+            }
+        });
+        let source: std::net::IpAddr = "127.0.0.2".parse().unwrap();
+        for scheme in ["grpc", "grpcs"] {
+            let url = KasUrl::parse(&format!("{scheme}://127.0.0.1:{port}")).unwrap();
+            let dial = connect_from(&url, None, source, Duration::from_millis(300));
+            let _ = tokio::time::timeout(Duration::from_secs(2), dial).await;
+            let from = tokio::time::timeout(Duration::from_secs(2), seen.recv()).await;
+            assert_eq!(from, Ok(Some(source)), "{scheme}");
+        }
     }
 
     #[test]

@@ -8,7 +8,8 @@ use std::process::Command;
 fn kas_bench_runs_every_part_and_writes_its_json() {
     let json = std::env::temp_dir().join(format!("kas-bench-smoke-{}.json", std::process::id()));
     let out = Command::new(env!("CARGO_BIN_EXE_kas-bench"))
-        .args(["--agents", "100", "--point", "300ms", "--wakeups", "3"])
+        .args(["--agents", "100", "--agents-per-source", "40"])
+        .args(["--point", "300ms", "--wakeups", "3"])
         .args([
             "--concurrency",
             "1,16,64",
@@ -95,6 +96,11 @@ fn kas_bench_runs_every_part_and_writes_its_json() {
     }
     assert_eq!(v["waiting_calls"].as_array().unwrap().len(), 2);
     assert_eq!(v["idle"]["agents"], 100);
+    assert_eq!(v["idle"]["source_addresses"], 3, "127.0.0.1 to 127.0.0.3");
+    assert_eq!(v["idle_tls"]["source_addresses"], 3);
+    assert!(
+        v["idle"]["routable_s"].as_f64().unwrap() >= v["idle"]["connected_s"].as_f64().unwrap()
+    );
     assert!(v["idle"]["rss_bytes"]["tunnels"].as_u64().unwrap() > 0);
     assert!(v["idle_tls"]["rss_bytes"]["tunnels"].as_u64().unwrap() > 0);
     assert!(v["redis_steady"]["sent"].as_u64().unwrap() > 0);

@@ -21,7 +21,7 @@ use setup::{KasOptions, World};
 use stats::ms;
 use std::path::{Path, PathBuf};
 use std::process::ExitCode;
-use std::time::Duration;
+use std::time::{Duration, Instant};
 
 /// Benchmarks the kas router on loopback against a private redis-server and prints tables
 /// (and writes them as JSON). Run it in release mode, beside the release `kas` binary:
@@ -63,6 +63,12 @@ struct Args {
     /// Agents for the idle-cost and Redis-cost part (each on its own TCP connection).
     #[arg(long, default_value_t = 10_000)]
     agents: i64,
+    /// Agent connections per loopback source address in that part: they come from
+    /// 127.0.0.1, 127.0.0.2, ... in turn, this many at most on each, so that no address
+    /// runs out of ephemeral ports (about 28,000 each with Linux's default range). kas
+    /// needs a descriptor per agent: raise its open-file limit (`ulimit -n`) past --agents.
+    #[arg(long, default_value_t = 20_000, value_parser = clap::value_parser!(i64).range(1..))]
+    agents_per_source: i64,
     /// Calls in flight at the unary part's points, comma-separated.
     #[arg(long, value_delimiter = ',', default_value = "1,16,64,256,1024")]
     concurrency: Vec<usize>,
@@ -724,6 +730,12 @@ async fn waiting_section(
 /// open), then with one idle tunnel each.
 struct Idle {
     rss: [u64; 3],
+    /// The loopback addresses the agents connected from.
+    sources: usize,
+    /// From the first dial until kas counted every agent connected, then until it held a
+    /// tunnel of each (every agent routable).
+    connected: Duration,
+    routable: Duration,
 }
 
 impl Idle {
@@ -731,21 +743,30 @@ impl Idle {
     async fn measure(
         kas: &KasProcess,
         agents: i64,
+        per_source: i64,
         tls_ca: Option<&Path>,
     ) -> Result<(Idle, Fleet), String> {
         let rss0 = kas.resident_bytes().unwrap_or(0);
-        let mut fleet = Fleet::connect(kas, agents, tls_ca).await?;
+        let sources = scale::sources(agents, per_source);
+        let start = Instant::now();
+        let mut fleet = Fleet::connect(kas, agents, &sources, tls_ca).await?;
         let n = agents as f64;
         await_gauge(kas, "kas_connected_agents", n, Duration::from_secs(60)).await?;
+        let connected = start.elapsed();
         tokio::time::sleep(Duration::from_secs(2)).await;
         let rss1 = kas.resident_bytes().unwrap_or(0);
+        let start = Instant::now();
         fleet.open_tunnels(setup::modules(|| {}));
         await_gauge(kas, "kas_tunnels", n, Duration::from_secs(60)).await?;
+        let routable = connected + start.elapsed();
         tokio::time::sleep(Duration::from_secs(2)).await;
         let rss2 = kas.resident_bytes().unwrap_or(0);
         Ok((
             Idle {
                 rss: [rss0, rss1, rss2],
+                sources: sources.len(),
+                connected,
+                routable,
             },
             fleet,
         ))
@@ -766,6 +787,9 @@ impl Idle {
             "rss_bytes": {"none": none, "agents": with_agents, "tunnels": tunnels},
             "kib_per_agent": kib_agent,
             "kib_per_tunnel": kib_tunnel,
+            "source_addresses": self.sources,
+            "connected_s": self.connected.as_secs_f64(),
+            "routable_s": self.routable.as_secs_f64(),
         })
     }
 }
@@ -779,7 +803,7 @@ async fn scale_section(
     results: &mut Value,
 ) -> Result<(), String> {
     let kas = world.kas(pubsub).await?;
-    let (idle, fleet) = Idle::measure(&kas, agents, None).await?;
+    let (idle, fleet) = Idle::measure(&kas, agents, args.agents_per_source, None).await?;
     // Steady state: the first writes are done, and so is the one GC of each new key (at
     // the first GC period, every ttl, that starts a ttl after the key was written); count
     // two refresh periods.
@@ -798,13 +822,21 @@ async fn scale_section(
             })
             .await?;
         let ca = world.ca.clone();
-        Some(Idle::measure(&kas, agents, Some(&ca)).await?.0)
+        Some(
+            Idle::measure(&kas, agents, args.agents_per_source, Some(&ca))
+                .await?
+                .0,
+        )
     } else {
         None
     };
     let minutes = (refresh * 2).as_secs_f64() / 60.0;
     let mib = |b: u64| b as f64 / 1048576.0;
-    println!("\n## One kas with {agents} agents (each on its own connection)\n");
+    println!(
+        "\n## One kas with {agents} agents (each on its own connection, from {} loopback address{})\n",
+        idle.sources,
+        if idle.sources == 1 { "" } else { "es" }
+    );
     println!("| | kas RSS MiB | KiB each | over TLS: RSS MiB | KiB each |");
     println!("|---|---|---|---|---|");
     let (agent_kib, tunnel_kib) = idle.per_agent(agents);
@@ -830,6 +862,17 @@ async fn scale_section(
         "| + one idle tunnel each | {:.1} | {tunnel_kib:.2} per tunnel | {} |",
         mib(idle.rss[2]),
         tls_cols(2)
+    );
+    let secs = |i: &Idle| {
+        let (c, r) = (i.connected.as_secs_f64(), i.routable.as_secs_f64());
+        format!("{c:.2} s connected, {r:.2} s routable")
+    };
+    println!(
+        "\nFrom the first dial until kas counted every agent, and until it held a tunnel of each: {}{}",
+        secs(&idle),
+        tls.as_ref()
+            .map(|t| format!("; over TLS: {}", secs(t)))
+            .unwrap_or_default()
     );
     let sent_per_agent_min = steady.sent(&scale::IN_SCRIPTS) as f64 / agents as f64 / minutes;
     let all_per_agent_min = steady.all() as f64 / agents as f64 / minutes;

@@ -10,6 +10,7 @@ use kas_runtime::local::kas_process::KasProcess;
 use kas_runtime::local::redis_server::RedisServer;
 use kas_runtime::tls::{self, KasUrl};
 use std::collections::BTreeMap;
+use std::net::{IpAddr, Ipv4Addr};
 use std::path::Path;
 use std::sync::Arc;
 use std::time::Duration;
@@ -101,10 +102,24 @@ pub struct Fleet {
     tasks: Vec<JoinHandle<()>>,
 }
 
+/// The loopback addresses `n` agents connect from, `per_source` at most on each (127.0.0.1,
+/// 127.0.0.2, ..., up to 254 of them): each has its own range of ephemeral ports.
+pub fn sources(n: i64, per_source: i64) -> Vec<IpAddr> {
+    let k = (n.max(1) + per_source.max(1) - 1) / per_source.max(1);
+    (1..=u8::try_from(k).unwrap_or(u8::MAX).min(254))
+        .map(|last| IpAddr::V4(Ipv4Addr::new(127, 0, 0, last)))
+        .collect()
+}
+
 impl Fleet {
-    /// Connects agents `1..=n` to `kas`, 256 at a time; over TLS trusting `tls_ca` when
-    /// given.
-    pub async fn connect(kas: &KasProcess, n: i64, tls_ca: Option<&Path>) -> Result<Fleet, String> {
+    /// Connects agents `1..=n` to `kas`, 256 at a time, from the addresses of `sources` in
+    /// turn; over TLS trusting `tls_ca` when given.
+    pub async fn connect(
+        kas: &KasProcess,
+        n: i64,
+        sources: &[IpAddr],
+        tls_ca: Option<&Path>,
+    ) -> Result<Fleet, String> {
         let gate = Arc::new(Semaphore::new(256));
         let scheme = if tls_ca.is_some() { "grpcs" } else { "grpc" };
         let url = KasUrl::parse(&format!("{scheme}://{}", kas.addresses.agent))?;
@@ -112,11 +127,13 @@ impl Fleet {
         let joins: Vec<_> = (1..=n)
             .map(|agent| {
                 let (gate, url, ca) = (gate.clone(), url.clone(), ca.clone());
+                let source = sources[(agent as usize - 1) % sources.len()];
                 tokio::spawn(async move {
                     let _permit = gate.acquire_owned().await;
-                    let channel = tls::connect(&url, ca.as_deref(), None, Duration::from_secs(20))
+                    let timeout = Duration::from_secs(20);
+                    let channel = tls::connect_from(&url, ca.as_deref(), source, timeout)
                         .await
-                        .map_err(|e| format!("agent {agent}: {e}"))?;
+                        .map_err(|e| format!("agent {agent} from {source}: {e}"))?;
                     let client = AgentClient::new(channel, token(agent));
                     let meta = AgentMeta {
                         version: "bench".into(),
