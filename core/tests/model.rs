@@ -121,6 +121,17 @@ impl Store {
         self.hashes
             .retain(|_, (exp, fields)| exp.is_none_or(|e| now < e) && !fields.is_empty());
     }
+
+    /// The live fields of `key` at `now` (`HGETALL` as a reader sees it).
+    fn live(&self, key: &str, now: Time) -> Vec<(String, Vec<u8>)> {
+        self.hashes
+            .get(key)
+            .map(|(_, fields)| {
+                let view = fields.iter().map(|(f, v)| (f.as_str(), v.as_slice()));
+                expiring::live_fields(view, now)
+            })
+            .unwrap_or_default()
+    }
 }
 
 #[derive(Clone, Debug)]
@@ -531,16 +542,7 @@ impl World {
                 self.nodes[n].unconfirmed.remove(&channel);
             }
             NodeOutput::Lookup { agent, key } => {
-                let kas = self
-                    .store
-                    .hashes
-                    .get(&key)
-                    .map(|(_, fields)| {
-                        let view = fields.iter().map(|(f, v)| (f.as_str(), v.as_slice()));
-                        expiring::live_fields(view, now)
-                    })
-                    .unwrap_or_default();
-                let kas = Some(kas_core::keys::tunnel_holders(kas));
+                let kas = Some(kas_core::keys::tunnel_holders(self.store.live(&key, now)));
                 input(self, n, NodeInput::LookupDone { agent, kas });
             }
             NodeOutput::Write(batch) => {
@@ -572,13 +574,7 @@ impl World {
             NodeOutput::ReadKas { key } => {
                 let live = self
                     .store
-                    .hashes
-                    .get(&key)
-                    .map(|(_, fields)| {
-                        let view = fields.iter().map(|(f, v)| (f.as_str(), v.as_slice()));
-                        expiring::live_fields(view, now)
-                    })
-                    .unwrap_or_default()
+                    .live(&key, now)
                     .into_iter()
                     .map(|(id, info)| {
                         let info = KasInstanceInfo::decode(info.as_slice()).unwrap();

@@ -57,6 +57,11 @@ fn event(r: &mut Router, now: u64, n: u32, connected: bool) {
     );
 }
 
+/// Agent A's tunnels on this kas appear or go.
+fn local(r: &mut Router, now: u64, present: bool) {
+    r.handle_input(Time(now), RouterInput::LocalPresence { agent: A, present });
+}
+
 fn drain(r: &mut Router) -> Vec<RouterOutput> {
     std::iter::from_fn(|| r.poll_output()).collect()
 }
@@ -96,13 +101,7 @@ fn attempt(id: u64, target: Target) -> RouterOutput {
 #[test]
 fn local_tunnel_is_used_without_touching_redis() {
     let mut r = router();
-    r.handle_input(
-        Time(0),
-        RouterInput::LocalPresence {
-            agent: A,
-            present: true,
-        },
-    );
+    local(&mut r, 0, true);
     start(&mut r, 0, 1, 1000);
     assert_eq!(drain(&mut r), vec![attempt(1, Target::Local)]);
     finish(&mut r, 1, 1);
@@ -252,25 +251,13 @@ fn waiting_call_wakes_on_tunnel_event_and_goes_straight_there() {
 #[test]
 fn a_finished_call_leaves_no_timer_behind() {
     let mut r = router();
-    r.handle_input(
-        Time(0),
-        RouterInput::LocalPresence {
-            agent: A,
-            present: true,
-        },
-    );
+    local(&mut r, 0, true);
     for id in 1..=100 {
         start(&mut r, 0, id, 30_000);
         finish(&mut r, 1, id);
     }
     assert_eq!(r.poll_timeout(), None, "served locally, then finished");
-    r.handle_input(
-        Time(1),
-        RouterInput::LocalPresence {
-            agent: A,
-            present: false,
-        },
-    );
+    local(&mut r, 1, false);
     start(&mut r, 2, 101, 30_000);
     r.handle_input(Time(2), RouterInput::Subscribed { agent: A });
     answer_lookup(&mut r, 2, vec![]);
@@ -400,13 +387,7 @@ fn deadline_fails_with_not_connected_and_releases_everything() {
 #[test]
 fn attempt_running_past_deadline_is_failed_after_grace() {
     let mut r = router();
-    r.handle_input(
-        Time(0),
-        RouterInput::LocalPresence {
-            agent: A,
-            present: true,
-        },
-    );
+    local(&mut r, 0, true);
     start(&mut r, 0, 1, 100);
     drain(&mut r);
     r.handle_timeout(Time(100));
@@ -424,13 +405,7 @@ fn attempt_running_past_deadline_is_failed_after_grace() {
 #[test]
 fn refused_local_attempt_falls_back_to_discovery() {
     let mut r = router();
-    r.handle_input(
-        Time(0),
-        RouterInput::LocalPresence {
-            agent: A,
-            present: true,
-        },
-    );
+    local(&mut r, 0, true);
     start(&mut r, 0, 1, 1000);
     drain(&mut r);
     r.handle_input(
