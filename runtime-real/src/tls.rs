@@ -211,7 +211,7 @@ pub async fn connect(
     proxy: Option<&Proxy>,
     timeout: Duration,
 ) -> Result<tonic::transport::Channel, String> {
-    dial(url, ca_file, proxy, None, timeout).await
+    connect_via(url, ca_file, proxy, None, timeout).await
 }
 
 /// [`connect`] from `source`, an address of this host: kas-bench spreads its many agents
@@ -223,10 +223,11 @@ pub async fn connect_from(
     source: std::net::IpAddr,
     timeout: Duration,
 ) -> Result<tonic::transport::Channel, String> {
-    dial(url, ca_file, None, Some(source), timeout).await
+    connect_via(url, ca_file, None, Some(source), timeout).await
 }
 
-async fn dial(
+/// A channel to kas at `url`, through `proxy` and from `source` when given.
+async fn connect_via(
     url: &KasUrl,
     ca_file: Option<&Path>,
     proxy: Option<&Proxy>,

@@ -105,7 +105,8 @@ pub struct Fleet {
 /// The loopback addresses `n` agents connect from, `per_source` at most on each (127.0.0.1,
 /// 127.0.0.2, ..., up to 254 of them): each has its own range of ephemeral ports.
 pub fn sources(n: i64, per_source: i64) -> Vec<IpAddr> {
-    let k = (n.max(1) + per_source.max(1) - 1) / per_source.max(1);
+    let per = per_source.max(1);
+    let k = (n.max(1) + per - 1) / per;
     (1..=u8::try_from(k).unwrap_or(u8::MAX).min(254))
         .map(|last| IpAddr::V4(Ipv4Addr::new(127, 0, 0, last)))
         .collect()
