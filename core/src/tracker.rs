@@ -3,11 +3,12 @@
 //! The tracker holds the desired state — this kas's agent connections (by agent and by
 //! project), the agents it holds tunnels for, and its own instance record — and turns
 //! changes into [`Batch`]es of per-key writes. Each [`KeyWrite`] is one Redis transaction:
-//! `MULTI; HDEL ..; HSET ..; PEXPIRE key ttl; PUBLISH ..; EXEC`, so the fields written
-//! together share one expiry and a tunnel event is published only with the write that
-//! makes it true. Every `refresh` period everything is written again (with a new
-//! `expires_at`), which also restores it all after Redis lost its data. A failed batch is
-//! retried with jittered backoff; at shutdown everything is deleted.
+//! `MULTI; HDEL ..; HSET ..; PEXPIRE ..; PUBLISH ..; EXEC`, so a tunnel event is published
+//! only with the write that makes it true. Every `refresh` period everything is written
+//! again (each field with a new `expires_at`), which also restores it all after Redis lost
+//! its data; the key itself outlives its fields, so that write renews it only every few
+//! periods ([`KeyExpiry`]). A failed batch is retried with jittered backoff; at shutdown
+//! everything is deleted.
 //!
 //! Expired fields are left only by a kas that stopped writing without deleting them: one
 //! that died, or restarted under the same id. So the GC does not read every key every
@@ -105,6 +106,39 @@ pub struct Batch {
     pub writes: Vec<KeyWrite>,
 }
 
+/// How a write sets its key's lifetime (`PEXPIRE`).
+///
+/// A renewal makes the key outlive the fields written by the next [`KEY_REFRESHES`]
+/// refreshes too, so a refresh (which rewrites every field with a fresh `expires_at`)
+/// renews the key only every `KEY_REFRESHES + 1` periods: when the key would otherwise
+/// expire before the fields written now.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum KeyExpiry {
+    /// No `PEXPIRE`: the write leaves the key none of this kas's fields.
+    Keep,
+    /// `PEXPIRE key ttl` only if the `set` created a field (the key was new, lost or
+    /// collected): the key's lifetime from this kas's last renewal still covers the fields.
+    IfCreated(Duration),
+    /// `PEXPIRE key ttl`.
+    Renew(Duration),
+}
+
+impl KeyExpiry {
+    /// The `PEXPIRE` to run after a `set` that did or did not create a field.
+    pub fn ttl(self, created: bool) -> Option<Duration> {
+        match self {
+            KeyExpiry::Renew(ttl) => Some(ttl),
+            KeyExpiry::IfCreated(ttl) if created => Some(ttl),
+            _ => None,
+        }
+    }
+}
+
+/// How many refreshes after its renewal a key still outlives the fields written (see
+/// [`KeyExpiry`]). A key that only a dead kas wrote vanishes within
+/// `ttl + (KEY_REFRESHES + 1/2) * refresh` of its death.
+pub const KEY_REFRESHES: u32 = 2;
+
 /// One key's transaction, applied in this order: delete, set, expire, publish.
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub struct KeyWrite {
@@ -114,8 +148,8 @@ pub struct KeyWrite {
     pub delete: Vec<String>,
     /// `HSET key field value..`: values are encoded `ExpiringValue`s.
     pub set: Vec<(String, Vec<u8>)>,
-    /// `PEXPIRE key ttl` when set.
-    pub expire: Option<Duration>,
+    /// `PEXPIRE key ttl`, always or if the `set` created a field.
+    pub expire: KeyExpiry,
     /// `PUBLISH channel payload` (encoded `TunnelEvent`s).
     pub publish: Vec<(String, Vec<u8>)>,
     /// `PUBLISH channel payload` only if the `set` created a field the hash lacked: a
@@ -151,6 +185,10 @@ struct KeyState {
     pending_publish: Vec<(String, Vec<u8>)>,
     /// The event that announces this key's field when a write recreates it.
     announce: Option<(String, Vec<u8>)>,
+    /// Until when the key lives at least, by this kas's last committed renewal.
+    key_expires: Time,
+    /// The `key_expires` of the renewal in flight.
+    renewing: Option<Time>,
     dirty: bool,
     in_flight: bool,
 }
@@ -237,7 +275,13 @@ impl Tracker {
     pub fn handle_input(&mut self, now: Time, input: TrackerInput) {
         match input {
             TrackerInput::BatchResult { batch, ok } => self.batch_result(now, batch, ok),
-            TrackerInput::RewriteAll => self.mark_all_dirty(),
+            TrackerInput::RewriteAll => {
+                // What Redis kept of the keys' lifetimes is unknown too.
+                for st in self.state.values_mut() {
+                    st.key_expires = Time(0);
+                }
+                self.mark_all_dirty();
+            }
             TrackerInput::LiveKas(live) => self.collect(now, live),
             TrackerInput::GcFailed(keys) => {
                 self.collect_new_at
@@ -458,6 +502,10 @@ impl Tracker {
                 continue;
             };
             st.in_flight = false;
+            let renewed = st.renewing.take();
+            if ok && let Some(until) = renewed {
+                st.key_expires = until;
+            }
             if !ok {
                 for field in w.delete {
                     if !st.fields.contains_key(&field) {
@@ -502,6 +550,16 @@ impl Tracker {
                     self.config.ttl
                 };
                 let expires_at = now + ttl;
+                // Half a period to spare for batches that run late.
+                let key_ttl = ttl + self.config.refresh * KEY_REFRESHES + self.config.refresh / 2;
+                let expire = if st.fields.is_empty() {
+                    KeyExpiry::Keep
+                } else if st.key_expires < expires_at {
+                    st.renewing = Some(now + key_ttl);
+                    KeyExpiry::Renew(key_ttl)
+                } else {
+                    KeyExpiry::IfCreated(key_ttl)
+                };
                 writes.push(KeyWrite {
                     delete: std::mem::take(&mut st.pending_delete).into_iter().collect(),
                     set: st
@@ -509,7 +567,7 @@ impl Tracker {
                         .iter()
                         .map(|(f, v)| (f.clone(), expiring::encode(v, expires_at)))
                         .collect(),
-                    expire: (!st.fields.is_empty()).then_some(ttl),
+                    expire,
                     // An explicit event already says what is true now.
                     announce: match &st.announce {
                         Some(a) if st.pending_publish.is_empty() && !st.fields.is_empty() => {

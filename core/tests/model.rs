@@ -555,7 +555,7 @@ impl World {
                         }
                         let before = fields.len();
                         fields.extend(w.set.iter().cloned());
-                        if let Some(ttl) = w.expire {
+                        if let Some(ttl) = w.expire.ttl(fields.len() > before) {
                             *exp = Some(now + ttl);
                         }
                         let mut events = w.publish.clone();

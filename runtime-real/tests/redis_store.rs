@@ -4,7 +4,7 @@
 
 mod support;
 
-use kas_core::tracker::KeyWrite;
+use kas_core::tracker::{KeyExpiry, KeyWrite};
 use kas_runtime::store::{PubSubEvent, RedisStore, RedisTopology, Store};
 use std::time::Duration;
 use support::Redis;
@@ -32,7 +32,7 @@ fn write(key: &str, set: &[(&str, &str)], delete: &[&str], publish: &str) -> Key
             .iter()
             .map(|(f, v)| (f.to_string(), v.as_bytes().to_vec()))
             .collect(),
-        expire: Some(Duration::from_secs(60)),
+        expire: KeyExpiry::Renew(Duration::from_secs(60)),
         publish: (!publish.is_empty())
             .then(|| ("events".to_string(), publish.as_bytes().to_vec()))
             .into_iter()
@@ -179,4 +179,49 @@ async fn gc_script_deletes_expired_and_undecodable_fields_only() {
     assert_eq!(store.gc(&keys, now).await.unwrap(), 600);
     assert_eq!(calls(&redis, "evalsha") - before, 2);
     support::only_live_left(&store, &keys).await;
+}
+
+#[tokio::test]
+async fn a_key_is_renewed_when_asked_or_when_its_write_created_a_field() {
+    let redis = Redis::start().expect("redis-server starts");
+    let store = store(&redis, Duration::from_secs(2));
+    let pttl = || -> i64 { redis.cli(&["PTTL", "k"]).trim().parse().unwrap() };
+    let put = |field: &str, expire: KeyExpiry| KeyWrite {
+        expire,
+        ..write("k", &[(field, "v")], &[], "")
+    };
+    let minute = Duration::from_secs(60);
+
+    store
+        .execute(&[put("f1", KeyExpiry::IfCreated(minute))])
+        .await
+        .unwrap();
+    assert!(pttl() > 50_000, "a new key gets its lifetime: {}", pttl());
+    redis.cli(&["PEXPIRE", "k", "20000"]);
+    store
+        .execute(&[put("f1", KeyExpiry::IfCreated(minute))])
+        .await
+        .unwrap();
+    assert!(
+        pttl() <= 20_000,
+        "a rewritten field renews nothing: {}",
+        pttl()
+    );
+    store
+        .execute(&[put("f2", KeyExpiry::IfCreated(minute))])
+        .await
+        .unwrap();
+    assert!(
+        pttl() > 50_000,
+        "a created field renews the key: {}",
+        pttl()
+    );
+    redis.cli(&["PEXPIRE", "k", "20000"]);
+    store.execute(&[put("f2", KeyExpiry::Keep)]).await.unwrap();
+    assert!(pttl() <= 20_000, "Keep renews nothing: {}", pttl());
+    store
+        .execute(&[put("f2", KeyExpiry::Renew(minute))])
+        .await
+        .unwrap();
+    assert!(pttl() > 50_000, "Renew renews: {}", pttl());
 }

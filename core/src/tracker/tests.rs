@@ -1,6 +1,8 @@
 use super::*;
 
 const TTL: Duration = Duration::from_millis(300);
+/// A renewed key's lifetime: the ttl and 2.5 refresh periods.
+const KEY_TTL: Duration = Duration::from_millis(900);
 
 fn config() -> TrackerConfig {
     TrackerConfig {
@@ -66,7 +68,7 @@ fn registers_the_instance_at_start_with_ttl() {
     let b = next_batch(&mut t);
     assert_eq!(keys_of(&b), vec!["kas:kas_instances"]);
     let w = &b.writes[0];
-    assert_eq!(w.expire, Some(TTL));
+    assert_eq!(w.expire, KeyExpiry::Renew(KEY_TTL));
     let (expires_at, payload) = expiring::decode(&w.set[0].1).unwrap();
     assert_eq!(expires_at, Time(300));
     assert_eq!(
@@ -106,7 +108,7 @@ fn connection_writes_both_indexes_and_changes_wait_for_the_batch_in_flight() {
             .iter()
             .all(|w| w.delete == vec!["70@k1:1".to_string()] && w.set.is_empty())
     );
-    assert!(b.writes.iter().all(|w| w.expire.is_none()));
+    assert!(b.writes.iter().all(|w| w.expire == KeyExpiry::Keep));
     ack(&mut t, 5, &b, true);
     assert_eq!(t.desired().len(), 1, "only the instance record remains");
 }
@@ -207,13 +209,21 @@ fn liveness_is_a_short_lived_instance_record_rewritten_every_third_of_it() {
         1,
     );
     let first = next_batch(&mut t);
-    assert_eq!(first.writes[0].expire, Some(Duration::from_millis(90)));
+    assert_eq!(
+        first.writes[0].expire,
+        KeyExpiry::Renew(Duration::from_millis(90 + 600))
+    );
     t.handle_input(Time(1), TrackerInput::AgentConnected(info(7, 70)));
     ack(&mut t, 1, &first, true);
     let b = next_batch(&mut t);
     ack(&mut t, 2, &b, true);
     for w in &b.writes {
-        assert_eq!(w.expire, Some(TTL), "{}: agent records keep the ttl", w.key);
+        assert_eq!(
+            w.expire,
+            KeyExpiry::Renew(KEY_TTL),
+            "{}: agent records keep the ttl",
+            w.key
+        );
     }
     assert_eq!(t.poll_timeout(), Some(Time(30)));
     for at in [30, 60, 90] {
@@ -243,6 +253,68 @@ fn refresh_rewrites_everything_with_a_new_expiry() {
     for w in &refresh.writes {
         assert_eq!(expiring::decode(&w.set[0].1).unwrap().0, Time(540));
     }
+}
+
+/// Whether every write of `b` renews its key (else, each renews only if it created a
+/// field).
+fn renews(b: &Batch) -> bool {
+    if b.writes
+        .iter()
+        .all(|w| w.expire == KeyExpiry::Renew(KEY_TTL))
+    {
+        return true;
+    }
+    assert!(
+        b.writes
+            .iter()
+            .all(|w| w.expire == KeyExpiry::IfCreated(KEY_TTL)),
+        "{b:?}"
+    );
+    false
+}
+
+#[test]
+fn a_refresh_renews_a_key_only_every_third_period() {
+    // A key renewed at t lives until t + 900: it covers the fields written until t + 600,
+    // two refreshes (240 ms) and a half later.
+    let mut t = tracker();
+    let first = next_batch(&mut t);
+    ack(&mut t, 0, &first, true);
+    t.handle_input(Time(10), TrackerInput::AgentConnected(info(7, 70)));
+    let b = next_batch(&mut t);
+    assert!(renews(&b), "new keys");
+    ack(&mut t, 10, &b, true);
+    for at in [240, 480] {
+        t.handle_timeout(Time(at));
+        let b = next_batch(&mut t);
+        assert!(!renews(&b), "at {at}: keys live until 900 and 910");
+        ack(&mut t, at, &b, true);
+    }
+    t.handle_timeout(Time(720));
+    let b = next_batch(&mut t);
+    assert!(renews(&b), "fields until 1020");
+    ack(&mut t, 720, &b, false);
+    let retry = t.poll_timeout().unwrap();
+    assert!(retry < Time(840));
+    t.handle_timeout(retry);
+    let b = next_batch(&mut t);
+    assert!(renews(&b), "a failed renewal counts for nothing");
+    ack(&mut t, retry.0, &b, true);
+    for at in [960, 1200] {
+        t.handle_timeout(Time(at));
+        let b = next_batch(&mut t);
+        assert!(!renews(&b), "at {at}: keys live until {}", retry.0 + 900);
+        ack(&mut t, at, &b, true);
+    }
+    t.handle_timeout(Time(1440));
+    let b = next_batch(&mut t);
+    assert!(renews(&b), "fields until 1740");
+    ack(&mut t, 1440, &b, true);
+    t.handle_input(Time(1450), TrackerInput::RewriteAll);
+    assert!(
+        renews(&next_batch(&mut t)),
+        "Redis may have lost the keys' lifetimes"
+    );
 }
 
 #[test]

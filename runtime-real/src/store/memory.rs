@@ -35,8 +35,8 @@ impl Keyspace {
         }
     }
 
-    /// Applies each write as one transaction (`HDEL; HSET; PEXPIRE; PUBLISH`, then the
-    /// announcements if `HSET` created a field) at `now`; returns the messages to publish,
+    /// Applies each write as one transaction (`HDEL; HSET; PEXPIRE` as its `expire` says;
+    /// `PUBLISH`, then the announcements if `HSET` created a field) at `now`; returns the messages to publish,
     /// in order.
     pub fn execute(&mut self, writes: &[KeyWrite], now: Instant) -> Vec<(String, Vec<u8>)> {
         let mut publish = Vec::new();
@@ -50,7 +50,7 @@ impl Keyspace {
             for (f, v) in &w.set {
                 created |= h.fields.insert(f.clone(), v.clone()).is_none();
             }
-            if let Some(ttl) = w.expire {
+            if let Some(ttl) = w.expire.ttl(created) {
                 h.expires = Some(now + ttl);
             }
             if h.fields.is_empty() {

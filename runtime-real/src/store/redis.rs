@@ -16,7 +16,7 @@ use ::redis::cluster_async::ClusterConnection;
 use ::redis::{Client, Script, Value};
 use futures::StreamExt;
 use kas_core::Time;
-use kas_core::tracker::KeyWrite;
+use kas_core::tracker::{KeyExpiry, KeyWrite};
 use std::collections::VecDeque;
 use std::sync::Arc;
 use std::time::Duration;
@@ -64,7 +64,7 @@ return gone
 /// Applies a tracker batch in one round trip and one command, atomically. ARGV[1] is the
 /// publish command (`PUBLISH`, or `SPUBLISH` on a cluster); then for each key (`KEYS[k]`),
 /// ARGV holds, in order: the fields to delete (count, then names), the fields
-/// to set (count, then name/value pairs), the key's TTL in ms (0: none), the messages to
+/// to set (count, then name/value pairs), the key's TTL in ms ([`expire_arg`]), the messages to
 /// publish (count, then channel/payload pairs), and the messages to publish only if the
 /// set created a field (same shape). Long lists go in chunks (Lua's `unpack` limit).
 const WRITE_BATCH: &str = r"
@@ -78,11 +78,9 @@ local function chunked(cmd, key, n, width)
   local total = 0
   while n > 0 do
     local m = math.min(n, 200)
-    local args = {}
-    for i = 1, m * width do
-      args[i] = take()
-    end
-    total = total + redis.call(cmd, key, unpack(args))
+    local last = a + m * width - 1
+    total = total + redis.call(cmd, key, unpack(ARGV, a, last))
+    a = last + 1
     n = n - m
   end
   return total
@@ -92,8 +90,8 @@ for k = 1, #KEYS do
   chunked('HDEL', key, tonumber(take()), 1)
   local created = chunked('HSET', key, tonumber(take()), 2)
   local ttl = tonumber(take())
-  if ttl > 0 then
-    redis.call('PEXPIRE', key, ttl)
+  if ttl > 0 or (ttl < 0 and created > 0) then
+    redis.call('PEXPIRE', key, math.abs(ttl))
   end
   for i = 1, tonumber(take()) do
     local channel, payload = take(), take()
@@ -149,6 +147,17 @@ enum Target {
         /// Made on first use (it connects at once), then kept: it follows the cluster.
         conn: Box<tokio::sync::OnceCell<ClusterConnection>>,
     },
+}
+
+/// [`WRITE_BATCH`]'s TTL argument: milliseconds, negative when only a `set` that created
+/// a field sets it, 0 for none.
+fn expire_arg(expire: KeyExpiry) -> i64 {
+    let ms = |t: Duration| i64::try_from(t.as_millis()).unwrap_or(i64::MAX);
+    match expire {
+        KeyExpiry::Keep => 0,
+        KeyExpiry::IfCreated(t) => -ms(t),
+        KeyExpiry::Renew(t) => ms(t),
+    }
 }
 
 fn err(e: impl std::fmt::Display) -> StoreError {
@@ -454,10 +463,7 @@ impl RedisStore {
                     for (f, v) in &w.set {
                         inv.arg(f).arg(v);
                     }
-                    let ttl = w
-                        .expire
-                        .map_or(0, |t| u64::try_from(t.as_millis()).unwrap_or(u64::MAX));
-                    inv.arg(ttl);
+                    inv.arg(expire_arg(w.expire));
                     for messages in [&w.publish, &w.announce] {
                         inv.arg(messages.len());
                         for (channel, payload) in messages {

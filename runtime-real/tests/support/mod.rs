@@ -682,7 +682,7 @@ pub fn gc_fixture(
             ("dead".into(), expiring::encode(b"payload", now)),
             ("junk".into(), b"not an expiring value".to_vec()),
         ],
-        expire: None,
+        expire: kas_core::tracker::KeyExpiry::Keep,
         publish,
         announce: vec![],
     }

@@ -794,6 +794,11 @@ impl Idle {
     }
 }
 
+/// Refresh periods over which the steady state's Redis commands are counted: whole cycles
+/// of key renewals (a refresh renews a key every third period; see
+/// `kas_core::tracker::KeyExpiry`).
+const COUNTED_REFRESHES: u32 = 6;
+
 /// Part 4: idle cost (and with --tls, over TLS too) and Redis cost at `agents` agents.
 async fn scale_section(
     world: &mut World,
@@ -806,11 +811,12 @@ async fn scale_section(
     let (idle, fleet) = Idle::measure(&kas, agents, args.agents_per_source, None).await?;
     // Steady state: the first writes are done, and so is the one GC of each new key (at
     // the first GC period, every ttl, that starts a ttl after the key was written); count
-    // two refresh periods.
+    // COUNTED_REFRESHES refresh periods.
     tokio::time::sleep(args.ttl * 2).await;
     let refresh = args.ttl / 2;
+    let window = refresh * COUNTED_REFRESHES;
     let before = Commands::read(&world.redis);
-    tokio::time::sleep(refresh * 2).await;
+    tokio::time::sleep(window).await;
     let steady = Commands::read(&world.redis).since(&before);
     drop(fleet);
     drop(kas);
@@ -830,7 +836,7 @@ async fn scale_section(
     } else {
         None
     };
-    let minutes = (refresh * 2).as_secs_f64() / 60.0;
+    let minutes = window.as_secs_f64() / 60.0;
     let mib = |b: u64| b as f64 / 1048576.0;
     println!(
         "\n## One kas with {agents} agents (each on its own connection, from {} loopback address{})\n",
@@ -877,12 +883,11 @@ async fn scale_section(
     let sent_per_agent_min = steady.sent(&scale::IN_SCRIPTS) as f64 / agents as f64 / minutes;
     let all_per_agent_min = steady.all() as f64 / agents as f64 / minutes;
     println!(
-        "\n## Redis at steady state, {agents} agents, refresh every {refresh:?}, over {:?}\n",
-        refresh * 2
+        "\n## Redis at steady state, {agents} agents, refresh every {refresh:?}, over {window:?}\n"
     );
     println!("| commands | total | per agent per minute | per agent per refresh | by command |");
     println!("|---|---|---|---|---|");
-    let per_refresh = |n: u64| n as f64 / agents as f64 / 2.0;
+    let per_refresh = |n: u64| n as f64 / agents as f64 / f64::from(COUNTED_REFRESHES);
     println!(
         "| sent by kas | {} | {sent_per_agent_min:.4} | {:.4} | |",
         steady.sent(&scale::IN_SCRIPTS),
@@ -907,7 +912,7 @@ async fn scale_section(
         results["idle_tls"] = t.json(agents);
     }
     results["redis_steady"] = json!({
-        "agents": agents, "refresh_s": refresh.as_secs_f64(), "window_s": (refresh * 2).as_secs_f64(),
+        "agents": agents, "refresh_s": refresh.as_secs_f64(), "window_s": window.as_secs_f64(),
         "sent": steady.sent(&scale::IN_SCRIPTS), "all": steady.all(), "by_command": steady.calls,
         "sent_per_agent_per_minute": sent_per_agent_min,
         "all_per_agent_per_minute": all_per_agent_min,
