@@ -153,10 +153,12 @@ pub struct KeyWrite {
     /// `PUBLISH channel payload` (encoded `TunnelEvent`s).
     pub publish: Vec<(String, Vec<u8>)>,
     /// `PUBLISH channel payload` only if the `set` created a field the hash lacked: a
-    /// tunnel record that expired or was lost (Redis restart, time jump) and is written
+    /// tunnel record that was lost (Redis restart or failover, collected) and is written
     /// again is announced, so routers that wait without polling learn of it. (The agent's
     /// connections share the hash: a connection recorded while this kas holds tunnels of
-    /// the agent announces them again, which is true and harmless.)
+    /// the agent announces them again, which is true and harmless.) A record that may have
+    /// expired in the hash since this kas last wrote it is announced in `publish` instead:
+    /// the `set` finds it there.
     pub announce: Vec<(String, Vec<u8>)>,
 }
 
@@ -187,8 +189,11 @@ struct KeyState {
     announce: Option<(String, Vec<u8>)>,
     /// Until when the key lives at least, by this kas's last committed renewal.
     key_expires: Time,
-    /// The `key_expires` of the renewal in flight.
-    renewing: Option<Time>,
+    /// When the fields of the last committed write expire: a write after that revives
+    /// them (the key may still hold them, so the `set` creates nothing).
+    fields_expire: Time,
+    /// The write in flight: its fields' expiry, and its renewal's `key_expires`.
+    writing: Option<(Time, Option<Time>)>,
     dirty: bool,
     in_flight: bool,
 }
@@ -502,9 +507,10 @@ impl Tracker {
                 continue;
             };
             st.in_flight = false;
-            let renewed = st.renewing.take();
-            if ok && let Some(until) = renewed {
-                st.key_expires = until;
+            let written = st.writing.take();
+            if ok && let Some((fields, key)) = written {
+                st.fields_expire = fields;
+                st.key_expires = key.unwrap_or(st.key_expires);
             }
             if !ok {
                 for field in w.delete {
@@ -555,10 +561,25 @@ impl Tracker {
                 let expire = if st.fields.is_empty() {
                     KeyExpiry::Keep
                 } else if st.key_expires < expires_at {
-                    st.renewing = Some(now + key_ttl);
                     KeyExpiry::Renew(key_ttl)
                 } else {
                     KeyExpiry::IfCreated(key_ttl)
+                };
+                let renewal = matches!(expire, KeyExpiry::Renew(_)).then_some(now + key_ttl);
+                st.writing = Some((expires_at, renewal));
+                // An explicit event already says what is true now.
+                let announce = match &st.announce {
+                    Some(a) if st.pending_publish.is_empty() && !st.fields.is_empty() => {
+                        vec![a.clone()]
+                    }
+                    _ => Vec::new(),
+                };
+                // Fields that expired while the key kept them are revived, not created:
+                // announce them whatever the `set` finds.
+                let (announce, revived) = if now >= st.fields_expire {
+                    (Vec::new(), announce)
+                } else {
+                    (announce, Vec::new())
                 };
                 writes.push(KeyWrite {
                     delete: std::mem::take(&mut st.pending_delete).into_iter().collect(),
@@ -568,14 +589,8 @@ impl Tracker {
                         .map(|(f, v)| (f.clone(), expiring::encode(v, expires_at)))
                         .collect(),
                     expire,
-                    // An explicit event already says what is true now.
-                    announce: match &st.announce {
-                        Some(a) if st.pending_publish.is_empty() && !st.fields.is_empty() => {
-                            vec![a.clone()]
-                        }
-                        _ => Vec::new(),
-                    },
-                    publish: std::mem::take(&mut st.pending_publish),
+                    announce,
+                    publish: [std::mem::take(&mut st.pending_publish), revived].concat(),
                     key,
                 });
             }

@@ -171,6 +171,46 @@ fn refresh_announces_a_tunnel_record_only_if_it_was_missing() {
 }
 
 #[test]
+fn a_tunnel_record_rewritten_after_it_expired_is_announced_whatever_the_key_holds() {
+    // The key outlives its fields: one whose writes failed past their expiry may still
+    // hold them, so a `set` would create nothing, yet readers have seen the record gone.
+    let mut t = tracker();
+    let first = next_batch(&mut t);
+    ack(&mut t, 0, &first, true);
+    t.handle_input(
+        Time(1),
+        TrackerInput::TunnelPresence {
+            agent: AgentId(3),
+            present: true,
+        },
+    );
+    let b = next_batch(&mut t);
+    ack(&mut t, 2, &b, true);
+    t.handle_timeout(Time(240));
+    let mut now = 240;
+    loop {
+        let b = next_batch(&mut t);
+        let w = b
+            .writes
+            .iter()
+            .find(|w| w.key == "kas:agent:{agent:3}")
+            .unwrap();
+        let (explicit, conditional) = (w.publish.len(), w.announce.len());
+        if now < 301 {
+            assert_eq!((explicit, conditional), (0, 1), "at {now}: fields live");
+        } else {
+            assert_eq!((explicit, conditional), (1, 0), "at {now}: fields expired");
+            let event = TunnelEvent::decode(w.publish[0].1.as_slice()).unwrap();
+            assert!(event.connected);
+            break;
+        }
+        ack(&mut t, now, &b, false);
+        now = t.poll_timeout().unwrap().0;
+        t.handle_timeout(Time(now));
+    }
+}
+
+#[test]
 fn failed_batch_is_retried_after_backoff_with_its_deletes_and_events() {
     let mut t = tracker();
     let first = next_batch(&mut t);
