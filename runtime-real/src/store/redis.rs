@@ -499,19 +499,23 @@ impl RedisStore {
     }
 
     /// Deletes the expired fields of `keys` at `now`: one `EVALSHA` per 256 keys (of one
-    /// slot, on a cluster).
+    /// slot, on a cluster), all sent at once like a batch's writes (a cluster's keys fall
+    /// in as many groups as slots: one round trip after another would take seconds).
     pub(super) async fn gc(&self, keys: &[String], now: Time) -> Result<usize, StoreError> {
-        let mut conn = self.conn().await?;
-        let mut gone = 0;
-        for group in self.groups(keys, String::as_str) {
-            for chunk in group.chunks(256) {
-                let mut inv = self.collect_garbage.prepare_invoke();
-                for k in chunk {
-                    inv.key(*k);
-                }
-                inv.arg(now.as_millis());
-                gone += self.outcome(inv.invoke_async::<usize>(&mut conn).await)?;
+        let conn = self.conn().await?;
+        let groups = self.groups(keys, String::as_str);
+        let calls = groups.iter().flat_map(|g| g.chunks(256)).map(|chunk| {
+            let mut conn = conn.clone();
+            let mut inv = self.collect_garbage.prepare_invoke();
+            for k in chunk {
+                inv.key(*k);
             }
+            inv.arg(now.as_millis());
+            async move { self.outcome(inv.invoke_async::<usize>(&mut conn).await) }
+        });
+        let mut gone = 0;
+        for n in futures::future::join_all(calls).await {
+            gone += n?;
         }
         Ok(gone)
     }
