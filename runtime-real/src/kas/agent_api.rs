@@ -4,7 +4,7 @@
 use super::engine::{Command, EngineHandle};
 use super::limits::AgentLimits;
 use super::live_kas::LiveKas;
-use super::tunnel::{self, OutboundStream, Tunnel};
+use super::tunnel::{self, OutboundStream, Outgoing, Tunnel};
 use crate::agent_auth::{AgentAuth, AgentIdentity, AuthError};
 use kas_core::frame_sequence::{Direction, FrameSequence, StreamKind};
 use kas_core::node::NodeInput;
@@ -19,7 +19,6 @@ use std::sync::Arc;
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::time::{Duration, SystemTime};
 use tokio::sync::{mpsc, oneshot, watch};
-use tokio_stream::wrappers::ReceiverStream;
 use tonic::metadata::MetadataMap;
 use tonic::{Request, Response, Status, Streaming};
 
@@ -78,8 +77,8 @@ impl AgentService {
 
 #[tonic::async_trait]
 impl AgentApi for AgentService {
-    type GetConfigurationStream = ReceiverStream<Result<ConfigurationResponse, Status>>;
-    type OpenTunnelStream = OutboundStream;
+    type GetConfigurationStream = OutboundStream<ConfigurationResponse>;
+    type OpenTunnelStream = OutboundStream<Frame>;
 
     async fn get_configuration(
         &self,
@@ -117,7 +116,7 @@ impl AgentApi for AgentService {
         };
         tracing::info!(agent = %identity.agent_id, %connection, "agent connected");
         self.engine.input(NodeInput::AgentConnected(info));
-        let (tx, rx) = mpsc::channel(2);
+        let (tx, rx) = tunnel::outbound(2);
         let commit_id = hex(&Sha256::digest(identity.config.as_bytes())[..8]);
         let first = ConfigurationResponse {
             config: identity.config.clone(),
@@ -133,7 +132,7 @@ impl AgentApi for AgentService {
             config: String::new(),
             ..first.clone()
         };
-        let _ = tx.send(Ok(first)).await;
+        let _ = tx.send(Box::new(Ok(first))).await;
         let engine = self.engine.clone();
         let ends = Ends {
             draining: self.draining.clone(),
@@ -143,7 +142,7 @@ impl AgentApi for AgentService {
         tokio::spawn(async move {
             if ends.hold(&tx, drain).await {
                 let status = Status::unavailable("kas is shutting down: reconnect to another kas");
-                let _ = tx.try_send(Err(status));
+                let _ = tx.try_send(Box::new(Err(status)));
             }
             tracing::info!(agent = %identity.agent_id, %connection, "agent disconnected");
             engine.input(NodeInput::AgentDisconnected {
@@ -153,7 +152,7 @@ impl AgentApi for AgentService {
             });
             drop(slot);
         });
-        Ok(Response::new(ReceiverStream::new(rx)))
+        Ok(Response::new(rx))
     }
 
     async fn open_tunnel(
@@ -199,7 +198,7 @@ impl AgentApi for AgentService {
         reply
             .await
             .map_err(|_| Status::unavailable("kas is shutting down"))??;
-        let (outbound, frames) = tunnel::outbound();
+        let (outbound, frames) = tunnel::outbound(16);
         let task = Tunnel {
             id: tunnel,
             inbound,
@@ -244,7 +243,7 @@ impl Ends {
     /// is cut off with the rest.
     async fn hold(
         mut self,
-        tx: &mpsc::Sender<Result<ConfigurationResponse, Status>>,
+        tx: &mpsc::Sender<Outgoing<ConfigurationResponse>>,
         drain: ConfigurationResponse,
     ) -> bool {
         let old = tokio::time::sleep(self.age);
@@ -264,7 +263,7 @@ impl Ends {
                 reason = why,
                 "asking the agent to move"
             );
-            let _ = tx.try_send(Ok(drain.clone()));
+            let _ = tx.try_send(Box::new(Ok(drain.clone())));
         }
     }
 }
