@@ -113,8 +113,12 @@ fn connection_writes_both_indexes_and_changes_wait_for_the_batch_in_flight() {
     assert_eq!(t.desired().len(), 1, "only the instance record remains");
 }
 
-#[test]
-fn tunnel_presence_publishes_with_its_write() {
+/// The key of agent 3, whose tunnels [`presence_batch`] records.
+const AGENT_3: &str = "kas:agent:{agent:3}";
+
+/// A tracker whose instance record is written, and the batch (at 1, not yet answered) that
+/// records whether this kas holds tunnels of agent 3.
+fn presence_batch(present: bool) -> (Tracker, Batch) {
     let mut t = tracker();
     let first = next_batch(&mut t);
     ack(&mut t, 0, &first, true);
@@ -122,12 +126,18 @@ fn tunnel_presence_publishes_with_its_write() {
         Time(1),
         TrackerInput::TunnelPresence {
             agent: AgentId(3),
-            present: true,
+            present,
         },
     );
     let b = next_batch(&mut t);
+    (t, b)
+}
+
+#[test]
+fn tunnel_presence_publishes_with_its_write() {
+    let (_, b) = presence_batch(true);
     let w = &b.writes[0];
-    assert_eq!(w.key, "kas:agent:{agent:3}");
+    assert_eq!(w.key, AGENT_3);
     assert_eq!(w.set[0].0, "k1:1");
     assert_eq!(w.publish.len(), 1);
     let event = TunnelEvent::decode(w.publish[0].1.as_slice()).unwrap();
@@ -139,15 +149,7 @@ fn tunnel_presence_publishes_with_its_write() {
 
 #[test]
 fn refresh_announces_a_tunnel_record_only_if_it_was_missing() {
-    let mut t = tracker();
-    let first = next_batch(&mut t);
-    ack(&mut t, 0, &first, true);
-    let presence = |present| TrackerInput::TunnelPresence {
-        agent: AgentId(3),
-        present,
-    };
-    t.handle_input(Time(1), presence(true));
-    let b = next_batch(&mut t);
+    let (mut t, b) = presence_batch(true);
     assert!(
         b.writes[0].announce.is_empty(),
         "the explicit event says it"
@@ -155,17 +157,19 @@ fn refresh_announces_a_tunnel_record_only_if_it_was_missing() {
     ack(&mut t, 2, &b, true);
     t.handle_timeout(Time(240));
     let refresh = next_batch(&mut t);
-    let w = refresh
-        .writes
-        .iter()
-        .find(|w| w.key == "kas:agent:{agent:3}")
-        .unwrap();
+    let w = refresh.writes.iter().find(|w| w.key == AGENT_3).unwrap();
     assert!(w.publish.is_empty());
     assert_eq!(w.announce.len(), 1);
     let event = TunnelEvent::decode(w.announce[0].1.as_slice()).unwrap();
     assert!(event.connected);
     ack(&mut t, 241, &refresh, true);
-    t.handle_input(Time(242), presence(false));
+    t.handle_input(
+        Time(242),
+        TrackerInput::TunnelPresence {
+            agent: AgentId(3),
+            present: false,
+        },
+    );
     let gone = next_batch(&mut t);
     assert!(gone.writes[0].announce.is_empty());
 }
@@ -174,27 +178,13 @@ fn refresh_announces_a_tunnel_record_only_if_it_was_missing() {
 fn a_tunnel_record_rewritten_after_it_expired_is_announced_whatever_the_key_holds() {
     // The key outlives its fields: one whose writes failed past their expiry may still
     // hold them, so a `set` would create nothing, yet readers have seen the record gone.
-    let mut t = tracker();
-    let first = next_batch(&mut t);
-    ack(&mut t, 0, &first, true);
-    t.handle_input(
-        Time(1),
-        TrackerInput::TunnelPresence {
-            agent: AgentId(3),
-            present: true,
-        },
-    );
-    let b = next_batch(&mut t);
+    let (mut t, b) = presence_batch(true);
     ack(&mut t, 2, &b, true);
     t.handle_timeout(Time(240));
     let mut now = 240;
     loop {
         let b = next_batch(&mut t);
-        let w = b
-            .writes
-            .iter()
-            .find(|w| w.key == "kas:agent:{agent:3}")
-            .unwrap();
+        let w = b.writes.iter().find(|w| w.key == AGENT_3).unwrap();
         let (explicit, conditional) = (w.publish.len(), w.announce.len());
         if now < 301 {
             assert_eq!((explicit, conditional), (0, 1), "at {now}: fields live");
@@ -212,17 +202,7 @@ fn a_tunnel_record_rewritten_after_it_expired_is_announced_whatever_the_key_hold
 
 #[test]
 fn failed_batch_is_retried_after_backoff_with_its_deletes_and_events() {
-    let mut t = tracker();
-    let first = next_batch(&mut t);
-    ack(&mut t, 0, &first, true);
-    t.handle_input(
-        Time(1),
-        TrackerInput::TunnelPresence {
-            agent: AgentId(3),
-            present: false,
-        },
-    );
-    let b = next_batch(&mut t);
+    let (mut t, b) = presence_batch(false);
     ack(&mut t, 2, &b, false);
     assert!(t.poll_output().is_none());
     let retry = t.poll_timeout().unwrap();
