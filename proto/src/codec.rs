@@ -9,8 +9,11 @@ use std::marker::PhantomData;
 use tonic::codec::{BufferSettings, Codec};
 use tonic_prost::{ProstDecoder, ProstEncoder};
 
-/// Initial size of a stream's encode and decode buffers.
-pub const INITIAL_BUFFER: usize = 512;
+/// Initial size of a stream's encode and decode buffers: an idle tunnel's heartbeats fit,
+/// and a call's larger frames grow them. 512 held an idle tunnel at 6.35-7.16 KiB of kas
+/// memory, 256 at 5.75-6.27 (kas-bench at 10,000 agents); small calls' throughput did not
+/// move beyond the runs' noise (see README, "Many agents on one kas").
+pub const INITIAL_BUFFER: usize = 256;
 
 /// Encoded messages are handed to HTTP/2 once this many bytes are buffered (tonic's
 /// default), so large messages still go out in large writes.
