@@ -558,29 +558,26 @@ impl Tracker {
                 let expires_at = now + ttl;
                 // Half a period to spare for batches that run late.
                 let key_ttl = ttl + self.config.refresh * KEY_REFRESHES + self.config.refresh / 2;
+                let renew = !st.fields.is_empty() && st.key_expires < expires_at;
                 let expire = if st.fields.is_empty() {
                     KeyExpiry::Keep
-                } else if st.key_expires < expires_at {
+                } else if renew {
                     KeyExpiry::Renew(key_ttl)
                 } else {
                     KeyExpiry::IfCreated(key_ttl)
                 };
-                let renewal = matches!(expire, KeyExpiry::Renew(_)).then_some(now + key_ttl);
-                st.writing = Some((expires_at, renewal));
+                st.writing = Some((expires_at, renew.then_some(now + key_ttl)));
+                let mut publish = std::mem::take(&mut st.pending_publish);
                 // An explicit event already says what is true now.
-                let announce = match &st.announce {
-                    Some(a) if st.pending_publish.is_empty() && !st.fields.is_empty() => {
-                        vec![a.clone()]
-                    }
+                let mut announce = match &st.announce {
+                    Some(a) if publish.is_empty() && !st.fields.is_empty() => vec![a.clone()],
                     _ => Vec::new(),
                 };
                 // Fields that expired while the key kept them are revived, not created:
                 // announce them whatever the `set` finds.
-                let (announce, revived) = if now >= st.fields_expire {
-                    (Vec::new(), announce)
-                } else {
-                    (announce, Vec::new())
-                };
+                if now >= st.fields_expire {
+                    publish.append(&mut announce);
+                }
                 writes.push(KeyWrite {
                     delete: std::mem::take(&mut st.pending_delete).into_iter().collect(),
                     set: st
@@ -590,7 +587,7 @@ impl Tracker {
                         .collect(),
                     expire,
                     announce,
-                    publish: [std::mem::take(&mut st.pending_publish), revived].concat(),
+                    publish,
                     key,
                 });
             }

@@ -36,8 +36,8 @@ impl Keyspace {
     }
 
     /// Applies each write as one transaction (`HDEL; HSET; PEXPIRE` as its `expire` says;
-    /// `PUBLISH`, then the announcements if `HSET` created a field) at `now`; returns the messages to publish,
-    /// in order.
+    /// `PUBLISH`, then the announcements if `HSET` created a field) at `now`; returns the
+    /// messages to publish, in order.
     pub fn execute(&mut self, writes: &[KeyWrite], now: Instant) -> Vec<(String, Vec<u8>)> {
         let mut publish = Vec::new();
         for w in writes {
