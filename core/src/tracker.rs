@@ -4,18 +4,23 @@
 //! project), the agents it holds tunnels for, and its own instance record — and turns
 //! changes into [`Batch`]es of per-key writes. Each [`KeyWrite`] is one Redis transaction:
 //! `MULTI; HDEL ..; HSET ..; PEXPIRE ..; PUBLISH ..; EXEC`, so a tunnel event is published
-//! only with the write that makes it true. Every `refresh` period everything is written
+//! only with the write that makes it true. Every `refresh` period everything routing reads is written
 //! again (each field with a new `expires_at`), which also restores it all after Redis lost
 //! its data; the key itself outlives its fields, so that write renews it only every few
-//! periods ([`KeyExpiry`]). A failed batch is retried with jittered backoff; at shutdown
+//! periods ([`KeyExpiry`]). A project's connection records are only listed, and listings
+//! skip the records of kas that are not alive, so they live longer and are rewritten every
+//! [`LISTING_REFRESHES`] periods: an agent alone in its project costs one hash write a
+//! period, not two. A failed batch is retried with jittered backoff; at shutdown
 //! everything is deleted.
 //!
 //! Expired fields are left only by a kas that stopped writing without deleting them: one
 //! that died, or restarted under the same id. So the GC does not read every key every
 //! period: each `gc` period the tracker asks for the live kas (id and incarnation) and,
-//! `ttl` after it saw one go or restart (its fields have expired by then), collects every
-//! key it writes. A key it starts writing is collected once `ttl` later, for what a kas
-//! that died before this one was watching left in it.
+//! once the longest-lived fields written before it saw one go, restart or appear (which
+//! may follow an incarnation that lived and died between two reads) have expired (a
+//! project's connection records, `ttl + 2 refresh`), collects every key it writes. A key it
+//! starts writing is collected once its fields' lifetime later, for what a kas that died
+//! before this one was watching left in it.
 //!
 //! This kas's instance record is its liveness: it lives only `liveness` and is rewritten
 //! every `liveness / 3`, so readers can skip the records of a kas that died without
@@ -139,6 +144,13 @@ impl KeyExpiry {
 /// `ttl + (KEY_REFRESHES + 1/2) * refresh` of its death.
 pub const KEY_REFRESHES: u32 = 2;
 
+/// How many refresh periods apart a project's connection records are rewritten: they
+/// live `ttl + (LISTING_REFRESHES - 1) * refresh`, so each write leaves them the margin
+/// (`ttl - refresh`) that a routing record has at its next refresh. A listing shows the
+/// record of a replica that left a live kas without that kas deleting it (the kas
+/// restarted under the same id) that long, not `ttl`.
+pub const LISTING_REFRESHES: u32 = 3;
+
 /// One key's transaction, applied in this order: delete, set, expire, publish.
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub struct KeyWrite {
@@ -180,8 +192,28 @@ pub struct TrackerConfig {
     pub max_keys_per_batch: usize,
 }
 
+impl TrackerConfig {
+    /// How long a project's connection records live (see [`LISTING_REFRESHES`]).
+    fn listing_ttl(&self) -> Duration {
+        self.ttl + self.refresh * (LISTING_REFRESHES - 1)
+    }
+
+    /// How long the fields of a key live, and how often a refresh rewrites them.
+    fn life(&self, instance: bool, listing: bool) -> (Duration, Duration) {
+        if instance {
+            (self.liveness, self.refresh)
+        } else if listing {
+            (self.listing_ttl(), self.refresh * LISTING_REFRESHES)
+        } else {
+            (self.ttl, self.refresh)
+        }
+    }
+}
+
 #[derive(Debug, Default)]
 struct KeyState {
+    /// Only listed (a project's connections): see [`LISTING_REFRESHES`].
+    listing: bool,
     fields: BTreeMap<String, Vec<u8>>,
     pending_delete: BTreeSet<String>,
     pending_publish: Vec<(String, Vec<u8>)>,
@@ -300,6 +332,7 @@ impl Tracker {
                 let by_agent = self.keys.agent(AgentId(info.agent_id));
                 let by_project = self.keys.connections_by_project(ProjectId(info.project_id));
                 self.set(now, by_agent, field.clone(), bytes.clone());
+                self.state.entry(by_project.clone()).or_default().listing = true;
                 self.set(now, by_project, field, bytes);
             }
             TrackerInput::AgentDisconnected {
@@ -347,7 +380,7 @@ impl Tracker {
         if now >= self.next_refresh {
             self.next_refresh = now + self.config.refresh;
             if !self.shutting_down {
-                self.mark_all_dirty();
+                self.mark_refresh_dirty(now);
             }
         }
         if now >= self.next_gc && !self.shutting_down {
@@ -358,20 +391,18 @@ impl Tracker {
         self.flush(now);
     }
 
-    /// Notes which kas went or restarted since the last read, then asks for the keys due to
+    /// Notes whether a kas went, restarted or appeared since the last read, then asks for the keys due to
     /// be collected (see the module docs).
     fn collect(&mut self, now: Time, live: Option<BTreeMap<String, u64>>) {
         if self.shutting_down {
             return;
         }
         if let Some(live) = live {
-            let gone = self.live_kas.as_ref().is_some_and(|before| {
-                before
-                    .iter()
-                    .any(|(id, incarnation)| live.get(id) != Some(incarnation))
-            });
-            if gone {
-                self.collect_all_at.insert(now + self.config.ttl);
+            // A kas that appears counts too: it may follow an incarnation of itself that
+            // lived and died between two reads, unseen, and left records.
+            if self.live_kas.as_ref().is_some_and(|before| *before != live) {
+                // Once the longest-lived fields written before have expired.
+                self.collect_all_at.insert(now + self.config.listing_ttl());
             }
             self.live_kas = Some(live);
         }
@@ -453,9 +484,10 @@ impl Tracker {
 
     fn set(&mut self, now: Time, key: String, field: String, value: Vec<u8>) {
         let st = self.state.entry(key.clone()).or_default();
+        let (life, _) = self.config.life(key == self.instances_key, st.listing);
         if st.fields.is_empty() {
-            self.collect_new_at
-                .push_back((now + self.config.ttl, key.clone()));
+            // For what a kas that died before this one was watching left in it.
+            self.collect_new_at.push_back((now + life, key.clone()));
         }
         st.pending_delete.remove(&field);
         st.fields.insert(field, value);
@@ -467,6 +499,25 @@ impl Tracker {
         st.fields.remove(&field);
         st.pending_delete.insert(field);
         mark_dirty(&mut self.dirty_queue, key, st);
+    }
+
+    /// Queues what a refresh rewrites: every key but the listing keys whose fields, left
+    /// as they are, would still have half the routing records' margin at the next one.
+    fn mark_refresh_dirty(&mut self, now: Time) {
+        let keep = now + self.config.refresh + (self.config.ttl - self.config.refresh) / 2;
+        let mut keys: Vec<String> = self
+            .state
+            .iter()
+            .filter(|(_, s)| !s.fields.is_empty() || !s.pending_delete.is_empty())
+            .filter(|(_, s)| !(s.listing && s.fields_expire >= keep))
+            .map(|(k, _)| k.clone())
+            .collect();
+        keys.sort(); // deterministic order regardless of hashing
+        for key in keys {
+            if let Some(st) = self.state.get_mut(&key) {
+                mark_dirty(&mut self.dirty_queue, key, st);
+            }
+        }
     }
 
     fn mark_all_dirty(&mut self) {
@@ -550,14 +601,10 @@ impl Tracker {
                 };
                 st.dirty = false;
                 st.in_flight = true;
-                let ttl = if key == self.instances_key {
-                    self.config.liveness
-                } else {
-                    self.config.ttl
-                };
+                let (ttl, every) = self.config.life(key == self.instances_key, st.listing);
                 let expires_at = now + ttl;
                 // Half a period to spare for batches that run late.
-                let key_ttl = ttl + self.config.refresh * KEY_REFRESHES + self.config.refresh / 2;
+                let key_ttl = ttl + every * KEY_REFRESHES + every / 2;
                 let renew = !st.fields.is_empty() && st.key_expires < expires_at;
                 let expire = if st.fields.is_empty() {
                     KeyExpiry::Keep

@@ -475,8 +475,9 @@ async fn listed_on_dead(cluster: &Cluster, agents: &[AgentSpec], dead: usize) ->
 
 /// What a killed or restarted kas left must have been collected by the time the healed
 /// phase ends: each kas sees the kas go (or its incarnation change) within a GC period of
-/// its restart, waits out the TTL, and collects at its next period (GC period = TTL here),
-/// so 3 TTL after the last fault, which the healed wait outlasts. Every field must be live.
+/// its restart, waits out the longest record life (a project's connection records,
+/// `ttl + 2 refresh` = 2 TTL here), and collects at its next period (GC period = TTL here),
+/// so 4 TTL after the last fault, which the healed wait outlasts. Every field must be live.
 fn expired_fields_left(cluster: &Cluster) -> Vec<String> {
     let now = kas_runtime::clock::now();
     let entries = cluster.redis.with_db(|db| db.entries(Instant::now()));
@@ -679,8 +680,8 @@ pub async fn run(scenario: Scenario) -> Report {
     }
 
     // Healed. Let agents reconnect (their backoff is capped) and records expire and be
-    // rewritten; then everything must route.
-    tokio::time::sleep(TTL * 2 + crate::cluster::RECONNECT_MAX + Duration::from_secs(2)).await;
+    // rewritten (and collected: see `expired_fields_left`); then everything must route.
+    tokio::time::sleep(TTL * 3 + crate::cluster::RECONNECT_MAX + Duration::from_secs(2)).await;
     let final_calls = caller
         .spawn({
             let secret = secret.clone();

@@ -91,8 +91,8 @@ struct Args {
     /// How long the Redis commands of waiting calls are counted.
     #[arg(long, value_name = "DURATION", default_value = "10s", value_parser = humantime::parse_duration)]
     waiting_window: Duration,
-    /// Registry record TTL of the kas (refreshed every half): the Redis cost window is two
-    /// refresh periods.
+    /// Registry record TTL of the kas (refreshed every half): the Redis cost is counted over
+    /// nine refresh periods, after a wait of three TTLs.
     #[arg(long, value_name = "DURATION", default_value = "20s", value_parser = humantime::parse_duration)]
     ttl: Duration,
     /// Size of the log read in the streaming part, in MiB.
@@ -795,9 +795,10 @@ impl Idle {
 }
 
 /// Refresh periods over which the steady state's Redis commands are counted: whole cycles
-/// of key renewals (a refresh renews a key every third period; see
-/// `kas_core::tracker::KeyExpiry`).
-const COUNTED_REFRESHES: u32 = 6;
+/// of key renewals (a refresh renews an agent's key every third period, and a project's,
+/// rewritten every third period, every ninth; see `kas_core::tracker::KeyExpiry` and
+/// `LISTING_REFRESHES`).
+const COUNTED_REFRESHES: u32 = 9;
 
 /// Part 4: idle cost (and with --tls, over TLS too) and Redis cost at `agents` agents.
 async fn scale_section(
@@ -810,9 +811,10 @@ async fn scale_section(
     let kas = world.kas(pubsub).await?;
     let (idle, fleet) = Idle::measure(&kas, agents, args.agents_per_source, None).await?;
     // Steady state: the first writes are done, and so is the one GC of each new key (at
-    // the first GC period, every ttl, that starts a ttl after the key was written); count
+    // the first GC period, every ttl, that starts once its records could have expired: a
+    // ttl after an agent's key was written, two after a project's); count
     // COUNTED_REFRESHES refresh periods.
-    tokio::time::sleep(args.ttl * 2).await;
+    tokio::time::sleep(args.ttl * 3).await;
     let refresh = args.ttl / 2;
     let window = refresh * COUNTED_REFRESHES;
     let before = Commands::read(&world.redis);
