@@ -69,6 +69,9 @@ fn kas_bench_runs_every_part_and_writes_its_json() {
     for row in unary {
         assert!(row["calls"].as_u64().unwrap() > 0, "{row}");
         assert_eq!(row["errors"], 0, "{row}");
+        for cpu in ["kas_cpu_us_per_call", "bench_cpu_us_per_call"] {
+            assert!(row[cpu].as_f64().is_some(), "{cpu} read from /proc: {row}");
+        }
     }
     let streaming = v["streaming"].as_array().unwrap();
     let paths: Vec<&str> = streaming

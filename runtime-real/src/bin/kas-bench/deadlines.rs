@@ -24,7 +24,7 @@ pub async fn part(load: CallFn, api: ApiClient, length: Duration) -> Value {
     let idle = probe(api.clone(), length).await;
     let (saturated, point) = tokio::join!(
         probe(api, length),
-        unary::measure(load, 64, Duration::ZERO, length)
+        unary::measure(load, 64, Duration::ZERO, length, &[])
     );
     let mut rows = Vec::new();
     for (name, (late, wrong)) in [

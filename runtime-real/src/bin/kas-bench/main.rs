@@ -522,7 +522,12 @@ async fn routed_parts(
                 paths.push((label.as_str(), unary::in_turn(calls)));
             }
         }
-        results["unary"] = unary_part(&paths, args).await;
+        let kas: Vec<u32> = [&a, &b]
+            .into_iter()
+            .chain(tls_pair.iter().flat_map(|(ta, tb)| [ta, tb]))
+            .filter_map(|k| k.pid())
+            .collect();
+        results["unary"] = unary_part(&paths, &kas, args).await;
         stop(many_agents).await;
         results["deadlines"] = deadlines::part(
             unary::routed(gitlab_b.clone(), 1),
@@ -548,8 +553,9 @@ async fn routed_parts(
     Ok(())
 }
 
-/// Part 1: each path at each `--concurrency`, then each path's peak.
-async fn unary_part(paths: &[(&str, unary::CallFn)], args: &Args) -> Value {
+/// Part 1: each path at each `--concurrency`, then each path's peak; with the CPU time
+/// per call of the kas processes `kas` (all of them, the idle ones too) and of this one.
+async fn unary_part(paths: &[(&str, unary::CallFn)], kas: &[u32], args: &Args) -> Value {
     let warmup = args.point / 3;
     println!(
         "\n## Unary calls (a 10-pod list, {} bytes)\n",
@@ -557,34 +563,46 @@ async fn unary_part(paths: &[(&str, unary::CallFn)], args: &Args) -> Value {
     );
     println!("{} client connection(s) per path\n", args.callers.max(1));
     println!(
-        "| path | concurrency | p50 ms | p99 ms | calls/s | p50 / direct | calls/s / direct | errors |"
+        "kas CPU: every kas process's user and system time over the point, per call (direct \
+         calls pass no kas); bench CPU: this process's (the client and the agents)\n"
     );
-    println!("|---|---|---|---|---|---|---|---|");
+    println!(
+        "| path | concurrency | p50 ms | p99 ms | calls/s | p50 / direct | calls/s / direct | kas CPU µs per call | bench CPU µs per call | errors |"
+    );
+    println!("|---|---|---|---|---|---|---|---|---|---|");
     let mut rows = Vec::new();
     for &concurrency in &args.concurrency {
         let mut base: Option<unary::Point> = None;
         for (name, call) in paths {
-            let p = unary::measure(call.clone(), concurrency, warmup, args.point).await;
+            let p = unary::measure(call.clone(), concurrency, warmup, args.point, kas).await;
             let b = base.get_or_insert_with(|| p.clone());
             let p50 = p.latencies.quantile(0.5);
             let ratio = p50.as_secs_f64() / b.latencies.quantile(0.5).as_secs_f64().max(1e-9);
             let tput = p.per_second / b.per_second.max(1e-9);
+            let micros = |d: Duration| d.as_secs_f64() * 1e6;
+            let (kas_cpu, bench_cpu) = p
+                .cpu_per_call
+                .map_or((None, None), |(k, b)| (Some(micros(k)), Some(micros(b))));
+            let shown = |v: Option<f64>| v.map_or("?".to_string(), |v| format!("{v:.1}"));
             println!(
-                "| {name} | {concurrency} | {:.3} | {:.3} | {:.0} | {ratio:.2} | {:.0}% | {} |",
+                "| {name} | {concurrency} | {:.3} | {:.3} | {:.0} | {ratio:.2} | {:.0}% | {} | {} | {} |",
                 ms(p50),
                 ms(p.latencies.quantile(0.99)),
                 p.per_second,
                 tput * 100.0,
+                shown(kas_cpu),
+                shown(bench_cpu),
                 p.errors
             );
             if let Some(e) = &p.first_error {
-                println!("|   first error: {e} | | | | | | | |");
+                println!("|   first error: {e} | | | | | | | | | |");
             }
             rows.push(json!({
                 "path": name, "concurrency": concurrency,
                 "p50_ms": ms(p50), "p99_ms": ms(p.latencies.quantile(0.99)),
                 "calls_per_s": p.per_second, "p50_ratio_to_direct": ratio,
-                "throughput_ratio_to_direct": tput, "calls": p.latencies.len(), "errors": p.errors, "first_error": p.first_error,
+                "throughput_ratio_to_direct": tput, "kas_cpu_us_per_call": kas_cpu,
+                "bench_cpu_us_per_call": bench_cpu, "calls": p.latencies.len(), "errors": p.errors, "first_error": p.first_error,
             }));
         }
     }

@@ -1,4 +1,4 @@
-//! Percentiles.
+//! Percentiles, and processes' CPU time.
 
 use std::time::Duration;
 
@@ -28,4 +28,26 @@ impl Latencies {
 /// Milliseconds with two decimals.
 pub fn ms(d: Duration) -> f64 {
     (d.as_secs_f64() * 100_000.0).round() / 100.0
+}
+
+/// Clock ticks per second of `/proc/<pid>/stat`'s times (`USER_HZ`, 100 on Linux's
+/// mainstream architectures).
+const USER_HZ: f64 = 100.0;
+
+/// The CPU time (user and system, every thread) process `pid` has used so far, from
+/// `/proc/<pid>/stat`; `None` where it cannot be read.
+pub fn cpu_time(pid: u32) -> Option<Duration> {
+    let stat = std::fs::read_to_string(format!("/proc/{pid}/stat")).ok()?;
+    // Fields after the command name (which may hold spaces, in parentheses): utime and
+    // stime are the 14th and 15th of the line, the 12th and 13th after it.
+    let rest = stat.rsplit_once(')')?.1;
+    let mut fields = rest.split_whitespace().skip(11);
+    let utime: u64 = fields.next()?.parse().ok()?;
+    let stime: u64 = fields.next()?.parse().ok()?;
+    Some(Duration::from_secs_f64((utime + stime) as f64 / USER_HZ))
+}
+
+/// The CPU time the processes of `pids` have used so far, together.
+pub fn cpu_of(pids: &[u32]) -> Option<Duration> {
+    pids.iter().map(|&p| cpu_time(p)).sum()
 }

@@ -3,7 +3,7 @@
 //! which forwards).
 
 use crate::setup::{logs, pods};
-use crate::stats::Latencies;
+use crate::stats::{Latencies, cpu_of, cpu_time};
 use kas_proto::pods::pods_client::PodsClient;
 use kas_proto::pods::pods_server::{Pods, PodsServer};
 use kas_proto::pods::{ListRequest, ListResponse, LogsRequest};
@@ -116,24 +116,35 @@ pub struct Point {
     pub errors: usize,
     /// The first error's message, if any.
     pub first_error: Option<String>,
+    /// CPU time per call of the kas processes, and of this one (the client and the
+    /// agents), over the measured window.
+    pub cpu_per_call: Option<(Duration, Duration)>,
 }
 
-/// Runs `call` from `concurrency` workers for `warmup`, then measures for `length`.
+/// Runs `call` from `concurrency` workers for `warmup`, then measures for `length`, with
+/// the CPU time of the kas processes `kas` and of this process.
 pub async fn measure(
     call: CallFn,
     concurrency: usize,
     warmup: Duration,
     length: Duration,
+    kas: &[u32],
 ) -> Point {
     run(call.clone(), concurrency, warmup).await;
-    let started = Instant::now();
+    let cpu = || Some((cpu_of(kas)?, cpu_time(std::process::id())?));
+    let (started, cpu_before) = (Instant::now(), cpu());
     let (latencies, errors, first_error) = run(call, concurrency, length).await;
     let elapsed = started.elapsed().as_secs_f64();
+    let calls = u32::try_from(latencies.len()).unwrap_or(u32::MAX).max(1);
+    let cpu_per_call = cpu_before
+        .zip(cpu())
+        .map(|((k0, b0), (k1, b1))| (k1.saturating_sub(k0) / calls, b1.saturating_sub(b0) / calls));
     Point {
         per_second: latencies.len() as f64 / elapsed,
         latencies: Latencies::new(latencies),
         errors,
         first_error,
+        cpu_per_call,
     }
 }
 
