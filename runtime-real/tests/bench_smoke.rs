@@ -1,5 +1,6 @@
-//! `kas-bench` runs end to end (small sizes, debug build) and writes every section of its
-//! JSON. Its numbers are not judged here: speed is measured by running it in release.
+//! `kas-bench` runs end to end (small sizes, debug build; the scale part on a Redis
+//! Cluster) and writes every section of its JSON. Its numbers are not judged here: speed
+//! is measured by running it in release.
 
 use serde_json::Value;
 use std::process::Command;
@@ -37,7 +38,7 @@ fn kas_bench_runs_every_part_and_writes_its_json() {
             "--rollout-grace",
             "3s",
         ])
-        .args(["--rehome-agents", "20"])
+        .args(["--rehome-agents", "20", "--redis-cluster", "3"])
         .arg("--json")
         .arg(&json)
         .output()
@@ -107,6 +108,10 @@ fn kas_bench_runs_every_part_and_writes_its_json() {
     assert!(v["idle"]["rss_bytes"]["tunnels"].as_u64().unwrap() > 0);
     assert!(v["idle_tls"]["rss_bytes"]["tunnels"].as_u64().unwrap() > 0);
     assert!(v["redis_steady"]["sent"].as_u64().unwrap() > 0);
+    // Counted on every node of the cluster the scale part ran on: the writes inside the
+    // scripts too.
+    assert_eq!(v["redis_steady"]["redis"], "a Redis Cluster of 3 masters");
+    assert!(v["redis_steady"]["by_command"]["hset"].as_u64().unwrap() > 0);
     assert!(stdout.contains("## Unary calls"), "{stdout}");
     assert!(stdout.contains("## Streaming"), "{stdout}");
     let kube = &v["kubernetes_api"];

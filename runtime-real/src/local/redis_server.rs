@@ -37,6 +37,8 @@ pub struct RedisServer {
     child: Option<Child>,
     /// Its port on 127.0.0.1.
     pub port: u16,
+    /// Arguments besides the port and persistence's, `PORT` standing for the port.
+    args: Vec<String>,
 }
 
 impl RedisServer {
@@ -44,11 +46,25 @@ impl RedisServer {
     /// by another, up to five times. It runs in its own process group, so a Ctrl-C in the
     /// terminal does not stop it before the kas that use it have deleted their records.
     pub fn start() -> Result<RedisServer, String> {
+        Self::start_with(&[])
+    }
+
+    /// Starts one with more arguments (`PORT` in them stands for its port), as
+    /// [`RedisServer::start`] does. With `--cluster-enabled`, its port is one whose
+    /// cluster bus port (10,000 above it) exists.
+    pub fn start_with(args: &[&str]) -> Result<RedisServer, String> {
+        let bus = args.contains(&"--cluster-enabled");
         let mut last = String::new();
         for _ in 0..5 {
+            let port = free_port().map_err(|e| format!("no free loopback port: {e}"))?;
+            if bus && port > u16::MAX - 10_000 {
+                last = format!("port {port} has no cluster bus port");
+                continue;
+            }
             let mut r = RedisServer {
                 child: None,
-                port: free_port().map_err(|e| format!("no free loopback port: {e}"))?,
+                port,
+                args: args.iter().map(|a| a.to_string()).collect(),
             };
             match r.launch() {
                 Ok(()) => return Ok(r),
@@ -65,6 +81,11 @@ impl RedisServer {
         let mut child = Command::new("redis-server")
             .args(["--port", &self.port.to_string(), "--bind", "127.0.0.1"])
             .args(["--save", "", "--appendonly", "no", "--protected-mode", "no"])
+            .args(
+                self.args
+                    .iter()
+                    .map(|a| a.replace("PORT", &self.port.to_string())),
+            )
             .stdout(Stdio::null())
             .process_group(0)
             .spawn()

@@ -69,6 +69,11 @@ struct Args {
     /// needs a descriptor per agent: raise its open-file limit (`ulimit -n`) past --agents.
     #[arg(long, default_value_t = 20_000, value_parser = clap::value_parser!(i64).range(1..))]
     agents_per_source: i64,
+    /// Runs the idle-cost and Redis-cost part on a Redis Cluster of this many masters (3 or more, no
+    /// replicas; made with `redis-cli --cluster create`) instead of one redis-server, and
+    /// counts the commands of every node. 0: one redis-server.
+    #[arg(long, default_value_t = 0, value_parser = cluster_masters)]
+    redis_cluster: usize,
     /// Calls in flight at the unary part's points, comma-separated.
     #[arg(long, value_delimiter = ',', default_value = "1,16,64,256,1024")]
     concurrency: Vec<usize>,
@@ -818,6 +823,17 @@ impl Idle {
 /// `LISTING_REFRESHES`).
 const COUNTED_REFRESHES: u32 = 9;
 
+/// `--redis-cluster`: 0, or 3 masters or more.
+fn cluster_masters(v: &str) -> Result<usize, String> {
+    match v
+        .parse::<usize>()
+        .map_err(|e| format!("not a count: {e}"))?
+    {
+        1 | 2 => Err("a Redis Cluster needs 3 masters or more (0: one redis-server)".into()),
+        n => Ok(n),
+    }
+}
+
 /// Part 4: idle cost (and with --tls, over TLS too) and Redis cost at `agents` agents.
 async fn scale_section(
     world: &mut World,
@@ -826,6 +842,9 @@ async fn scale_section(
     args: &Args,
     results: &mut Value,
 ) -> Result<(), String> {
+    if args.redis_cluster > 0 {
+        world.cluster = Some(setup::RedisCluster::start(args.redis_cluster, &world.dir)?);
+    }
     let kas = world.kas(pubsub).await?;
     let (idle, fleet) = Idle::measure(&kas, agents, args.agents_per_source, None).await?;
     // Steady state: the first writes are done, and so is the one GC of each new key (at
@@ -835,9 +854,9 @@ async fn scale_section(
     tokio::time::sleep(args.ttl * 3).await;
     let refresh = args.ttl / 2;
     let window = refresh * COUNTED_REFRESHES;
-    let before = Commands::read(&world.redis);
+    let before = Commands::read(&world.redis_nodes());
     tokio::time::sleep(window).await;
-    let steady = Commands::read(&world.redis).since(&before);
+    let steady = Commands::read(&world.redis_nodes()).since(&before);
     drop(fleet);
     drop(kas);
     let tls = if args.tls {
@@ -856,6 +875,7 @@ async fn scale_section(
     } else {
         None
     };
+    world.cluster = None;
     let minutes = window.as_secs_f64() / 60.0;
     let mib = |b: u64| b as f64 / 1048576.0;
     println!(
@@ -902,8 +922,12 @@ async fn scale_section(
     );
     let sent_per_agent_min = steady.sent(&scale::IN_SCRIPTS) as f64 / agents as f64 / minutes;
     let all_per_agent_min = steady.all() as f64 / agents as f64 / minutes;
+    let on = match args.redis_cluster {
+        0 => "one redis-server".to_string(),
+        n => format!("a Redis Cluster of {n} masters"),
+    };
     println!(
-        "\n## Redis at steady state, {agents} agents, refresh every {refresh:?}, over {window:?}\n"
+        "\n## Redis at steady state ({on}), {agents} agents, refresh every {refresh:?}, over {window:?}\n"
     );
     println!("| commands | total | per agent per minute | per agent per refresh | by command |");
     println!("|---|---|---|---|---|");
@@ -932,7 +956,7 @@ async fn scale_section(
         results["idle_tls"] = t.json(agents);
     }
     results["redis_steady"] = json!({
-        "agents": agents, "refresh_s": refresh.as_secs_f64(), "window_s": window.as_secs_f64(),
+        "agents": agents, "redis": on, "refresh_s": refresh.as_secs_f64(), "window_s": window.as_secs_f64(),
         "sent": steady.sent(&scale::IN_SCRIPTS), "all": steady.all(), "by_command": steady.calls,
         "sent_per_agent_per_minute": sent_per_agent_min,
         "all_per_agent_per_minute": all_per_agent_min,

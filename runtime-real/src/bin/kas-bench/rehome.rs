@@ -45,7 +45,7 @@ impl Rates {
 
 /// Every command Redis ran so far, inside scripts too (`INFO commandstats`).
 fn commands(redis: &RedisServer) -> u64 {
-    tokio::task::block_in_place(|| Commands::read(redis).all())
+    tokio::task::block_in_place(|| Commands::read(&[redis]).all())
 }
 
 /// Redis's rate, read every [`SAMPLE`] from a start.

@@ -33,10 +33,14 @@ pub struct Commands {
 }
 
 impl Commands {
-    /// Reads them now.
-    pub fn read(redis: &RedisServer) -> Commands {
+    /// Reads them now, summed over `nodes` (a cluster's, or one server).
+    pub fn read(nodes: &[&RedisServer]) -> Commands {
         let mut out = Commands::default();
-        for line in redis.cli(&["INFO", "commandstats"]).lines() {
+        let stats: Vec<String> = nodes
+            .iter()
+            .map(|n| n.cli(&["INFO", "commandstats"]))
+            .collect();
+        for line in stats.iter().flat_map(|s| s.lines()) {
             let Some((name, rest)) = line
                 .strip_prefix("cmdstat_")
                 .and_then(|l| l.split_once(':'))
@@ -50,8 +54,8 @@ impl Commands {
                     .unwrap_or(0)
             };
             let calls = field("calls=") - field("failed_calls=");
-            out.calls.insert(name.to_string(), calls);
-            out.usec.insert(name.to_string(), field("usec="));
+            *out.calls.entry(name.to_string()).or_default() += calls;
+            *out.usec.entry(name.to_string()).or_default() += field("usec=");
         }
         out
     }
@@ -236,9 +240,9 @@ pub async fn waiting_calls(
     )
     .await?;
     tokio::time::sleep(Duration::from_secs(3)).await;
-    let before = Commands::read(redis);
+    let before = Commands::read(&[redis]);
     tokio::time::sleep(window).await;
-    let during = Commands::read(redis).since(&before);
+    let during = Commands::read(&[redis]).since(&before);
     for r in running {
         r.abort();
     }

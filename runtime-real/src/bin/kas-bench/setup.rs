@@ -1,5 +1,5 @@
-//! The bench's world on loopback: a private redis-server, kas processes sharing it, agent
-//! tokens, and GitLab's secret.
+//! The bench's world on loopback: a private redis-server (or Redis Cluster), kas processes
+//! sharing it, agent tokens, and GitLab's secret.
 
 use kas_proto::pods::{ListRequest, ListResponse, LogsRequest, Pod};
 use kas_runtime::agent::pods::{LogStream, chunks};
@@ -10,8 +10,9 @@ use kas_runtime::local::redis_server::RedisServer;
 use std::fmt::Write as _;
 use std::net::SocketAddr;
 use std::path::{Path, PathBuf};
+use std::process::Command;
 use std::sync::{Arc, OnceLock};
-use std::time::Duration;
+use std::time::{Duration, Instant};
 
 /// How a pair of kas is configured.
 #[derive(Clone, Copy, Debug)]
@@ -40,6 +41,8 @@ pub struct World {
     /// The throwaway CA that issued the certificate of TLS kas (`World::tls_lines`).
     pub ca: PathBuf,
     pub redis: RedisServer,
+    /// A Redis Cluster the kas started meanwhile use instead of `redis`.
+    pub cluster: Option<RedisCluster>,
     pub gitlab: Secret,
     kas_exe: PathBuf,
     started: usize,
@@ -100,6 +103,7 @@ impl World {
         }
         Ok(World {
             redis: RedisServer::start()?,
+            cluster: None,
             dir,
             ca,
             gitlab,
@@ -135,9 +139,9 @@ impl World {
             .listen
             .unwrap_or_else(|| [SocketAddr::from(([127, 0, 0, 1], 0)); 4]);
         let config = format!(
-            "agent:\n  listen: {{address: '{agent}'{tls}{streams}}}\n  tokens_file: '{d}/tokens.yaml'\n{kube}  redis_conn_info_ttl: {ttl}ms\n  redis_conn_info_refresh: {}ms\n  redis_conn_info_gc: {ttl}ms\napi:\n  listen: {{address: '{api}', authentication_secret_file: '{d}/gitlab.secret'{tls}}}\n  max_timeout: 120s\nprivate_api:\n  listen: {{address: '{private}', authentication_secret_file: '{d}/kas.secret'{private_tls}{streams}}}\nobservability:\n  listen: {{address: '{observability}'}}\nredis:\n  server: {{address: '{}'}}\n  key_prefix: kas\n  pubsub_wakeups: {}\nshutdown_grace: {}ms\n",
+            "agent:\n  listen: {{address: '{agent}'{tls}{streams}}}\n  tokens_file: '{d}/tokens.yaml'\n{kube}  redis_conn_info_ttl: {ttl}ms\n  redis_conn_info_refresh: {}ms\n  redis_conn_info_gc: {ttl}ms\napi:\n  listen: {{address: '{api}', authentication_secret_file: '{d}/gitlab.secret'{tls}}}\n  max_timeout: 120s\nprivate_api:\n  listen: {{address: '{private}', authentication_secret_file: '{d}/kas.secret'{private_tls}{streams}}}\nobservability:\n  listen: {{address: '{observability}'}}\nredis:\n{}  key_prefix: kas\n  pubsub_wakeups: {}\nshutdown_grace: {}ms\n",
             ttl / 2,
-            self.redis.address(),
+            self.redis_lines(),
             options.pubsub,
             options.grace.as_millis(),
         );
@@ -150,6 +154,67 @@ impl World {
             &self.dir.join(format!("{name}.log")),
         )
         .await
+    }
+}
+
+impl World {
+    /// The Redis that kas started now use: the cluster's nodes, or the one server.
+    pub fn redis_nodes(&self) -> Vec<&RedisServer> {
+        match &self.cluster {
+            Some(c) => c.nodes.iter().collect(),
+            None => vec![&self.redis],
+        }
+    }
+
+    /// The `redis:` section's lines that name it.
+    fn redis_lines(&self) -> String {
+        match &self.cluster {
+            Some(c) => {
+                let nodes: Vec<String> = c.nodes.iter().map(RedisServer::address).collect();
+                format!("  cluster: {{addresses: [{}]}}\n", nodes.join(", "))
+            }
+            None => format!("  server: {{address: '{}'}}\n", self.redis.address()),
+        }
+    }
+}
+
+/// A Redis Cluster of masters only (no replicas), on loopback.
+pub struct RedisCluster {
+    pub nodes: Vec<RedisServer>,
+}
+
+impl RedisCluster {
+    /// Starts `masters` cluster-enabled servers (their node files in `dir`), joins them
+    /// with `redis-cli --cluster create` (which takes 3 or more), and waits until every
+    /// node says the cluster is ok.
+    pub fn start(masters: usize, dir: &Path) -> Result<RedisCluster, String> {
+        let conf = dir.join("nodes-PORT.conf").display().to_string();
+        let args = ["--cluster-enabled", "yes", "--cluster-config-file", &conf];
+        let nodes = (0..masters)
+            .map(|_| RedisServer::start_with(&args))
+            .collect::<Result<Vec<_>, _>>()?;
+        let addresses: Vec<String> = nodes.iter().map(RedisServer::address).collect();
+        let created = Command::new("redis-cli")
+            .args(["--cluster", "create"])
+            .args(&addresses)
+            .args(["--cluster-replicas", "0", "--cluster-yes"])
+            .output()
+            .map_err(|e| format!("cannot run redis-cli: {e}"))?;
+        if !created.status.success() {
+            return Err(format!(
+                "redis-cli --cluster create failed: {}",
+                String::from_utf8_lossy(&created.stdout)
+            ));
+        }
+        let end = Instant::now() + Duration::from_secs(30);
+        let ok = |n: &RedisServer| n.cli(&["CLUSTER", "INFO"]).contains("cluster_state:ok");
+        while !nodes.iter().all(ok) {
+            if Instant::now() > end {
+                return Err("the Redis Cluster was not ok on every node within 30 s".into());
+            }
+            std::thread::sleep(Duration::from_millis(100));
+        }
+        Ok(RedisCluster { nodes })
     }
 }
 
