@@ -505,26 +505,20 @@ impl Tracker {
     /// as they are, would still have half the routing records' margin at the next one.
     fn mark_refresh_dirty(&mut self, now: Time) {
         let keep = now + self.config.refresh + (self.config.ttl - self.config.refresh) / 2;
-        let mut keys: Vec<String> = self
-            .state
-            .iter()
-            .filter(|(_, s)| !s.fields.is_empty() || !s.pending_delete.is_empty())
-            .filter(|(_, s)| !(s.listing && s.fields_expire >= keep))
-            .map(|(k, _)| k.clone())
-            .collect();
-        keys.sort(); // deterministic order regardless of hashing
-        for key in keys {
-            if let Some(st) = self.state.get_mut(&key) {
-                mark_dirty(&mut self.dirty_queue, key, st);
-            }
-        }
+        self.mark_dirty_where(|s| !(s.listing && s.fields_expire >= keep));
     }
 
     fn mark_all_dirty(&mut self) {
+        self.mark_dirty_where(|_| true);
+    }
+
+    /// Marks dirty every key with fields or deletions to write that `wanted` accepts.
+    fn mark_dirty_where(&mut self, wanted: impl Fn(&KeyState) -> bool) {
         let mut keys: Vec<String> = self
             .state
             .iter()
             .filter(|(_, s)| !s.fields.is_empty() || !s.pending_delete.is_empty())
+            .filter(|(_, s)| wanted(s))
             .map(|(k, _)| k.clone())
             .collect();
         keys.sort(); // deterministic order regardless of hashing
