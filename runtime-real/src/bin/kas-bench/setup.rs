@@ -155,9 +155,7 @@ impl World {
         )
         .await
     }
-}
 
-impl World {
     /// The Redis that kas started now use: the cluster's nodes, or the one server.
     pub fn redis_nodes(&self) -> Vec<&RedisServer> {
         match &self.cluster {
