@@ -19,6 +19,9 @@ pub enum Point {
     RedisLatency,
     /// A Redis command fails.
     RedisFailure,
+    /// A batch write fails after writing only its first keys, as a Redis Cluster's can
+    /// (one script call per master, each whole or not at all).
+    RedisPartialBatch,
     /// The pub-sub connection breaks as a message arrives (the message is lost with it).
     PubSubBreak,
     /// A pub-sub message is delivered twice.
@@ -40,18 +43,23 @@ impl Point {
     pub fn is_fault(self) -> bool {
         matches!(
             self,
-            Point::RedisFailure | Point::PubSubBreak | Point::PubSubReorder | Point::StreamReset
+            Point::RedisFailure
+                | Point::RedisPartialBatch
+                | Point::PubSubBreak
+                | Point::PubSubReorder
+                | Point::StreamReset
         )
     }
 }
 
 /// Every point, in a fixed order.
-pub const POINTS: [Point; 11] = [
+pub const POINTS: [Point; 12] = [
     Point::ForwardAfterHeaders,
     Point::LateLookup,
     Point::TunnelBeforeFirstFrame,
     Point::RedisLatency,
     Point::RedisFailure,
+    Point::RedisPartialBatch,
     Point::PubSubBreak,
     Point::PubSubDuplicate,
     Point::PubSubDelay,

@@ -402,6 +402,36 @@ impl ClusterSetup {
         let port = address.split(['@', ':']).nth(1)?;
         self.nodes.iter().position(|n| n.port.to_string() == port)
     }
+
+    /// Moves `key`'s slot, with its keys, from its master to another master (as
+    /// `redis-cli --cluster reshard` does); returns that master.
+    fn move_slot(&self, key: &str) -> usize {
+        let from = self.master_of(0, key).expect("a master serves the slot");
+        let to = (0..self.nodes.len())
+            .find(|&n| n != from && self.nodes[n].cli(&["ROLE"]).starts_with("master"))
+            .expect("another master");
+        let slot = self.nodes[0].cli(&["CLUSTER", "KEYSLOT", key]);
+        let slot = slot.trim();
+        let id = |n: usize| self.nodes[n].cli(&["CLUSTER", "MYID"]).trim().to_string();
+        let (from_id, to_id) = (id(from), id(to));
+        self.nodes[to].cli(&["CLUSTER", "SETSLOT", slot, "IMPORTING", &from_id]);
+        self.nodes[from].cli(&["CLUSTER", "SETSLOT", slot, "MIGRATING", &to_id]);
+        let port = self.nodes[to].port.to_string();
+        let keys = self.nodes[from].cli(&["CLUSTER", "GETKEYSINSLOT", slot, "1000"]);
+        for k in keys.lines().filter(|k| !k.is_empty()) {
+            let moved = self.nodes[from].cli(&["MIGRATE", "127.0.0.1", &port, k, "0", "5000"]);
+            assert_eq!(moved.trim(), "OK", "MIGRATE {k}");
+        }
+        for n in [to, from] {
+            self.nodes[n].cli(&["CLUSTER", "SETSLOT", slot, "NODE", &to_id]);
+        }
+        wait(
+            Duration::from_secs(10),
+            "every node to see the slot moved",
+            || (0..self.nodes.len()).all(|n| self.master_of(n, key) == Some(to)),
+        );
+        to
+    }
 }
 
 impl Replicated for ClusterSetup {
@@ -450,8 +480,12 @@ async fn three_kas_on_a_redis_cluster_route_wake_by_sharded_pubsub_and_survive_a
     route_wake_and_fail_over(&secrets, &mut c).await;
 }
 
+/// A batch and a GC over keys of many slots: one script call per master each, by the slot
+/// map the store keeps. After a slot moves to another master, the next batch and GC still
+/// succeed (the calls that reach a key their node no longer serves are made again by a
+/// fresh map).
 #[tokio::test(flavor = "multi_thread")]
-async fn one_batch_and_one_gc_over_keys_of_many_slots_of_a_cluster() {
+async fn batches_and_gcs_over_keys_of_many_slots_of_a_cluster_follow_a_moved_slot() {
     use kas_core::tracker::KeyWrite;
     use kas_runtime::store::{RedisStore, RedisTopology, Store};
     let secrets = Secrets::new();
@@ -462,7 +496,7 @@ async fn one_batch_and_one_gc_over_keys_of_many_slots_of_a_cluster() {
     let store =
         Store::Redis(RedisStore::new(&topology, &auth, &tls, Duration::from_secs(2)).unwrap());
     let now = kas_core::Time(1_700_000_000_000);
-    // 50 agents' keys: slots on every shard, in one batch (a script may touch one slot).
+    // 50 agents' keys: slots on every shard.
     let keys: Vec<String> = (0..50)
         .map(|a| format!("kas:agent:{{agent:{a}}}"))
         .collect();
@@ -482,5 +516,34 @@ async fn one_batch_and_one_gc_over_keys_of_many_slots_of_a_cluster() {
         .await
         .expect("one batch over many slots");
     assert_eq!(store.gc(&keys, now).await.expect("GC over many slots"), 100);
+    support::only_live_left(&store, &keys).await;
+
+    // The scripts are loaded now: a batch is one `EVALSHA` per master.
+    for n in &c.nodes {
+        n.cli(&["CONFIG", "RESETSTAT"]);
+    }
+    store.execute(&writes).await.expect("the batch again");
+    let evalsha: u64 = c
+        .nodes
+        .iter()
+        .map(|n| {
+            let stats = n.cli(&["INFO", "commandstats"]);
+            let line = stats.lines().find(|l| l.starts_with("cmdstat_evalsha:"));
+            let calls = line.and_then(|l| l.split(['=', ',']).nth(1));
+            calls.map_or(0, |c| c.parse::<u64>().unwrap())
+        })
+        .sum();
+    assert_eq!(evalsha, 3, "one EVALSHA per master for 50 keys");
+
+    let to = c.move_slot(&keys[7]);
+    assert_eq!(c.nodes[to].cli(&["EXISTS", &keys[7]]).trim(), "1");
+    store
+        .execute(&writes)
+        .await
+        .expect("a batch after a slot moved");
+    assert_eq!(
+        store.gc(&keys, now).await.expect("a GC after a slot moved"),
+        100
+    );
     support::only_live_left(&store, &keys).await;
 }

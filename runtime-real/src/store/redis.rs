@@ -1,7 +1,7 @@
 //! The Redis store: an auto-reconnecting multiplexed connection for commands and a
 //! separate connection for pub-sub, re-established (with every subscription) after a loss.
 //! The Redis is one server, the master that Redis Sentinel names (followed through
-//! failovers), or a Redis Cluster (scripts per slot, sharded pub-sub).
+//! failovers), or a Redis Cluster (scripts per master, sharded pub-sub).
 
 mod cluster;
 mod sentinel;
@@ -22,9 +22,10 @@ use std::sync::Arc;
 use std::time::Duration;
 use tokio::sync::mpsc;
 
-/// Deletes the expired fields of every key in KEYS at ARGV[1] (Unix ms), atomically, and
-/// returns how many went. A field's `ExpiringValue` starts with its `expires_at` (protobuf
-/// field 1, a varint); a field without it counts as expired, like an undecodable one.
+/// Deletes the expired fields of the keys in ARGV[2..] at ARGV[1] (Unix ms), atomically,
+/// and returns how many went. A field's `ExpiringValue` starts with its `expires_at`
+/// (protobuf field 1, a varint); a field without it counts as expired, like an undecodable
+/// one. (Keys go in ARGV, as in [`WRITE_BATCH`].)
 const COLLECT_GARBAGE: &str = r"
 local now = tonumber(ARGV[1])
 local function expires_at(v)
@@ -46,8 +47,9 @@ local function expires_at(v)
   return 0
 end
 local gone = 0
-for k = 1, #KEYS do
-  local all = redis.call('HGETALL', KEYS[k])
+for k = 2, #ARGV do
+  local key = ARGV[k]
+  local all = redis.call('HGETALL', key)
   local dead = {}
   for i = 1, #all, 2 do
     if expires_at(all[i + 1]) <= now then
@@ -55,18 +57,26 @@ for k = 1, #KEYS do
     end
   end
   for i = 1, #dead, 200 do
-    gone = gone + redis.call('HDEL', KEYS[k], unpack(dead, i, math.min(i + 199, #dead)))
+    gone = gone + redis.call('HDEL', key, unpack(dead, i, math.min(i + 199, #dead)))
   end
 end
 return gone
 ";
 
-/// Applies a tracker batch in one round trip and one command, atomically. ARGV[1] is the
-/// publish command (`PUBLISH`, or `SPUBLISH` on a cluster); then for each key (`KEYS[k]`),
-/// ARGV holds, in order: the fields to delete (count, then names), the fields
-/// to set (count, then name/value pairs), the key's TTL in ms ([`expire_arg`]), the messages to
-/// publish (count, then channel/payload pairs), and the messages to publish only if the
-/// set created a field (same shape). Long lists go in chunks (Lua's `unpack` limit).
+/// Applies a tracker batch (on a cluster, the part of it that one master serves) in one
+/// round trip and one command, atomically. ARGV[1] is the
+/// publish command (`PUBLISH`, or `SPUBLISH` on a cluster); then for each key, ARGV holds,
+/// in order: the key, the fields to delete (count, then names), the fields to set (count,
+/// then name/value pairs), the key's TTL in ms ([`expire_arg`]), the messages to publish
+/// (count, then channel/payload pairs), and the messages to publish only if the set created
+/// a field (same shape). Long lists go in chunks (Lua's `unpack` limit). Returns how many
+/// keys it wrote.
+///
+/// The keys go in ARGV, and KEYS holds the first alone, which routes the call: a cluster
+/// refuses declared keys of different slots, while a script may touch any key its node
+/// serves (with the `allow-cross-slot-keys` flag, [`CROSS_SLOT`]), so one call per master
+/// writes all of its keys. A key its node does not serve (a slot moved) fails the script
+/// before anything of that key is written: each key is still written whole or not at all.
 const WRITE_BATCH: &str = r"
 local publish = ARGV[1]
 local a = 2
@@ -85,8 +95,9 @@ local function chunked(cmd, key, n, width)
   end
   return total
 end
-for k = 1, #KEYS do
-  local key = KEYS[k]
+local keys = 0
+while a <= #ARGV do
+  local key = take()
   chunked('HDEL', key, tonumber(take()), 1)
   local created = chunked('HSET', key, tonumber(take()), 2)
   local ttl = tonumber(take())
@@ -103,9 +114,14 @@ for k = 1, #KEYS do
       redis.call(publish, channel, payload)
     end
   end
+  keys = keys + 1
 end
-return #KEYS
+return keys
 ";
+
+/// What a script run on a cluster starts with: a shebang that lets it touch keys of any
+/// slot its node serves (Redis 7).
+const CROSS_SLOT: &str = "#!lua flags=allow-cross-slot-keys\n";
 
 /// Where the Redis that kas shares is (`redis.server`, `redis.sentinel` or `redis.cluster`).
 #[derive(Clone, Debug)]
@@ -146,6 +162,9 @@ enum Target {
         nodes: Vec<String>,
         /// Made on first use (it connects at once), then kept: it follows the cluster.
         conn: Box<tokio::sync::OnceCell<ClusterConnection>>,
+        /// Which master serves each slot: asked on first use, asked again after a
+        /// script call failed (a slot may have moved).
+        owners: std::sync::Mutex<Option<Arc<cluster::SlotOwners>>>,
     },
 }
 
@@ -376,14 +395,20 @@ impl RedisStore {
                     settings,
                     nodes: nodes.clone(),
                     conn: Box::default(),
+                    owners: std::sync::Mutex::default(),
                 }
             }
         };
+        let shebang = match target {
+            Target::Cluster { .. } => CROSS_SLOT,
+            _ => "",
+        };
+        let script = |code| Arc::new(Script::new(&format!("{shebang}{code}")));
         Ok(RedisStore {
             target: Arc::new(target),
             timeout,
-            collect_garbage: Arc::new(Script::new(COLLECT_GARBAGE)),
-            write_batch: Arc::new(Script::new(WRITE_BATCH)),
+            collect_garbage: script(COLLECT_GARBAGE),
+            write_batch: script(WRITE_BATCH),
         })
     }
 
@@ -396,6 +421,7 @@ impl RedisStore {
                 settings,
                 nodes,
                 conn,
+                ..
             } => {
                 let connect = async {
                     let client = settings.cluster(nodes)?.build().map_err(redis_error)?;
@@ -431,12 +457,77 @@ impl RedisStore {
     }
 
     /// `items` in the groups one script call may take: all together, or on a cluster one
-    /// group per slot.
-    fn groups<'a, T>(&self, items: &'a [T], key: impl Fn(&T) -> &str) -> Vec<Vec<&'a T>> {
-        if self.cluster() {
-            cluster::by_slot(items, key).into_values().collect()
-        } else {
-            vec![items.iter().collect()]
+    /// group per master.
+    async fn groups<'a, T>(
+        &self,
+        conn: &Conn,
+        items: &[&'a T],
+        key: impl Fn(&T) -> &str,
+    ) -> Result<Vec<Vec<&'a T>>, StoreError> {
+        let Target::Cluster { owners, .. } = &*self.target else {
+            return Ok(vec![items.to_vec()]);
+        };
+        let known = owners.lock().unwrap_or_else(|p| p.into_inner()).clone();
+        let map = match known {
+            Some(map) => map,
+            None => {
+                let answer = ::redis::cmd("CLUSTER")
+                    .arg("SLOTS")
+                    .query_async::<Value>(&mut conn.clone())
+                    .await;
+                let map = Arc::new(cluster::SlotOwners::parse(&self.outcome(answer)?)?);
+                *owners.lock().unwrap_or_else(|p| p.into_inner()) = Some(map.clone());
+                map
+            }
+        };
+        Ok(map.group(items, key))
+    }
+
+    /// Runs `call` on `items` in the groups one script call may take, at most `max` items
+    /// a call, all at once, and sums what the calls return. On a cluster, the items of
+    /// calls that failed are grouped again by a fresh slot map and run once more: a slot
+    /// may have moved (the script fails at a key its node does not serve, before writing
+    /// it), and the scripts are safe to run again.
+    async fn run_grouped<'a, T, F>(
+        &self,
+        items: &'a [T],
+        key: impl Fn(&T) -> &str + Copy,
+        max: usize,
+        call: impl Fn(Conn, &[&'a T]) -> F,
+    ) -> Result<usize, StoreError>
+    where
+        F: Future<Output = Result<usize, StoreError>>,
+    {
+        let conn = self.conn().await?;
+        let mut todo: Vec<&T> = items.iter().collect();
+        let mut total = 0;
+        let mut again = self.cluster();
+        loop {
+            let groups = self.groups(&conn, &todo, key).await?;
+            let chunks: Vec<&[&T]> = groups.iter().flat_map(|g| g.chunks(max)).collect();
+            let calls = chunks.iter().map(|c| call(conn.clone(), c));
+            let mut failed = Vec::new();
+            let mut error = None;
+            for (chunk, outcome) in chunks.iter().zip(futures::future::join_all(calls).await) {
+                match outcome {
+                    Ok(n) => total += n,
+                    Err(e) => {
+                        failed.extend_from_slice(chunk);
+                        error.get_or_insert(e);
+                    }
+                }
+            }
+            let Some(error) = error else {
+                return Ok(total);
+            };
+            if let Target::Cluster { owners, .. } = &*self.target {
+                *owners.lock().unwrap_or_else(|p| p.into_inner()) = None;
+            }
+            if !again {
+                return Err(error);
+            }
+            again = false;
+            todo = failed;
         }
     }
 
@@ -445,41 +536,35 @@ impl RedisStore {
         if writes.is_empty() {
             return Ok(());
         }
-        let conn = self.conn().await?;
         let publish = if self.cluster() {
             "SPUBLISH"
         } else {
             "PUBLISH"
         };
-        let calls = self.groups(writes, |w| &w.key).into_iter().map(|group| {
-            let mut conn = conn.clone();
-            async move {
-                let mut inv = self.write_batch.prepare_invoke();
-                inv.arg(publish);
-                for w in &group {
-                    inv.key(&w.key);
-                    inv.arg(w.delete.len()).arg(&w.delete);
-                    inv.arg(w.set.len());
-                    for (f, v) in &w.set {
-                        inv.arg(f).arg(v);
-                    }
-                    inv.arg(expire_arg(w.expire));
-                    for messages in [&w.publish, &w.announce] {
-                        inv.arg(messages.len());
-                        for (channel, payload) in messages {
-                            inv.arg(channel).arg(payload);
-                        }
+        let write = |mut conn: Conn, group: &[&KeyWrite]| {
+            let mut inv = self.write_batch.prepare_invoke();
+            inv.key(&group[0].key).arg(publish);
+            for w in group {
+                inv.arg(&w.key);
+                inv.arg(w.delete.len()).arg(&w.delete);
+                inv.arg(w.set.len());
+                for (f, v) in &w.set {
+                    inv.arg(f).arg(v);
+                }
+                inv.arg(expire_arg(w.expire));
+                for messages in [&w.publish, &w.announce] {
+                    inv.arg(messages.len());
+                    for (channel, payload) in messages {
+                        inv.arg(channel).arg(payload);
                     }
                 }
-                self.outcome(inv.invoke_async::<usize>(&mut conn).await)
             }
-        });
-        let mut keys = 0;
-        for applied in futures::future::join_all(calls).await {
-            keys += applied.map_err(|e| {
-                StoreError(format!("batch write of {} keys: {}", writes.len(), e.0))
-            })?;
-        }
+            async move { self.outcome(inv.invoke_async::<usize>(&mut conn).await) }
+        };
+        let keys = self
+            .run_grouped(writes, |w| &w.key, usize::MAX, write)
+            .await
+            .map_err(|e| StoreError(format!("batch write of {} keys: {}", writes.len(), e.0)))?;
         if keys != writes.len() {
             return Err(StoreError(format!(
                 "batch write applied {keys} of {} keys",
@@ -499,25 +584,17 @@ impl RedisStore {
     }
 
     /// Deletes the expired fields of `keys` at `now`: one `EVALSHA` per 256 keys (of one
-    /// slot, on a cluster), all sent at once like a batch's writes (a cluster's keys fall
-    /// in as many groups as slots: one round trip after another would take seconds).
+    /// master, on a cluster), all sent at once like a batch's writes.
     pub(super) async fn gc(&self, keys: &[String], now: Time) -> Result<usize, StoreError> {
-        let conn = self.conn().await?;
-        let groups = self.groups(keys, String::as_str);
-        let calls = groups.iter().flat_map(|g| g.chunks(256)).map(|chunk| {
-            let mut conn = conn.clone();
+        let collect = |mut conn: Conn, chunk: &[&String]| {
             let mut inv = self.collect_garbage.prepare_invoke();
+            inv.key(chunk[0].as_str()).arg(now.as_millis());
             for k in chunk {
-                inv.key(*k);
+                inv.arg(k.as_str());
             }
-            inv.arg(now.as_millis());
             async move { self.outcome(inv.invoke_async::<usize>(&mut conn).await) }
-        });
-        let mut gone = 0;
-        for n in futures::future::join_all(calls).await {
-            gone += n?;
-        }
-        Ok(gone)
+        };
+        self.run_grouped(keys, String::as_str, 256, collect).await
     }
 
     pub(super) async fn ping(&self) -> Result<(), StoreError> {

@@ -97,6 +97,11 @@ impl SimStore {
     }
 
     pub(super) async fn execute(&self, writes: &[KeyWrite]) -> Result<(), StoreError> {
+        if writes.len() > 1 && buggify::fires(Point::RedisPartialBatch) {
+            let first = writes[..writes.len() / 2].to_vec();
+            self.call(SimRequest::Execute(first)).await?;
+            return Err(err("batch failed after its first keys (buggify)"));
+        }
         match self.call(SimRequest::Execute(writes.to_vec())).await? {
             SimReply::Done => Ok(()),
             other => Err(err(format!("unexpected answer {other:?}"))),
