@@ -88,9 +88,9 @@ impl Store {
     }
 
     /// Deletes the fields of `keys` that are expired (or undecodable) at `now`. Returns how
-    /// many went. On Redis one script call per 256 keys (of one master, on a cluster) decides and deletes atomically;
-    /// elsewhere each key is read, then each garbage field deleted only if it still holds
-    /// the value that was judged garbage.
+    /// many went. On Redis one script call per 256 keys (of one master, on a cluster)
+    /// decides and deletes atomically; elsewhere each key is read, then each garbage field
+    /// deleted only if it still holds the value that was judged garbage.
     pub async fn gc(&self, keys: &[String], now: Time) -> Result<usize, StoreError> {
         let mut n = 0;
         if let Store::Redis(s) = self {
