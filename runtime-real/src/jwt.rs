@@ -12,8 +12,9 @@
 use base64::Engine;
 use jsonwebtoken::{Algorithm, DecodingKey, EncodingKey, Header, Validation};
 use serde::{Deserialize, Serialize};
+use std::collections::BTreeMap;
 use std::path::Path;
-use std::sync::Arc;
+use std::sync::{Arc, Mutex};
 use std::time::{Duration, SystemTime, UNIX_EPOCH};
 
 /// Issuer and audience names.
@@ -29,6 +30,13 @@ const TOKEN_LIFETIME: Duration = Duration::from_secs(60);
 pub const DEFAULT_MAX_TOKEN_LIFETIME: Duration = Duration::from_secs(3600);
 /// Clock skew tolerated on `exp`, `nbf` and `iat`, in seconds.
 const LEEWAY: u64 = 5;
+/// How long kas uses a token it minted, in seconds: a forward then costs no signing, and
+/// the serving kas finds the token among those it verified. A token used last has most of
+/// [`TOKEN_LIFETIME`] left.
+const TOKEN_REUSE: u64 = 10;
+/// How many verified tokens a listener remembers (it forgets them all when full): GitLab
+/// and the peer kas each use a token for many calls.
+const VERIFIED_TOKENS: usize = 256;
 
 /// A shared HS256 secret, as GitLab stores it: base64 of at least 32 random bytes.
 #[derive(Clone)]
@@ -120,6 +128,22 @@ struct Claims {
     nbf: u64,
 }
 
+/// What a token says about time: all that is checked again when a verified token is seen
+/// again.
+#[derive(Clone, Copy, Debug)]
+struct Times {
+    exp: u64,
+    iat: u64,
+    nbf: u64,
+}
+
+fn unix_now() -> u64 {
+    SystemTime::now()
+        .duration_since(UNIX_EPOCH)
+        .unwrap_or_default()
+        .as_secs()
+}
+
 /// The `alg` of a token's header, read before any verification so that a refusal can say
 /// which algorithm was offered.
 fn algorithm(token: &str) -> Option<String> {
@@ -140,6 +164,9 @@ pub struct Verifier {
     key: DecodingKey,
     validation: Validation,
     max_lifetime: Duration,
+    /// Tokens whose signature and claims were verified, with their times (shared by the
+    /// clones): seen again, a token is checked against the clock only.
+    verified: Arc<Mutex<BTreeMap<String, Times>>>,
 }
 
 impl Verifier {
@@ -156,6 +183,7 @@ impl Verifier {
             key: DecodingKey::from_secret(&secret.0),
             validation,
             max_lifetime: DEFAULT_MAX_TOKEN_LIFETIME,
+            verified: Arc::default(),
         }
     }
 
@@ -177,6 +205,14 @@ impl Verifier {
 
     /// Checks a bare token.
     pub fn check(&self, token: &str) -> Result<(), String> {
+        self.check_at(token, unix_now())
+    }
+
+    fn check_at(&self, token: &str, now: u64) -> Result<(), String> {
+        let known = self.lock().get(token).copied();
+        if let Some(times) = known {
+            return self.check_times(&times, now);
+        }
         match algorithm(token) {
             None => return Err("malformed token: no readable header".into()),
             Some(alg) if alg != "HS256" => {
@@ -184,18 +220,33 @@ impl Verifier {
             }
             Some(_) => {}
         }
-        let claims = jsonwebtoken::decode::<Claims>(token, &self.key, &self.validation)
+        let c = jsonwebtoken::decode::<Claims>(token, &self.key, &self.validation)
             .map_err(|e| describe(&e))?
             .claims;
-        let now = SystemTime::now()
-            .duration_since(UNIX_EPOCH)
-            .unwrap_or_default()
-            .as_secs();
-        self.check_times(&claims, now)
+        let times = Times {
+            exp: c.exp,
+            iat: c.iat,
+            nbf: c.nbf,
+        };
+        self.check_times(&times, now)?;
+        let mut verified = self.lock();
+        if verified.len() >= VERIFIED_TOKENS {
+            verified.clear();
+        }
+        verified.insert(token.to_string(), times);
+        Ok(())
     }
 
-    /// `nbf` and `iat` not in the future, and a lifetime within the maximum.
-    fn check_times(&self, c: &Claims, now: u64) -> Result<(), String> {
+    fn lock(&self) -> std::sync::MutexGuard<'_, BTreeMap<String, Times>> {
+        self.verified.lock().unwrap_or_else(|p| p.into_inner())
+    }
+
+    /// `exp` not past, `nbf` and `iat` not in the future, and a lifetime within the
+    /// maximum. (The first check of a token has `jsonwebtoken` check `exp` too.)
+    fn check_times(&self, c: &Times, now: u64) -> Result<(), String> {
+        if c.exp.saturating_add(LEEWAY) < now {
+            return Err("token expired".into());
+        }
         let max = self.max_lifetime.as_secs();
         if c.nbf > now.saturating_add(LEEWAY) {
             return Err(format!(
@@ -244,6 +295,8 @@ pub struct Signer {
     key: EncodingKey,
     issuer: String,
     audience: String,
+    /// The token in use and when it was minted (shared by the clones).
+    minted: Arc<Mutex<Option<(u64, String)>>>,
 }
 
 impl Signer {
@@ -253,15 +306,23 @@ impl Signer {
             key: EncodingKey::from_secret(&secret.0),
             issuer: issuer.into(),
             audience: audience.into(),
+            minted: Arc::default(),
         }
     }
 
-    /// A fresh token valid for a minute.
+    /// A token valid for a minute, minted at most [`TOKEN_REUSE`] seconds ago.
     pub fn token(&self) -> String {
-        let now = SystemTime::now()
-            .duration_since(UNIX_EPOCH)
-            .unwrap_or_default()
-            .as_secs();
+        self.token_at(unix_now())
+    }
+
+    fn token_at(&self, now: u64) -> String {
+        let mut minted = self.minted.lock().unwrap_or_else(|p| p.into_inner());
+        if let Some((at, token)) = &*minted
+            && *at <= now
+            && now - *at < TOKEN_REUSE
+        {
+            return token.clone();
+        }
         let claims = Claims {
             iss: self.issuer.clone(),
             aud: self.audience.clone(),
@@ -269,8 +330,10 @@ impl Signer {
             nbf: now.saturating_sub(5),
             exp: now + TOKEN_LIFETIME.as_secs(),
         };
-        jsonwebtoken::encode(&Header::new(Algorithm::HS256), &claims, &self.key)
-            .expect("HS256 signing with a byte key cannot fail")
+        let token = jsonwebtoken::encode(&Header::new(Algorithm::HS256), &claims, &self.key)
+            .expect("HS256 signing with a byte key cannot fail");
+        *minted = Some((now, token.clone()));
+        token
     }
 
     /// `Bearer <fresh token>`.

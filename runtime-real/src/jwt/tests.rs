@@ -62,13 +62,7 @@ fn secrets_must_be_base64_of_32_bytes() {
 fn future_nbf_or_iat_and_overlong_lifetimes_are_refused() {
     let v = Verifier::new(&secret('a'), GITLAB, GITLAB_KAS);
     let now = 1_000_000;
-    let claims = |iat, nbf, exp| Claims {
-        iss: GITLAB.into(),
-        aud: GITLAB_KAS.into(),
-        iat,
-        nbf,
-        exp,
-    };
+    let claims = |iat, nbf, exp| Times { iat, nbf, exp };
     assert_eq!(v.check_times(&claims(now, now, now + 60), now), Ok(()));
     assert_eq!(
         v.check_times(&claims(0, 0, now + 60), now),
@@ -102,4 +96,60 @@ fn future_nbf_or_iat_and_overlong_lifetimes_are_refused() {
             .check_times(&claims(now, now, now + 60), now)
             .is_err()
     );
+}
+
+#[test]
+fn a_minted_token_is_used_for_ten_seconds_then_a_new_one_is_minted() {
+    let signer = Signer::new(&secret('a'), GITLAB_KAS, GITLAB_KAS);
+    let now = unix_now();
+    let first = signer.token_at(now);
+    assert_eq!(signer.clone().token_at(now + 9), first, "clones share it");
+    let second = signer.token_at(now + 10);
+    assert_ne!(second, first);
+    assert_ne!(
+        signer.token_at(now - 1),
+        second,
+        "a clock gone back mints anew"
+    );
+}
+
+#[test]
+fn a_verified_token_seen_again_is_still_refused_once_expired_and_only_it_is_remembered() {
+    let s = secret('a');
+    let v = Verifier::new(&s, GITLAB, GITLAB_KAS);
+    let now = unix_now();
+    let token = Signer::new(&s, GITLAB, GITLAB_KAS).token_at(now);
+    assert_eq!(v.check_at(&token, now), Ok(()));
+    assert_eq!(v.lock().len(), 1);
+    assert_eq!(
+        v.clone().check_at(&token, now + 65),
+        Ok(()),
+        "within the leeway"
+    );
+    assert_eq!(
+        v.check_at(&token, now + 66),
+        Err("token expired".into()),
+        "exp is checked again"
+    );
+    // A token that failed verification is not remembered: it fails again.
+    let forged = Signer::new(&secret('b'), GITLAB, GITLAB_KAS).token_at(now);
+    for _ in 0..2 {
+        let refused = v.check_at(&forged, now).unwrap_err();
+        assert_eq!(refused, "token signature does not match the secret");
+    }
+    assert_eq!(v.lock().len(), 1);
+    // Full, it forgets every token, and keeps the one it verified last.
+    let key = EncodingKey::from_secret(&s.0);
+    for i in 0..VERIFIED_TOKENS as u64 {
+        let claims = Claims {
+            iss: GITLAB.into(),
+            aud: GITLAB_KAS.into(),
+            exp: now + 60,
+            iat: now,
+            nbf: now - 10 - i,
+        };
+        let t = jsonwebtoken::encode(&Header::new(Algorithm::HS256), &claims, &key).unwrap();
+        assert_eq!(v.check_at(&t, now), Ok(()));
+    }
+    assert_eq!(v.lock().len(), 1);
 }
