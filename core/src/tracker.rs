@@ -313,9 +313,13 @@ impl Tracker {
         match input {
             TrackerInput::BatchResult { batch, ok } => self.batch_result(now, batch, ok),
             TrackerInput::RewriteAll => {
-                // What Redis kept of the keys' lifetimes is unknown too.
+                // What Redis kept of the keys' lifetimes is unknown too, and so is what it
+                // kept of their fields: a replica promoted by a failover lacks the last
+                // writes and may hold expired values, which a `set` revives without
+                // creating a field. So every record is announced whatever the `set` finds.
                 for st in self.state.values_mut() {
                     st.key_expires = Time(0);
+                    st.fields_expire = Time(0);
                 }
                 self.mark_all_dirty();
             }

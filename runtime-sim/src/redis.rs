@@ -2,12 +2,14 @@
 //! 100 ms), each batch write applied atomically (with its conditional announcements), the
 //! GC's compare-and-delete, and fire-and-forget pub-sub (a subscriber that is not
 //! connected misses messages; every publication is logged for the checker). A restart
-//! of the node loses every key, as a Redis without persistence does. Latency is injected
-//! per request through [`RedisKnobs`].
+//! of the node loses every key, as a Redis without persistence does; a failover keeps
+//! what its replica had (see [`Replica`]). Latency is injected per request through
+//! [`RedisKnobs`].
 
+use kas_core::tracker::KeyWrite;
 use kas_runtime::store::Keyspace;
 use kas_runtime::store::sim::{SimReply, SimRequest};
-use std::collections::{BTreeMap, BTreeSet};
+use std::collections::{BTreeMap, BTreeSet, VecDeque};
 use std::net::SocketAddr;
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, Mutex};
@@ -36,6 +38,49 @@ impl RedisKnobs {
     }
 }
 
+/// The most writes a failover loses: the replica applies each write this long after the
+/// master did. Sentinel may promote a replica that was cut off from its master for a
+/// while (up to ten times `down-after-milliseconds`), so seconds of writes can go.
+pub const MAX_REPLICATION_LAG: Duration = Duration::from_secs(8);
+
+/// The replica that Sentinel promotes in a failover. Replication is asynchronous, so the
+/// promoted node lacks the master's last writes, acknowledged ones included: deletions
+/// come back and writes vanish.
+#[derive(Debug, Default)]
+struct Replica {
+    keyspace: Keyspace,
+    /// The master's writes not yet applied here, with when the master applied them.
+    backlog: VecDeque<(Instant, Write)>,
+}
+
+/// A write the replica repeats.
+#[derive(Debug)]
+enum Write {
+    Execute(Vec<KeyWrite>),
+    DeleteUnchanged(String, Vec<(String, Vec<u8>)>),
+}
+
+impl Replica {
+    /// Applies the writes the master applied before `until`, at the master's times.
+    fn catch_up(&mut self, until: Instant) {
+        while let Some((at, _)) = self.backlog.front()
+            && *at < until
+        {
+            let Some((at, write)) = self.backlog.pop_front() else {
+                break;
+            };
+            match write {
+                Write::Execute(writes) => {
+                    self.keyspace.execute(&writes, at);
+                }
+                Write::DeleteUnchanged(key, fields) => {
+                    self.keyspace.delete_unchanged(&key, &fields, at);
+                }
+            }
+        }
+    }
+}
+
 /// The data of the server; readable from outside for the invariant checker.
 #[derive(Debug, Default)]
 pub struct Db {
@@ -43,6 +88,9 @@ pub struct Db {
     subscribers: BTreeMap<u64, Subscriber>,
     next_subscriber: u64,
     published: Vec<(Instant, String)>,
+    replica: Replica,
+    /// What the node starts with next: a promoted replica's keys, or none (a restart).
+    next_start: Option<Keyspace>,
 }
 
 #[derive(Debug)]
@@ -73,11 +121,17 @@ impl Db {
                     self.published.push((now, channel.clone()));
                     self.publish(&channel, payload);
                 }
+                self.replica
+                    .backlog
+                    .push_back((now, Write::Execute(writes)));
                 SimReply::Done
             }
             SimRequest::Read(key) => SimReply::Hash(self.keyspace.read(&key, now)),
             SimRequest::DeleteUnchanged(key, fields) => {
-                SimReply::Deleted(self.keyspace.delete_unchanged(&key, &fields, now))
+                let deleted = self.keyspace.delete_unchanged(&key, &fields, now);
+                let write = Write::DeleteUnchanged(key, fields);
+                self.replica.backlog.push_back((now, write));
+                SimReply::Deleted(deleted)
             }
             SimRequest::Ping => SimReply::Done,
             // Handled by the connection, which owns the subscriber.
@@ -114,9 +168,26 @@ impl RedisState {
         self.db.lock().unwrap_or_else(|p| p.into_inner())
     }
 
-    /// Runs the server on `addr` (the node's init): starts empty, then serves forever.
+    /// Makes the node's next start a failover (call it with the node down): it starts
+    /// with its replica's keys, which lack the writes of the last `lost` (at most
+    /// [`MAX_REPLICATION_LAG`]).
+    pub fn fail_over(&self, lost: Duration) {
+        let now = Instant::now();
+        let mut db = self.lock();
+        db.replica.catch_up(now.checked_sub(lost).unwrap_or(now));
+        db.next_start = Some(std::mem::take(&mut db.replica.keyspace));
+    }
+
+    /// Runs the server on `addr` (the node's init): starts empty, or with the promoted
+    /// replica's keys after [`Self::fail_over`], then serves forever.
     pub async fn serve(self, addr: SocketAddr) {
-        *self.lock() = Db::default();
+        {
+            let mut db = self.lock();
+            let keyspace = db.next_start.take().unwrap_or_default();
+            *db = Db::default();
+            db.replica.keyspace = keyspace.clone();
+            db.keyspace = keyspace;
+        }
         let endpoint = Endpoint::bind(addr)
             .await
             .expect("redis node binds its address");
@@ -125,7 +196,10 @@ impl RedisState {
             loop {
                 tokio::time::sleep(Duration::from_millis(100)).await;
                 let now = Instant::now();
-                sweeper.lock().keyspace.sweep(now);
+                let mut db = sweeper.lock();
+                db.keyspace.sweep(now);
+                db.replica
+                    .catch_up(now.checked_sub(MAX_REPLICATION_LAG).unwrap_or(now));
             }
         });
         while let Ok((tx, rx, _)) = endpoint.accept1().await {

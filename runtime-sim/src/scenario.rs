@@ -4,6 +4,7 @@
 
 use crate::checker::{self, Outage, Stall, Stats};
 use crate::cluster::{AgentSpec, Cluster, ClusterSpec, pod_name};
+use crate::redis::MAX_REPLICATION_LAG;
 use crate::workload::{self, Call};
 use kas_core::AgentId;
 use kas_core::keys::Keys;
@@ -24,7 +25,8 @@ pub enum Scenario {
     /// Links between kas, and between kas and Redis, clogged (one way or both), and whole
     /// kas nodes cut off.
     Partition,
-    /// Redis restarted empty, and slowed down.
+    /// Redis restarted empty, failed over to a replica that lacks the last writes, and
+    /// slowed down.
     RedisRestart,
     /// The kas holding most agents killed and restarted: they all reconnect at once.
     ReconnectStorm,
@@ -308,6 +310,21 @@ async fn faults(
                 tokio::time::sleep(random_ms(10, 500)).await;
                 handle.restart(cluster.redis_node.id());
             }
+            Fault::FailoverRedis => {
+                // Sentinel promotes the replica: the master's last writes are lost,
+                // acknowledged ones too. Up to 1 s (a replica in step) or, half the
+                // time, up to 2 TTL (one that had been cut off from its master).
+                handle.kill(cluster.redis_node.id());
+                let most = if thread_rng().gen_bool(0.5) {
+                    Duration::from_secs(1)
+                } else {
+                    MAX_REPLICATION_LAG
+                };
+                let lost = most.mul_f64(thread_rng().gen_range(0.0..1.0));
+                cluster.redis.fail_over(lost);
+                tokio::time::sleep(random_ms(10, 500)).await;
+                handle.restart(cluster.redis_node.id());
+            }
             Fault::SlowRedis => {
                 cluster.redis.knobs.set_latency(random_ms(50, 800));
                 tokio::time::sleep(lasting).await;
@@ -545,6 +562,7 @@ enum Fault {
     Clog,
     ClogRedis,
     RestartRedis,
+    FailoverRedis,
     SlowRedis,
     KillAgent,
     ClogNode,
@@ -552,12 +570,13 @@ enum Fault {
 }
 
 impl Fault {
-    const ALL: [Fault; 9] = [
+    const ALL: [Fault; 10] = [
         Fault::KillKas,
         Fault::StopKas,
         Fault::Clog,
         Fault::ClogRedis,
         Fault::RestartRedis,
+        Fault::FailoverRedis,
         Fault::SlowRedis,
         Fault::KillAgent,
         Fault::ClogNode,
@@ -571,7 +590,7 @@ fn fault_kinds(scenario: Scenario) -> Vec<Fault> {
         Scenario::Steady => vec![],
         Scenario::KasCrash => vec![KillKas, StopKas],
         Scenario::Partition => vec![Clog, ClogRedis, ClogNode],
-        Scenario::RedisRestart => vec![RestartRedis, SlowRedis],
+        Scenario::RedisRestart => vec![RestartRedis, FailoverRedis, SlowRedis],
         Scenario::ReconnectStorm => vec![],
         Scenario::AgentChurn => vec![KillAgent],
         Scenario::KasCrashHa => vec![KillKas, StopKas],

@@ -405,6 +405,29 @@ fn rewrite_all_restores_lost_data_at_once() {
     assert_eq!(keys_of(&next_batch(&mut t)), vec!["kas:kas_instances"]);
 }
 
+#[test]
+fn after_a_rewrite_all_a_tunnel_record_is_announced_whatever_the_key_holds() {
+    // A failover's replica may hold an older, expired value of a field this kas wrote
+    // since: the `set` revives it without creating it, and readers have seen it gone.
+    let (mut t, b) = presence_batch(true);
+    ack(&mut t, 2, &b, true);
+    t.handle_input(Time(100), TrackerInput::RewriteAll);
+    let again = next_batch(&mut t);
+    let w = again.writes.iter().find(|w| w.key == AGENT_3).unwrap();
+    assert_eq!((w.publish.len(), w.announce.len()), (1, 0));
+    let event = TunnelEvent::decode(w.publish[0].1.as_slice()).unwrap();
+    assert!(event.connected);
+    ack(&mut t, 101, &again, true);
+    t.handle_timeout(Time(240));
+    let refresh = next_batch(&mut t);
+    let w = refresh.writes.iter().find(|w| w.key == AGENT_3).unwrap();
+    assert_eq!(
+        (w.publish.len(), w.announce.len()),
+        (0, 1),
+        "announced once, then only if missing"
+    );
+}
+
 /// Runs the GC period at `now`: answers its read of the live kas with `live` and returns
 /// the keys it then collects.
 fn gc_at(t: &mut Tracker, now: u64, live: &[(&str, u64)]) -> Vec<String> {

@@ -8,7 +8,7 @@ use tokio::sync::{broadcast, mpsc};
 use tokio::time::Instant;
 
 /// One hash and its key's expiry.
-#[derive(Debug, Default)]
+#[derive(Clone, Debug, Default)]
 struct Hash {
     fields: BTreeMap<String, Vec<u8>>,
     expires: Option<Instant>,
@@ -22,7 +22,7 @@ impl Hash {
 
 /// Hashes under key expiry, kept as Redis keeps them: the data of the in-memory store and
 /// of the simulated Redis node. Expired keys vanish when touched and at each `sweep`.
-#[derive(Debug, Default)]
+#[derive(Clone, Debug, Default)]
 pub struct Keyspace {
     hashes: BTreeMap<String, Hash>,
 }
