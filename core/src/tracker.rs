@@ -321,6 +321,9 @@ impl Tracker {
                     st.key_expires = Time(0);
                     st.fields_expire = Time(0);
                 }
+                // It may also hold fields deleted since, which nobody would delete again:
+                // collect every key once whatever was written before has expired.
+                self.collect_all_at.insert(now + self.config.listing_ttl());
                 self.mark_all_dirty();
             }
             TrackerInput::LiveKas(live) => self.collect(now, live),

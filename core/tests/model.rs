@@ -3,7 +3,8 @@
 //! by random sequences of agent connects and disconnects (tunnel or connection ending
 //! first), calls with deadlines (some two-way: once delivered they outlive their
 //! deadline, and kas must not fail them), callers going away, clock advances, failed Redis batches,
-//! Redis data loss and lost pub-sub messages. The test is the nodes' driver: it carries
+//! Redis data loss, failovers to a replica that lacks the last writes, and lost pub-sub
+//! messages. The test is the nodes' driver: it carries
 //! their outputs as kas's engine, tunnels and forwards would. A message is lost only with a subscriber's
 //! connection, as with Redis: those routers see the connection go down, and come back at
 //! the next clock advance. The test's own table of tunnels is the reference model; after
@@ -68,6 +69,11 @@ enum Op {
         kas: usize,
     },
     LoseRedisData,
+    /// The replica catches up with the master: it holds what the master holds now.
+    Replicate,
+    /// Sentinel promotes the replica: the master's writes since the last `Replicate` are
+    /// lost, and every subscriber's connection drops.
+    FailOver,
     LoseNextPublish,
     /// The next agent to answer a call sends an `Error` frame instead of a trailer.
     AgentAnswersError,
@@ -86,6 +92,8 @@ fn op() -> impl Strategy<Value = Op> {
         1 => any::<usize>().prop_map(|pick| Op::Cancel { pick }),
         1 => (0..KAS).prop_map(|kas| Op::FailNextBatch { kas }),
         1 => Just(Op::LoseRedisData),
+        1 => Just(Op::Replicate),
+        1 => Just(Op::FailOver),
         1 => Just(Op::LoseNextPublish),
         1 => Just(Op::AgentAnswersError),
     ]
@@ -114,6 +122,8 @@ type Hash = (Option<Time>, BTreeMap<String, Vec<u8>>);
 #[derive(Default)]
 struct Store {
     hashes: BTreeMap<String, Hash>,
+    /// What the replica holds: the master's hashes at the last `Op::Replicate`.
+    replica: BTreeMap<String, Hash>,
 }
 
 impl Store {
@@ -338,6 +348,15 @@ impl World {
             }
             Op::FailNextBatch { kas } => self.nodes[kas].fail_next_batch = true,
             Op::LoseRedisData => self.store.hashes.clear(),
+            Op::Replicate => self.store.replica = self.store.hashes.clone(),
+            Op::FailOver => {
+                self.store.hashes = self.store.replica.clone();
+                for n in 0..KAS {
+                    if !std::mem::replace(&mut self.nodes[n].pubsub_down, true) {
+                        input(self, n, NodeInput::PubSub(PubSubEvent::Down));
+                    }
+                }
+            }
             Op::LoseNextPublish => self.lose_next_publish = true,
             Op::AgentAnswersError => self.error_next_answer = true,
         }
@@ -775,7 +794,11 @@ impl World {
             .map(|c| c.deadline)
             .max()
             .unwrap_or(self.now);
-        let until = self.now.max(last_deadline) + TTL + REFRESH + GC + GRACE;
+        // A key no kas writes any more outlives its fields by up to 2.5 of its
+        // refresh intervals (a project's: 3 periods); a failover can bring back such a
+        // key, with a field deleted after the replica's copy.
+        let key_life = TTL + REFRESH * 2 + REFRESH * 3 * 5 / 2;
+        let until = self.now.max(last_deadline) + key_life + GC + GRACE;
         while self.now < until {
             self.answer_calls();
             self.confirm_subscriptions();

@@ -428,6 +428,28 @@ fn after_a_rewrite_all_a_tunnel_record_is_announced_whatever_the_key_holds() {
     );
 }
 
+#[test]
+fn after_a_rewrite_all_every_key_is_collected_once_its_longest_lived_records_expired() {
+    // A failover's replica may hold fields this kas deleted since: nobody deletes them
+    // again, and the key this kas keeps alive would keep them.
+    let all = [
+        "kas:agent:{agent:7}",
+        "kas:conn_by_project:{project:100}",
+        "kas:kas_instances",
+    ];
+    let live = [("k1:1", 1)];
+    let mut t = tracker();
+    let first = next_batch(&mut t);
+    ack(&mut t, 0, &first, true);
+    t.handle_input(Time(1), TrackerInput::AgentConnected(info(7, 70)));
+    assert_eq!(gc_at(&mut t, 600, &live), [all[0], all[2]], "new keys");
+    assert_eq!(gc_at(&mut t, 1200, &live), [PROJECT], "a new project key");
+    t.handle_input(Time(1300), TrackerInput::RewriteAll);
+    assert_eq!(gc_at(&mut t, 1800, &live), Vec::<String>::new());
+    assert_eq!(gc_at(&mut t, 2400, &live), all, "1300 + 780 passed");
+    assert_eq!(gc_at(&mut t, 3000, &live), Vec::<String>::new());
+}
+
 /// Runs the GC period at `now`: answers its read of the live kas with `live` and returns
 /// the keys it then collects.
 fn gc_at(t: &mut Tracker, now: u64, live: &[(&str, u64)]) -> Vec<String> {
