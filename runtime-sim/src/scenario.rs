@@ -311,6 +311,18 @@ async fn faults(
                 handle.restart(cluster.redis_node.id());
             }
             Fault::FailoverRedis => {
+                // Half the time an agent replica goes first, and the writes lost include
+                // its kas deleting its records: the failover brings them back.
+                let gone = thread_rng().gen_bool(0.5).then(|| {
+                    let i = thread_rng().gen_range(0..cluster.agent_nodes.len());
+                    cluster.agent_nodes[i].2.id()
+                });
+                let since = Instant::now();
+                if let Some(id) = gone {
+                    log.agents_cut_off = true;
+                    handle.kill(id);
+                    tokio::time::sleep(random_ms(100, 1_000)).await;
+                }
                 // Sentinel promotes the replica: the master's last writes are lost,
                 // acknowledged ones too. Up to 1 s (a replica in step) or, half the
                 // time, up to 2 TTL (one that had been cut off from its master).
@@ -320,10 +332,17 @@ async fn faults(
                 } else {
                     MAX_REPLICATION_LAG
                 };
-                let lost = most.mul_f64(thread_rng().gen_range(0.0..1.0));
+                let mut lost = most.mul_f64(thread_rng().gen_range(0.0..1.0));
+                if gone.is_some() {
+                    lost = lost.max(since.elapsed()).min(MAX_REPLICATION_LAG);
+                }
                 cluster.redis.fail_over(lost);
                 tokio::time::sleep(random_ms(10, 500)).await;
                 handle.restart(cluster.redis_node.id());
+                if let Some(id) = gone {
+                    tokio::time::sleep(lasting).await;
+                    handle.restart(id);
+                }
             }
             Fault::SlowRedis => {
                 cluster.redis.knobs.set_latency(random_ms(50, 800));
