@@ -63,12 +63,8 @@ enum Write {
 impl Replica {
     /// Applies the writes the master applied before `until`, at the master's times.
     fn catch_up(&mut self, until: Instant) {
-        while let Some((at, _)) = self.backlog.front()
-            && *at < until
-        {
-            let Some((at, write)) = self.backlog.pop_front() else {
-                break;
-            };
+        while self.backlog.front().is_some_and(|(at, _)| *at < until) {
+            let (at, write) = self.backlog.pop_front().expect("a front entry");
             match write {
                 Write::Execute(writes) => {
                     self.keyspace.execute(&writes, at);
