@@ -12,6 +12,7 @@ mod pubsub;
 mod redis;
 #[cfg(madsim)]
 pub mod sim;
+pub mod slot;
 
 pub use self::memory::{Keyspace, MemoryStore};
 pub use self::redis::{RedisAuth, RedisStore, RedisTopology};
