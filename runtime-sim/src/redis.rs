@@ -3,12 +3,14 @@
 //! GC's compare-and-delete, and fire-and-forget pub-sub (a subscriber that is not
 //! connected misses messages; every publication is logged for the checker). A restart
 //! of the node loses every key, as a Redis without persistence does; a failover keeps
-//! what its replica had (see [`Replica`]). Latency is injected per request through
-//! [`RedisKnobs`].
+//! what its replica had (see [`Replica`]). The node also stands for a Redis Cluster of
+//! [`SHARDS`] masters, one of which may fail over alone ([`RedisState::fail_shard`]).
+//! Latency is injected per request through [`RedisKnobs`].
 
 use kas_core::tracker::KeyWrite;
 use kas_runtime::store::Keyspace;
 use kas_runtime::store::sim::{SimReply, SimRequest};
+use kas_runtime::store::slot::{SLOTS, slot};
 use std::collections::{BTreeMap, BTreeSet, VecDeque};
 use std::net::SocketAddr;
 use std::sync::atomic::{AtomicU64, Ordering};
@@ -42,6 +44,20 @@ impl RedisKnobs {
 /// master did. Sentinel may promote a replica that was cut off from its master for a
 /// while (up to ten times `down-after-milliseconds`), so seconds of writes can go.
 pub const MAX_REPLICATION_LAG: Duration = Duration::from_secs(8);
+
+/// The masters of the cluster the node stands for; they split the slots in even ranges,
+/// as `redis-cli --cluster create` does.
+pub const SHARDS: u16 = 3;
+
+/// The shard serving `key`, or a channel named like it.
+fn shard(key: &str) -> u16 {
+    slot(key) / SLOTS.div_ceil(SHARDS)
+}
+
+/// The answer to a request that needs a shard whose master is down.
+fn shard_down(shard: u16) -> SimReply {
+    SimReply::Failed(format!("shard {shard}'s master is down"))
+}
 
 /// The replica that Sentinel promotes in a failover. Replication is asynchronous, so the
 /// promoted node lacks the master's last writes, acknowledged ones included: deletions
@@ -87,6 +103,8 @@ pub struct Db {
     replica: Replica,
     /// What the node starts with next: a promoted replica's keys, or none (a restart).
     next_start: Option<Keyspace>,
+    /// A shard whose master died, with the keys its replica takes over with.
+    down: Option<(u16, Keyspace)>,
 }
 
 #[derive(Debug)]
@@ -110,9 +128,22 @@ impl Db {
             .map(|(at, _)| *at)
     }
 
+    /// The shard whose master is down, if `name` is on it.
+    fn down_for(&self, name: &str) -> Option<u16> {
+        self.down
+            .as_ref()
+            .map(|(s, _)| *s)
+            .filter(|s| shard(name) == *s)
+    }
+
     fn apply(&mut self, request: SimRequest, now: Instant) -> Option<SimReply> {
         Some(match request {
             SimRequest::Execute(writes) => {
+                // A batch goes out as one script call per master: the live masters' calls
+                // succeed, the dead one's fails.
+                let (writes, refused): (Vec<KeyWrite>, Vec<KeyWrite>) = writes
+                    .into_iter()
+                    .partition(|w| self.down_for(&w.key).is_none());
                 for (channel, payload) in self.keyspace.execute(&writes, now) {
                     self.published.push((now, channel.clone()));
                     self.publish(&channel, payload);
@@ -120,19 +151,57 @@ impl Db {
                 self.replica
                     .backlog
                     .push_back((now, Write::Execute(writes)));
-                SimReply::Done
+                match refused.first().and_then(|w| self.down_for(&w.key)) {
+                    Some(down) => shard_down(down),
+                    None => SimReply::Done,
+                }
             }
-            SimRequest::Read(key) => SimReply::Hash(self.keyspace.read(&key, now)),
+            SimRequest::Read(key) => match self.down_for(&key) {
+                Some(down) => shard_down(down),
+                None => SimReply::Hash(self.keyspace.read(&key, now)),
+            },
             SimRequest::DeleteUnchanged(key, fields) => {
+                if let Some(down) = self.down_for(&key) {
+                    return Some(shard_down(down));
+                }
                 let deleted = self.keyspace.delete_unchanged(&key, &fields, now);
                 let write = Write::DeleteUnchanged(key, fields);
                 self.replica.backlog.push_back((now, write));
                 SimReply::Deleted(deleted)
             }
-            SimRequest::Ping => SimReply::Done,
+            // `PING` goes to every master.
+            SimRequest::Ping => match &self.down {
+                Some((down, _)) => shard_down(*down),
+                None => SimReply::Done,
+            },
             // Handled by the connection, which owns the subscriber.
             SimRequest::Subscribe(_) | SimRequest::Unsubscribe(_) => return None,
         })
+    }
+
+    /// `SUBSCRIBE` on the connection that is (or becomes) `subscriber`.
+    fn subscribe(
+        &mut self,
+        subscriber: &mut Option<u64>,
+        queue: &mpsc::UnboundedSender<SimReply>,
+        channel: String,
+    ) -> SimReply {
+        if let Some(down) = self.down_for(&channel) {
+            return shard_down(down);
+        }
+        let id = *subscriber.get_or_insert_with(|| {
+            self.next_subscriber += 1;
+            self.next_subscriber
+        });
+        self.subscribers
+            .entry(id)
+            .or_insert_with(|| Subscriber {
+                channels: BTreeSet::new(),
+                queue: queue.clone(),
+            })
+            .channels
+            .insert(channel.clone());
+        SimReply::Subscribed(channel)
     }
 
     fn publish(&mut self, channel: &str, payload: Vec<u8>) {
@@ -174,6 +243,37 @@ impl RedisState {
         db.next_start = Some(std::mem::take(&mut db.replica.keyspace));
     }
 
+    /// Kills the master of `shard`, whose replica lacks the writes of the last `lost` (at
+    /// most [`MAX_REPLICATION_LAG`]), until [`Self::promote`]. Meanwhile the requests that
+    /// need the shard fail and the others succeed; subscribers listening on it are cut
+    /// off, the others fail their next `PING`.
+    pub fn fail_shard(&self, shard: u16, lost: Duration) {
+        let now = Instant::now();
+        let mut db = self.lock();
+        db.replica.catch_up(now.checked_sub(lost).unwrap_or(now));
+        db.down = Some((shard, db.replica.keyspace.clone()));
+        for s in db.subscribers.values() {
+            if s.channels.iter().any(|c| self::shard(c) == shard) {
+                let _ = s.queue.send(shard_down(shard));
+            }
+        }
+    }
+
+    /// The down shard's replica becomes its master: the shard's keys are what it held.
+    pub fn promote(&self) {
+        let mut db = self.lock();
+        let Some((shard, promoted)) = db.down.take() else {
+            return;
+        };
+        db.keyspace
+            .restore(&promoted, |key| self::shard(key) == shard);
+        // The new masters' replicas start in step with them.
+        db.replica = Replica {
+            keyspace: db.keyspace.clone(),
+            backlog: VecDeque::new(),
+        };
+    }
+
     /// Runs the server on `addr` (the node's init): starts empty, or with the promoted
     /// replica's keys after [`Self::fail_over`], then serves forever.
     pub async fn serve(self, addr: SocketAddr) {
@@ -203,7 +303,8 @@ impl RedisState {
         }
     }
 
-    /// Serves one connection: requests in order; once subscribed, also pushes messages.
+    /// Serves one connection: requests in order; once subscribed, also pushes messages. A
+    /// failed request closes it.
     async fn connection(self, tx: Sender, mut rx: Receiver) {
         let (queue, mut pushed) = mpsc::unbounded_channel();
         let mut subscriber: Option<u64> = None;
@@ -219,17 +320,7 @@ impl RedisState {
                     }
                     let reply = match *request {
                         SimRequest::Subscribe(ch) => {
-                            let mut db = self.lock();
-                            let id = *subscriber.get_or_insert_with(|| {
-                                db.next_subscriber += 1;
-                                db.next_subscriber
-                            });
-                            db.subscribers
-                                .entry(id)
-                                .or_insert_with(|| Subscriber { channels: BTreeSet::new(), queue: queue.clone() })
-                                .channels
-                                .insert(ch.clone());
-                            Some(SimReply::Subscribed(ch))
+                            Some(self.lock().subscribe(&mut subscriber, &queue, ch))
                         }
                         SimRequest::Unsubscribe(ch) => {
                             if let Some(id) = subscriber
@@ -242,13 +333,13 @@ impl RedisState {
                         other => self.lock().apply(other, Instant::now()),
                     };
                     if let Some(reply) = reply
-                        && tx.send(Box::new(reply)).await.is_err()
+                        && !send(&tx, reply).await
                     {
                         break;
                     }
                 }
                 Some(message) = pushed.recv() => {
-                    if tx.send(Box::new(message)).await.is_err() {
+                    if !send(&tx, message).await {
                         break;
                     }
                 }
@@ -258,4 +349,10 @@ impl RedisState {
             self.lock().subscribers.remove(&id);
         }
     }
+}
+
+/// Sends `reply`; whether the connection stays open.
+async fn send(tx: &Sender, reply: SimReply) -> bool {
+    let failed = matches!(reply, SimReply::Failed(_));
+    tx.send(Box::new(reply)).await.is_ok() && !failed
 }

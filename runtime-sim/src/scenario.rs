@@ -4,7 +4,7 @@
 
 use crate::checker::{self, Outage, Stall, Stats};
 use crate::cluster::{AgentSpec, Cluster, ClusterSpec, pod_name};
-use crate::redis::MAX_REPLICATION_LAG;
+use crate::redis::{MAX_REPLICATION_LAG, SHARDS};
 use crate::workload::{self, Call};
 use kas_core::AgentId;
 use kas_core::keys::Keys;
@@ -310,7 +310,7 @@ async fn faults(
                 tokio::time::sleep(random_ms(10, 500)).await;
                 handle.restart(cluster.redis_node.id());
             }
-            Fault::FailoverRedis => {
+            Fault::FailoverRedis | Fault::FailoverShard => {
                 // Half the time an agent replica goes first, and the writes lost include
                 // its kas deleting its records: the failover brings them back.
                 let gone = thread_rng().gen_bool(0.5).then(|| {
@@ -323,10 +323,9 @@ async fn faults(
                     handle.kill(id);
                     tokio::time::sleep(random_ms(100, 1_000)).await;
                 }
-                // Sentinel promotes the replica: the master's last writes are lost,
-                // acknowledged ones too. Up to 1 s (a replica in step) or, half the
-                // time, up to 2 TTL (one that had been cut off from its master).
-                handle.kill(cluster.redis_node.id());
+                // A replica is promoted: the master's last writes are lost, acknowledged
+                // ones too. Up to 1 s (a replica in step) or, half the time, up to 2 TTL
+                // (one that had been cut off from its master).
                 let most = if thread_rng().gen_bool(0.5) {
                     Duration::from_secs(1)
                 } else {
@@ -336,9 +335,20 @@ async fn faults(
                 if gone.is_some() {
                     lost = lost.max(since.elapsed()).min(MAX_REPLICATION_LAG);
                 }
-                cluster.redis.fail_over(lost);
-                tokio::time::sleep(random_ms(10, 500)).await;
-                handle.restart(cluster.redis_node.id());
+                if fault == Fault::FailoverRedis {
+                    // Sentinel: the one master goes, every connection with it.
+                    handle.kill(cluster.redis_node.id());
+                    cluster.redis.fail_over(lost);
+                    tokio::time::sleep(random_ms(10, 500)).await;
+                    handle.restart(cluster.redis_node.id());
+                } else {
+                    // Cluster: one shard's master goes, until its replica is voted in
+                    // (after the cluster's node timeout); the other shards serve on.
+                    let shard = thread_rng().gen_range(0..SHARDS);
+                    cluster.redis.fail_shard(shard, lost);
+                    tokio::time::sleep(random_ms(500, 4_000)).await;
+                    cluster.redis.promote();
+                }
                 if let Some(id) = gone {
                     tokio::time::sleep(lasting).await;
                     handle.restart(id);
@@ -582,6 +592,7 @@ enum Fault {
     ClogRedis,
     RestartRedis,
     FailoverRedis,
+    FailoverShard,
     SlowRedis,
     KillAgent,
     ClogNode,
@@ -589,13 +600,14 @@ enum Fault {
 }
 
 impl Fault {
-    const ALL: [Fault; 10] = [
+    const ALL: [Fault; 11] = [
         Fault::KillKas,
         Fault::StopKas,
         Fault::Clog,
         Fault::ClogRedis,
         Fault::RestartRedis,
         Fault::FailoverRedis,
+        Fault::FailoverShard,
         Fault::SlowRedis,
         Fault::KillAgent,
         Fault::ClogNode,
@@ -609,7 +621,7 @@ fn fault_kinds(scenario: Scenario) -> Vec<Fault> {
         Scenario::Steady => vec![],
         Scenario::KasCrash => vec![KillKas, StopKas],
         Scenario::Partition => vec![Clog, ClogRedis, ClogNode],
-        Scenario::RedisRestart => vec![RestartRedis, FailoverRedis, SlowRedis],
+        Scenario::RedisRestart => vec![RestartRedis, FailoverRedis, FailoverShard, SlowRedis],
         Scenario::ReconnectStorm => vec![],
         Scenario::AgentChurn => vec![KillAgent],
         Scenario::KasCrashHa => vec![KillKas, StopKas],

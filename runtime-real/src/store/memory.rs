@@ -107,6 +107,15 @@ impl Keyspace {
         self.hashes.retain(|_, h| h.live(now));
     }
 
+    /// Makes the keys that `which` picks hold what they hold in `from` (or nothing): a
+    /// promoted replica taking over one shard of a cluster.
+    pub fn restore(&mut self, from: &Keyspace, which: impl Fn(&str) -> bool) {
+        self.hashes.retain(|key, _| !which(key));
+        let restored = from.hashes.iter().filter(|(key, _)| which(key));
+        self.hashes
+            .extend(restored.map(|(key, hash)| (key.clone(), hash.clone())));
+    }
+
     /// Live keys with their fields' names and stored bytes.
     pub fn entries(&self, now: Instant) -> BTreeMap<String, Vec<(String, Vec<u8>)>> {
         self.hashes

@@ -44,6 +44,8 @@ pub enum SimReply {
     Subscribed(String),
     /// A published message on a subscribed channel.
     Message(String, Vec<u8>),
+    /// The request failed (a cluster shard is down); a subscriber's connection then closes.
+    Failed(String),
 }
 
 /// The client of the simulated Redis node at `server`.
@@ -89,7 +91,13 @@ impl SimStore {
             buggify::pause(Point::RedisLatency).await;
             let (tx, mut rx) = connect(self.server).await.map_err(err)?;
             tx.send(Box::new(request)).await.map_err(err)?;
-            receive(&mut rx).await
+            let reply = receive(&mut rx).await?;
+            // Applied, and answered late: whoever waits on it acts on a past store.
+            buggify::pause(Point::RedisLatency).await;
+            match reply {
+                SimReply::Failed(why) => Err(err(why)),
+                reply => Ok(reply),
+            }
         };
         tokio::time::timeout(self.timeout, exchange)
             .await
@@ -261,6 +269,7 @@ impl Connection for SimSubscriber {
                     out
                 }
                 SimReply::Done => Pushed::Pong,
+                SimReply::Failed(why) => return Err(err(why)),
                 other => return Err(err(format!("unexpected push {other:?}"))),
             });
         }
