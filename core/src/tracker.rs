@@ -259,6 +259,9 @@ pub struct Tracker {
     collect_all_at: BTreeSet<Time>,
     /// Keys this kas started writing, with when to collect them (`ttl` later).
     collect_new_at: VecDeque<(Time, String)>,
+    /// Fields this kas deleted, with until when a value written before lives: a failover
+    /// that loses the deletion revives them, so a rewrite-all deletes them again.
+    deleted: Vec<(Time, String, String)>,
     next_heartbeat: Time,
     shutting_down: bool,
     shutdown_reported: bool,
@@ -285,6 +288,7 @@ impl Tracker {
             live_kas: None,
             collect_all_at: BTreeSet::new(),
             collect_new_at: VecDeque::new(),
+            deleted: Vec::new(),
             next_heartbeat: Self::heartbeat_after(&config, now),
             config,
             instances_key: keys.kas_instances(),
@@ -317,12 +321,23 @@ impl Tracker {
                 // kept of their fields: a replica promoted by a failover lacks the last
                 // writes and may hold expired values, which a `set` revives without
                 // creating a field. So every record is announced whatever the `set` finds.
+                // A batch in flight may have reached the store before it came back: what
+                // its success would record is not known to hold either.
                 for st in self.state.values_mut() {
                     st.key_expires = Time(0);
                     st.fields_expire = Time(0);
+                    st.writing = None;
                 }
-                // It may also hold fields deleted since, which nobody would delete again:
-                // collect every key once whatever was written before has expired.
+                // It may also hold fields deleted since: delete again those that may not
+                // have expired, and collect every key once whatever was written before
+                // has expired.
+                self.deleted.retain(|(until, _, _)| *until > now);
+                for (_, key, field) in &self.deleted {
+                    let st = self.state.entry(key.clone()).or_default();
+                    if !st.fields.contains_key(field) {
+                        st.pending_delete.insert(field.clone());
+                    }
+                }
                 self.collect_all_at.insert(now + self.config.listing_ttl());
                 self.mark_all_dirty();
             }
@@ -348,8 +363,8 @@ impl Tracker {
                 connection,
             } => {
                 let field = connection_field(connection, &self.kas_id);
-                self.delete(self.keys.agent(agent), field.clone());
-                self.delete(self.keys.connections_by_project(project), field);
+                self.delete(now, self.keys.agent(agent), field.clone());
+                self.delete(now, self.keys.connections_by_project(project), field);
             }
             TrackerInput::TunnelPresence { agent, present } => {
                 let key = self.keys.agent(agent);
@@ -357,7 +372,7 @@ impl Tracker {
                 if present {
                     self.set(now, key.clone(), field, Vec::new());
                 } else {
-                    self.delete(key.clone(), field);
+                    self.delete(now, key.clone(), field);
                 }
                 let event = TunnelEvent {
                     agent_id: agent.0,
@@ -386,6 +401,7 @@ impl Tracker {
         }
         if now >= self.next_refresh {
             self.next_refresh = now + self.config.refresh;
+            self.deleted.retain(|(until, _, _)| *until > now);
             if !self.shutting_down {
                 self.mark_refresh_dirty(now);
             }
@@ -501,8 +517,10 @@ impl Tracker {
         mark_dirty(&mut self.dirty_queue, key, st);
     }
 
-    fn delete(&mut self, key: String, field: String) {
+    fn delete(&mut self, now: Time, key: String, field: String) {
         let st = self.state.entry(key.clone()).or_default();
+        let (life, _) = self.config.life(key == self.instances_key, st.listing);
+        self.deleted.push((now + life, key.clone(), field.clone()));
         st.fields.remove(&field);
         st.pending_delete.insert(field);
         mark_dirty(&mut self.dirty_queue, key, st);

@@ -429,6 +429,74 @@ fn after_a_rewrite_all_a_tunnel_record_is_announced_whatever_the_key_holds() {
 }
 
 #[test]
+fn a_batch_in_flight_at_a_rewrite_all_does_not_cancel_its_announcements() {
+    // `redis-restart` seed 714: a refresh sent while Redis failed over committed on the
+    // promoted replica just after the rewrite; its success, recorded as the last write,
+    // made the rewrite's writes announce only created fields, and the replica held them.
+    let (mut t, b) = presence_batch(true);
+    ack(&mut t, 2, &b, true);
+    t.handle_timeout(Time(240));
+    let refresh = next_batch(&mut t);
+    t.handle_input(Time(241), TrackerInput::RewriteAll);
+    ack(&mut t, 242, &refresh, true);
+    let again = next_batch(&mut t);
+    let w = again.writes.iter().find(|w| w.key == AGENT_3).unwrap();
+    assert_eq!((w.publish.len(), w.announce.len()), (1, 0));
+    assert!(matches!(w.expire, KeyExpiry::Renew(_)), "{:?}", w.expire);
+}
+
+/// A tracker whose tunnel record of agent 3 was written and, at 10, deleted.
+fn tunnel_record_deleted() -> Tracker {
+    let (mut t, b) = presence_batch(true);
+    ack(&mut t, 2, &b, true);
+    let absent = TrackerInput::TunnelPresence {
+        agent: AgentId(3),
+        present: false,
+    };
+    t.handle_input(Time(10), absent);
+    let gone = next_batch(&mut t);
+    assert_eq!(gone.writes[0].delete, vec!["k1:1".to_string()]);
+    ack(&mut t, 11, &gone, true);
+    t
+}
+
+#[test]
+fn a_rewrite_all_deletes_again_what_a_failover_may_have_revived() {
+    // Swarm seed 701: the promoted replica lacked the deletion of a tunnel record, which
+    // the kas no longer tracked; it stayed, routable, after the kas stopped gracefully.
+    let mut t = tunnel_record_deleted();
+    t.handle_input(Time(100), TrackerInput::RewriteAll);
+    let again = next_batch(&mut t);
+    let w = again.writes.iter().find(|w| w.key == AGENT_3).unwrap();
+    assert_eq!(w.delete, vec!["k1:1".to_string()]);
+    assert_eq!(w.expire, KeyExpiry::Keep);
+}
+
+#[test]
+fn a_rewrite_all_leaves_deletions_whose_values_expired_and_fields_set_since() {
+    let mut t = tunnel_record_deleted();
+    // Written by 2 at the latest, so expired by 302 wherever a replica revived it.
+    t.handle_input(Time(310), TrackerInput::RewriteAll);
+    let again = next_batch(&mut t);
+    assert_eq!(keys_of(&again), vec!["kas:kas_instances"]);
+    ack(&mut t, 311, &again, true);
+
+    let mut t = tunnel_record_deleted();
+    let present = TrackerInput::TunnelPresence {
+        agent: AgentId(3),
+        present: true,
+    };
+    t.handle_input(Time(20), present);
+    let back = next_batch(&mut t);
+    ack(&mut t, 21, &back, true);
+    t.handle_input(Time(100), TrackerInput::RewriteAll);
+    let again = next_batch(&mut t);
+    let w = again.writes.iter().find(|w| w.key == AGENT_3).unwrap();
+    assert!(w.delete.is_empty(), "{:?}", w.delete);
+    assert_eq!(w.set.len(), 1);
+}
+
+#[test]
 fn after_a_rewrite_all_every_key_is_collected_once_its_longest_lived_records_expired() {
     // A failover's replica may hold fields this kas deleted since: nobody deletes them
     // again, and the key this kas keeps alive would keep them.
