@@ -226,6 +226,10 @@ struct AgentRoutes {
     /// An event arrived, or pub-sub went down, while the lookup was in flight: its result
     /// may be stale, so it answers the waiting calls but is not kept.
     lookup_raced: bool,
+    /// The subscription became active while the lookup was in flight (a poll sent while
+    /// pub-sub was down): it may have read the store before a record was announced that
+    /// the subscription missed, so the calls it leaves waiting look up again.
+    lookup_before_subscription: bool,
     /// The other kas holding tunnels of the agent: the last lookup with every event since.
     /// Only while the subscription stayed active and pub-sub up.
     known: Option<BTreeSet<KasId>>,
@@ -305,6 +309,7 @@ impl Router {
             RouterInput::Subscribed { agent } => {
                 if let Some(a) = self.agents.get_mut(&agent) {
                     a.subscription = Subscription::Active;
+                    a.lookup_before_subscription |= a.lookup_in_flight;
                     if self.any_in_phase(agent, Phase::NeedLookup) {
                         self.lookup(agent);
                     }
@@ -559,7 +564,9 @@ impl Router {
             return;
         };
         a.lookup_in_flight = false;
-        let keep = self.pubsub_up && a.subscription == Subscription::Active && !a.lookup_raced;
+        let early = std::mem::take(&mut a.lookup_before_subscription);
+        let keep =
+            self.pubsub_up && a.subscription == Subscription::Active && !a.lookup_raced && !early;
         a.lookup_raced = false;
         a.known = match &kas {
             Some(kas) if keep => Some(
@@ -576,8 +583,17 @@ impl Router {
             .copied()
             .filter(|id| self.routes[id].phase == Phase::NeedLookup)
             .collect();
-        for id in waiting {
+        for id in waiting.iter().copied() {
             self.take_lookup(now, id, agent, kas.as_deref());
+        }
+        if early {
+            // Calls that came since pub-sub was back (those before were woken by it).
+            for id in waiting {
+                if matches!(self.routes.get(&id), Some(r) if matches!(r.phase, Phase::Waiting { .. }))
+                {
+                    self.discover(now, id);
+                }
+            }
         }
     }
 

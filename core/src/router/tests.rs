@@ -542,6 +542,56 @@ fn a_pubsub_loss_drops_what_every_subscription_told() {
     assert_eq!(drain(&mut r), vec![RouterOutput::Lookup(A)]);
 }
 
+/// A router with pub-sub up whose call 1 (deadline `deadline`) found no kas and waits;
+/// pub-sub then goes down at 1,000, and the call's poll is sent but not answered.
+fn router_polling_while_down(deadline: u64) -> Router {
+    let mut r = router_lingering(Duration::from_millis(10_000));
+    r.handle_input(Time(0), RouterInput::PubSubUp);
+    start(&mut r, 0, 1, deadline);
+    r.handle_input(Time(0), RouterInput::Subscribed { agent: A });
+    drain(&mut r);
+    answer_lookup(&mut r, 0, vec![]);
+    r.handle_input(Time(1_000), RouterInput::PubSubDown);
+    let poll = r.poll_timeout().expect("a poll while down");
+    r.handle_timeout(poll);
+    assert_eq!(drain(&mut r), vec![RouterOutput::Lookup(A)]);
+    r
+}
+
+#[test]
+fn a_poll_answered_after_the_subscription_was_renewed_is_followed_by_a_lookup() {
+    // The poll read the store before kas2's record was announced; its answer comes after
+    // the renewed subscription, which missed the announcement.
+    let mut r = router_polling_while_down(10_000);
+    r.handle_input(Time(1_200), RouterInput::PubSubUp);
+    start(&mut r, 1_250, 2, 10_000);
+    r.handle_input(Time(1_260), RouterInput::Subscribed { agent: A });
+    assert_eq!(drain(&mut r), vec![], "one lookup in flight at a time");
+    answer_lookup(&mut r, 1_300, vec![]);
+    assert_eq!(drain(&mut r), vec![RouterOutput::Lookup(A)]);
+    answer_lookup(&mut r, 1_310, vec![kas(2)]);
+    assert_eq!(
+        drain(&mut r),
+        vec![
+            attempt(1, Target::Kas(kas(2))),
+            attempt(2, Target::Kas(kas(2)))
+        ]
+    );
+}
+
+#[test]
+fn a_poll_answered_after_the_subscription_was_renewed_is_not_kept() {
+    // Swarm seed 846: its empty answer, kept, left later calls waiting for nothing.
+    let mut r = router_polling_while_down(1_500);
+    r.handle_input(Time(1_200), RouterInput::PubSubUp);
+    r.handle_input(Time(1_210), RouterInput::Subscribed { agent: A });
+    r.handle_timeout(Time(1_500));
+    drain(&mut r);
+    answer_lookup(&mut r, 1_600, vec![]);
+    start(&mut r, 1_700, 2, 5_000);
+    assert_eq!(drain(&mut r), vec![RouterOutput::Lookup(A)]);
+}
+
 #[test]
 fn a_lookup_raced_by_an_event_answers_its_calls_but_is_not_kept() {
     let mut r = router_lingering(Duration::from_millis(1000));
