@@ -11,7 +11,9 @@
 //! skip the records of kas that are not alive, so they live longer and are rewritten every
 //! [`LISTING_REFRESHES`] periods: an agent alone in its project costs one hash write a
 //! period, not two. A failed batch is retried with jittered backoff; at shutdown
-//! everything is deleted.
+//! everything is deleted. A failover's replica may lack the last writes: after
+//! [`TrackerInput::RewriteAll`] every record is written and announced again, and every
+//! field deleted within a value's lifetime is deleted again.
 //!
 //! Expired fields are left only by a kas that stopped writing without deleting them: one
 //! that died, or restarted under the same id. So the GC does not read every key every
