@@ -589,8 +589,8 @@ impl Router {
         if early {
             // Calls that came since pub-sub was back (those before were woken by it).
             for id in waiting {
-                if matches!(self.routes.get(&id), Some(r) if matches!(r.phase, Phase::Waiting { .. }))
-                {
+                let waits = |r: &Route| matches!(r.phase, Phase::Waiting { .. });
+                if self.routes.get(&id).is_some_and(waits) {
                     self.discover(now, id);
                 }
             }

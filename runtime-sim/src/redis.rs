@@ -151,8 +151,8 @@ impl Db {
                 self.replica
                     .backlog
                     .push_back((now, Write::Execute(writes)));
-                match refused.first().and_then(|w| self.down_for(&w.key)) {
-                    Some(down) => shard_down(down),
+                match self.down.as_ref().filter(|_| !refused.is_empty()) {
+                    Some((down, _)) => shard_down(*down),
                     None => SimReply::Done,
                 }
             }

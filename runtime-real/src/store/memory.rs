@@ -108,7 +108,8 @@ impl Keyspace {
     }
 
     /// Makes the keys that `which` picks hold what they hold in `from` (or nothing): a
-    /// promoted replica taking over one shard of a cluster.
+    /// promoted replica taking over one shard of a cluster (simulated).
+    #[cfg(madsim)]
     pub fn restore(&mut self, from: &Keyspace, which: impl Fn(&str) -> bool) {
         self.hashes.retain(|key, _| !which(key));
         let restored = from.hashes.iter().filter(|(key, _)| which(key));
