@@ -16,8 +16,9 @@
 //! 4. With no kas left, wait for a tunnel event (pub-sub, or a local tunnel). While the
 //!    pub-sub connection is up ([`RouterInput::PubSubUp`]), the last lookup succeeded and
 //!    no kas refused the call since, that is all: no event is lost on a live connection,
-//!    and a lost connection re-runs every lookup when it is back. Otherwise the call also
-//!    polls (looks up again) on a jittered backoff.
+//!    and a lost connection re-runs every lookup when it is back. A call that came after
+//!    an event that raced its lookup never saw that event: it looks up again. Otherwise
+//!    the call also polls (looks up again) on a jittered backoff.
 //! 5. At the deadline a call that is not with a kas fails with
 //!    [`RouteError::NotConnected`]; one still in an attempt is failed `grace` later.
 //! 6. After an agent's last call the router keeps its subscription for `linger`, and with
@@ -565,9 +566,8 @@ impl Router {
         };
         a.lookup_in_flight = false;
         let early = std::mem::take(&mut a.lookup_before_subscription);
-        let keep =
-            self.pubsub_up && a.subscription == Subscription::Active && !a.lookup_raced && !early;
-        a.lookup_raced = false;
+        let raced = std::mem::take(&mut a.lookup_raced);
+        let keep = self.pubsub_up && a.subscription == Subscription::Active && !raced && !early;
         a.known = match &kas {
             Some(kas) if keep => Some(
                 kas.iter()
@@ -586,8 +586,10 @@ impl Router {
         for id in waiting.iter().copied() {
             self.take_lookup(now, id, agent, kas.as_deref());
         }
-        if early {
-            // Calls that came since pub-sub was back (those before were woken by it).
+        if early || raced {
+            // The answer may predate a tunnel announced before the calls it leaves waiting
+            // came: since pub-sub was back, or since the event that raced it (calls there
+            // then were woken by it). They look up again.
             for id in waiting {
                 let waits = |r: &Route| matches!(r.phase, Phase::Waiting { .. });
                 if self.routes.get(&id).is_some_and(waits) {

@@ -610,6 +610,32 @@ fn a_lookup_raced_by_an_event_answers_its_calls_but_is_not_kept() {
 }
 
 #[test]
+fn a_call_that_joins_a_lookup_raced_by_an_event_looks_up_again() {
+    // `redis-restart` seed 152 (the probe after a failover): the lookup read the store
+    // while agent A's one tunnel was busy; kas3 announced it idle again before the answer,
+    // waking the call then waiting; a call that came after the event took the empty answer
+    // and waited, quietly, for an announcement that had already gone by.
+    let mut r = router();
+    r.handle_input(Time(0), RouterInput::PubSubUp);
+    start(&mut r, 0, 1, 5_000);
+    r.handle_input(Time(0), RouterInput::Subscribed { agent: A });
+    assert_eq!(
+        drain(&mut r),
+        vec![RouterOutput::Subscribe(A), RouterOutput::Lookup(A)]
+    );
+    event(&mut r, 150, 3, true);
+    start(&mut r, 230, 2, 5_000);
+    assert_eq!(drain(&mut r), vec![], "one lookup in flight at a time");
+    answer_lookup(&mut r, 370, vec![]);
+    assert_eq!(
+        drain(&mut r),
+        vec![attempt(1, Target::Kas(kas(3))), RouterOutput::Lookup(A)]
+    );
+    answer_lookup(&mut r, 380, vec![kas(3)]);
+    assert_eq!(drain(&mut r), vec![attempt(2, Target::Kas(kas(3)))]);
+}
+
+#[test]
 fn without_pubsub_nothing_is_kept() {
     let mut r = router_lingering(Duration::from_millis(1000));
     start(&mut r, 0, 1, 500);
