@@ -114,6 +114,14 @@ mod run {
         RATES.with(|r| r.set([0.0; POINTS.len()]));
     }
 
+    pub fn rates() -> [f64; POINTS.len()] {
+        RATES.with(|r| r.get())
+    }
+
+    pub fn restore(rates: [f64; POINTS.len()]) {
+        RATES.with(|r| r.set(rates));
+    }
+
     pub fn fires(point: Point) -> bool {
         let rate = RATES.with(|r| r.get()[index(point)]);
         rate > 0.0 && rand::random::<f64>() < rate
@@ -138,6 +146,23 @@ pub fn heal() {
 pub fn disable() {
     run::disable()
 }
+
+/// Every point's rate now, to put back with [`restore`] (after a [`heal`], say).
+#[cfg(madsim)]
+pub fn rates() -> Rates {
+    Rates(run::rates())
+}
+
+/// Puts back the rates that [`rates`] returned.
+#[cfg(madsim)]
+pub fn restore(rates: Rates) {
+    run::restore(rates.0)
+}
+
+/// The points' rates in a run (see [`rates`]).
+#[cfg(madsim)]
+#[derive(Clone, Copy, Debug)]
+pub struct Rates([f64; POINTS.len()]);
 
 /// True when `point` fires now.
 #[cfg(madsim)]

@@ -50,7 +50,7 @@ pub const MAX_REPLICATION_LAG: Duration = Duration::from_secs(8);
 pub const SHARDS: u16 = 3;
 
 /// The shard serving `key`, or a channel named like it.
-fn shard(key: &str) -> u16 {
+pub fn shard(key: &str) -> u16 {
     slot(key) / SLOTS.div_ceil(SHARDS)
 }
 

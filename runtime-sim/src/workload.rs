@@ -275,7 +275,10 @@ pub async fn homes(
 }
 
 /// Calls at random intervals (mean `every`) until `until`, each concurrently, for agents
-/// drawn from `agents`; returns every call once all have finished.
+/// drawn from `agents`; returns every call once all have finished. An eighth of the calls
+/// start a burst: 1-3 more for the same agent through the same kas, 0-50 ms apart (a page
+/// or kubectl sending several requests at once), so that calls join one another's
+/// lookups and meet the tunnels the others keep busy.
 pub async fn run(
     secret: Secret,
     kas: usize,
@@ -287,13 +290,31 @@ pub async fn run(
     let calls = Arc::new(Mutex::new(Vec::new()));
     let mut tasks = Vec::new();
     let mut n = 0u64;
+    // The calls left in a burst, and its kas and agent.
+    let mut burst = (0u32, 0usize, 0i64);
     while Instant::now() < until {
         let (k, agent, timeout, pause) = {
             let mut rng = thread_rng();
-            let pause_ms = rng.gen_range(0..2 * every.as_millis() as u64 + 1);
+            let (k, agent) = if burst.0 > 0 {
+                burst.0 -= 1;
+                (burst.1, burst.2)
+            } else {
+                (
+                    rng.gen_range(0..kas),
+                    agents[rng.gen_range(0..agents.len())],
+                )
+            };
+            if burst.0 == 0 && rng.gen_bool(0.125) {
+                burst = (rng.gen_range(1..=3), k, agent);
+            }
+            let pause_ms = if burst.0 > 0 {
+                rng.gen_range(0..50)
+            } else {
+                rng.gen_range(0..2 * every.as_millis() as u64 + 1)
+            };
             (
-                rng.gen_range(0..kas),
-                agents[rng.gen_range(0..agents.len())],
+                k,
+                agent,
                 Duration::from_millis(rng.gen_range(500..5_000)),
                 Duration::from_millis(pause_ms),
             )

@@ -324,6 +324,7 @@ impl Engine {
     }
 
     fn input(&mut self, input: NodeInput<Call>) {
+        tracing::trace!(?input, "node input");
         let result = self.node.handle_input(clock::now(), input);
         self.report(result);
     }
@@ -346,6 +347,7 @@ impl Engine {
     /// Carries the node's outputs until it has none.
     fn carry_outputs(&mut self) {
         while let Some(out) = self.node.poll_output() {
+            tracing::trace!(output = ?out, "node output");
             self.output(out);
         }
     }
