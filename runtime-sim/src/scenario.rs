@@ -474,22 +474,7 @@ async fn probe(cluster: &Cluster, agents: &[AgentSpec], fault: Fault, log: &mut 
         .collect();
     let calls = cluster
         .caller()
-        .spawn(async move {
-            let tasks: Vec<_> = targets
-                .into_iter()
-                .map(|(k, agent, marker)| {
-                    let secret = secret.clone();
-                    tokio::spawn(async move {
-                        workload::call(&secret, k, agent, marker, PROBE_TIMEOUT).await
-                    })
-                })
-                .collect();
-            let mut out = Vec::new();
-            for t in tasks {
-                out.push(t.await.expect("probe call"));
-            }
-            out
-        })
+        .spawn(async move { workload::at_once(&secret, targets, PROBE_TIMEOUT).await })
         .await
         .expect("probe calls");
     kas_runtime::buggify::restore(rates);
@@ -945,22 +930,10 @@ pub async fn run(scenario: Scenario) -> Report {
     let live_kas = thread_rng().gen_range(0..spec.kas);
     let waiting = caller.spawn({
         let secret = secret.clone();
-        async move {
-            let tasks: Vec<_> = (0..spec.kas)
-                .map(|k| {
-                    let secret = secret.clone();
-                    let marker = format!("wait-kas{k}");
-                    tokio::spawn(async move {
-                        workload::call(&secret, k, LIVENESS, marker, Duration::from_secs(10)).await
-                    })
-                })
-                .collect();
-            let mut out = Vec::new();
-            for t in tasks {
-                out.push(t.await.expect("waiting call"));
-            }
-            out
-        }
+        let targets = (0..spec.kas)
+            .map(|k| (k, LIVENESS, format!("wait-kas{k}")))
+            .collect();
+        async move { workload::at_once(&secret, targets, Duration::from_secs(10)).await }
     });
     tokio::time::sleep(random_ms(500, 2_000)).await;
     cluster.add_agent(LIVENESS, 0, live_kas, Duration::ZERO);

@@ -274,6 +274,27 @@ pub async fn homes(
     Ok(homes)
 }
 
+/// Makes the calls `targets` (kas, agent, marker) all at once, each with `timeout`, and
+/// returns them in the order given once all have ended.
+pub async fn at_once(
+    secret: &Secret,
+    targets: Vec<(usize, i64, String)>,
+    timeout: Duration,
+) -> Vec<Call> {
+    let tasks: Vec<_> = targets
+        .into_iter()
+        .map(|(k, agent, marker)| {
+            let secret = secret.clone();
+            tokio::spawn(async move { call(&secret, k, agent, marker, timeout).await })
+        })
+        .collect();
+    let mut out = Vec::new();
+    for t in tasks {
+        out.push(t.await.expect("a call's task"));
+    }
+    out
+}
+
 /// Calls at random intervals (mean `every`) until `until`, each concurrently, for agents
 /// drawn from `agents`; returns every call once all have finished. An eighth of the calls
 /// start a burst: 1-3 more for the same agent through the same kas, 0-50 ms apart (a page
@@ -299,14 +320,15 @@ pub async fn run(
                 burst.0 -= 1;
                 (burst.1, burst.2)
             } else {
-                (
+                let (k, agent) = (
                     rng.gen_range(0..kas),
                     agents[rng.gen_range(0..agents.len())],
-                )
+                );
+                if rng.gen_bool(0.125) {
+                    burst = (rng.gen_range(1..=3), k, agent);
+                }
+                (k, agent)
             };
-            if burst.0 == 0 && rng.gen_bool(0.125) {
-                burst = (rng.gen_range(1..=3), k, agent);
-            }
             let pause_ms = if burst.0 > 0 {
                 rng.gen_range(0..50)
             } else {
