@@ -274,18 +274,23 @@ pub async fn homes(
     Ok(homes)
 }
 
-/// Makes the calls `targets` (kas, agent, marker) all at once, each with `timeout`, and
-/// returns them in the order given once all have ended.
+/// Makes the calls `targets` (kas, agent, marker) at once, each at a random moment within
+/// `spread`, each with `timeout`, and returns them in the order given once all have ended.
 pub async fn at_once(
     secret: &Secret,
     targets: Vec<(usize, i64, String)>,
+    spread: Duration,
     timeout: Duration,
 ) -> Vec<Call> {
     let tasks: Vec<_> = targets
         .into_iter()
         .map(|(k, agent, marker)| {
             let secret = secret.clone();
-            tokio::spawn(async move { call(&secret, k, agent, marker, timeout).await })
+            let after = spread.mul_f64(thread_rng().r#gen::<f64>());
+            tokio::spawn(async move {
+                tokio::time::sleep(after).await;
+                call(&secret, k, agent, marker, timeout).await
+            })
         })
         .collect();
     let mut out = Vec::new();
