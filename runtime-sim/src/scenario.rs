@@ -465,15 +465,15 @@ const PROBE_TIMEOUT: Duration = Duration::from_secs(10);
 /// takes its stale answer and waits for an announcement that has gone by) failed 4 of
 /// 1,000 `redis-restart` seeds with 2 calls in 100 ms, 12 of 500 with these.
 const PROBE_CALLS: usize = 4;
+/// How long after the probe starts its calls may start (see [`PROBE_CALLS`]).
 const PROBE_SPREAD: Duration = Duration::from_millis(500);
 
 /// Once `fault` has healed, with the fault points paused, calls through every kas to
 /// every agent of `agents` ([`PROBE_CALLS`] each; the agents are up again by now, or
-/// reconnecting): each must be answered
-/// within [`PROBE_TIMEOUT`]. A router that came out of the fault wrongly sure of where an
-/// agent is (or is not), waiting for an announcement that never comes, fails here, where
-/// before only such a state that lasted until the healed phase was found (the next
-/// pub-sub loss mends it).
+/// reconnecting): each must be answered within [`PROBE_TIMEOUT`]. A router that came out
+/// of the fault wrongly sure of where an agent is (or is not), waiting for an announcement
+/// that never comes, fails here, where before only such a state that lasted until the
+/// healed phase was found (the next pub-sub loss mends it).
 async fn probe(cluster: &Cluster, agents: &[AgentSpec], fault: Fault, log: &mut FaultLog) {
     let rates = kas_runtime::buggify::rates();
     kas_runtime::buggify::heal();
