@@ -112,6 +112,15 @@ pub struct KubernetesApi {
     /// name (watches, logs and exec sessions included); beyond it a request is answered
     /// 429.
     pub max_requests_per_token: usize,
+    /// Requests one caller token may have open at once on this kas to one agent: well
+    /// below the tunnels one agentk replica opens (100), so that no caller can take every
+    /// tunnel of an agent from the others; beyond it a request is answered 429.
+    pub max_requests_per_token_per_agent: usize,
+    /// An upgraded stream (exec, attach, port-forward) on which nothing passes either way
+    /// for this long is ended, freeing its tunnel (the kubelet's
+    /// `streaming-connection-idle-timeout`).
+    #[serde(with = "humantime_serde")]
+    pub streaming_idle_timeout: Duration,
 }
 
 impl Default for KubernetesApi {
@@ -125,6 +134,8 @@ impl Default for KubernetesApi {
             tokens_file: None,
             routing_timeout: Duration::from_secs(20),
             max_requests_per_token: 500,
+            max_requests_per_token_per_agent: 32,
+            streaming_idle_timeout: Duration::from_secs(15 * 60),
         }
     }
 }
@@ -259,6 +270,16 @@ pub struct Listen {
     /// roots).
     #[serde(default)]
     pub ca_certificate_file: Option<PathBuf>,
+    /// `agent.kubernetes_api.listen` only: a connection with no request open must send a
+    /// whole request head within this long of its first byte (nginx's
+    /// `client_header_timeout`; a shorter default, hyper's).
+    #[serde(default = "default_request_head_timeout", with = "humantime_serde")]
+    pub request_head_timeout: Duration,
+    /// `agent.kubernetes_api.listen` only: a connection with no request open and silent
+    /// this long is closed (nginx's `keepalive_timeout`). Open watches and upgraded
+    /// streams are judged by HTTP/2 pings and `agent.kubernetes_api.streaming_idle_timeout`.
+    #[serde(default = "default_idle_timeout", with = "humantime_serde")]
+    pub idle_timeout: Duration,
     /// `agent.listen` only: also accept agents whose gRPC comes inside a WebSocket
     /// (agentk's `wss://`/`ws://`, through proxies that pass only HTTP/1.1). Plain gRPC
     /// is still accepted on the same port.
@@ -298,6 +319,14 @@ fn default_max_concurrent_streams() -> u32 {
 
 fn default_handshake_timeout() -> Duration {
     Duration::from_secs(10)
+}
+
+fn default_request_head_timeout() -> Duration {
+    Duration::from_secs(30)
+}
+
+fn default_idle_timeout() -> Duration {
+    Duration::from_secs(40)
 }
 
 fn default_keepalive_interval() -> Duration {
@@ -426,6 +455,8 @@ fn listen(port: u16) -> Listen {
         handshake_timeout: default_handshake_timeout(),
         keepalive_interval: default_keepalive_interval(),
         keepalive_timeout: default_keepalive_timeout(),
+        request_head_timeout: default_request_head_timeout(),
+        idle_timeout: default_idle_timeout(),
         connections_per_token_per_minute: None,
         max_connection_age: None,
         certificate_file: None,

@@ -1,5 +1,16 @@
 //! Building and re-addressing the frames of the tunnel and forward protocols.
 
+// Peer input passes through here: nothing may panic on it.
+#![cfg_attr(
+    not(test),
+    deny(
+        clippy::unwrap_used,
+        clippy::expect_used,
+        clippy::panic,
+        clippy::indexing_slicing
+    )
+)]
+
 use bytes::Bytes;
 use kas_proto::frame::{self as f, Frame, frame::Kind};
 

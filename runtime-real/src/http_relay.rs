@@ -7,6 +7,16 @@
 //! [`Incoming`]; the functions here move bodies and upgraded bytes between those and
 //! hyper, the same on both sides.
 
+// Peer input passes through here: nothing may panic on it.
+#![cfg_attr(
+    not(test),
+    deny(
+        clippy::unwrap_used,
+        clippy::expect_used,
+        clippy::panic,
+        clippy::indexing_slicing
+    )
+)]
 // Header maps are prost's (`map<string, Values>`): looked up and converted, never iterated
 // into an output whose order matters (HTTP header order across names carries no meaning).
 #![allow(clippy::disallowed_types)]
@@ -72,9 +82,43 @@ pub fn to_values(headers: &HeaderMap) -> HashMap<String, Values> {
     out
 }
 
+/// The most header values one relayed head or trailer section may carry, and their
+/// most bytes (names and values): what a peer sends is checked against these before any
+/// of it is used. (`HeaderMap` panics past 32,768 entries; hyper reads at most 100
+/// request headers, nginx 32 KiB of them.)
+pub const MAX_HEADERS: usize = 256;
+/// See [`MAX_HEADERS`].
+pub const MAX_HEADER_BYTES: usize = 64 * 1024;
+
+/// An error naming the limit when `values` carry more than [`MAX_HEADERS`] values or
+/// [`MAX_HEADER_BYTES`] bytes.
+pub fn check_size(values: &HashMap<String, Values>) -> Result<(), String> {
+    let mut count: usize = 0;
+    let mut bytes: usize = 0;
+    for (name, vs) in values {
+        count = count.saturating_add(vs.values.len());
+        for v in &vs.values {
+            bytes = bytes.saturating_add(name.len()).saturating_add(v.len());
+        }
+    }
+    if count > MAX_HEADERS {
+        return Err(format!(
+            "{count} header values; at most {MAX_HEADERS} are relayed"
+        ));
+    }
+    if bytes > MAX_HEADER_BYTES {
+        return Err(format!(
+            "{bytes} bytes of headers; at most {MAX_HEADER_BYTES} are relayed"
+        ));
+    }
+    Ok(())
+}
+
 /// Adds relayed headers to `into`; `Connection: upgrade` too when they ask for an upgrade.
-/// A name or value HTTP does not allow is an error naming it.
+/// A name or value HTTP does not allow, or more than [`check_size`] allows, is an error
+/// naming it.
 pub fn add_values(values: &HashMap<String, Values>, into: &mut HeaderMap) -> Result<(), String> {
+    check_size(values)?;
     for (name, vs) in values {
         let name = HeaderName::from_bytes(name.as_bytes())
             .map_err(|_| format!("header name {name:?} is not valid HTTP"))?;
@@ -240,9 +284,9 @@ where
             }
         }
         // One piece that fits goes as it is; several are joined (and a long one cut).
-        let mut data = match pieces.len() {
-            0 => Bytes::new(),
-            1 => pieces.pop().expect("one piece"),
+        let mut data = match pieces.as_slice() {
+            [] => Bytes::new(),
+            [one] => one.clone(),
             _ => pieces.concat().into(),
         };
         while !data.is_empty() {
@@ -296,9 +340,14 @@ pub fn recv_body<H: Half + 'static, I: Incoming + 'static>(
 /// messages both ways. The other side's end shuts the connection's writing half; the
 /// connection's end is passed on as a half-close by the caller's end, and ends the relay
 /// at the server's. At the caller's end the relay ends with the other side's.
+///
+/// With `idle` set, a stream on which nothing passes either way for that long is ended
+/// (the kubelet's `streaming-connection-idle-timeout`): a silent session does not hold
+/// its tunnel forever.
 pub async fn relay_upgraded<In: Half, Out: Half>(
     io: hyper::upgrade::Upgraded,
     end: UpgradedEnd,
+    idle: Option<std::time::Duration>,
     incoming: &mut impl Incoming,
     out: &mut impl Outgoing,
 ) -> Result<(), String> {
@@ -306,8 +355,17 @@ pub async fn relay_upgraded<In: Half, Out: Half>(
     let mut buf = vec![0u8; CHUNK];
     let mut incoming_open = true;
     let mut reading = true;
+    let idle_for = idle.unwrap_or_default();
+    let quiet = tokio::time::sleep(idle_for);
+    tokio::pin!(quiet);
     loop {
+        if idle.is_some() {
+            quiet.as_mut().reset(tokio::time::Instant::now() + idle_for);
+        }
         tokio::select! {
+            () = &mut quiet, if idle.is_some() => {
+                return Err(format!("nothing passed for {idle_for:?}: the session is ended as idle"));
+            }
             n = reader.read(&mut buf), if reading => {
                 let n = n.map_err(|e| format!("the upgraded connection broke: {e}"))?;
                 if n == 0 {
@@ -320,7 +378,8 @@ pub async fn relay_upgraded<In: Half, Out: Half>(
                         }
                     }
                 }
-                let piece = Piece::Upgrade(Bytes::copy_from_slice(&buf[..n]));
+                let read = buf.get(..n).unwrap_or_default();
+                let piece = Piece::Upgrade(Bytes::copy_from_slice(read));
                 if !out.send(encode(Out::piece(piece))).await {
                     return Ok(());
                 }
@@ -342,5 +401,33 @@ pub async fn relay_upgraded<In: Half, Out: Half>(
                 }
             },
         }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// A head of `count` values of `len` bytes each under distinct names.
+    fn head(count: usize, len: usize) -> HashMap<String, Values> {
+        (0..count)
+            .map(|i| {
+                let values = vec!["v".repeat(len)];
+                (format!("x-h{i}"), Values { values })
+            })
+            .collect()
+    }
+
+    #[test]
+    fn a_head_over_the_caps_is_an_error_naming_them_not_a_panic() {
+        let mut map = HeaderMap::new();
+        // 30,000 values once overflowed `HeaderMap::append`.
+        let err = add_values(&head(30_000, 1), &mut map).unwrap_err();
+        assert!(err.contains("at most 256 are relayed"), "{err}");
+        assert!(map.is_empty());
+        let err = add_values(&head(20, 4096), &mut map).unwrap_err();
+        assert!(err.contains("bytes of headers; at most 65536"), "{err}");
+        add_values(&head(MAX_HEADERS, 100), &mut map).unwrap();
+        assert_eq!(map.len(), MAX_HEADERS);
     }
 }

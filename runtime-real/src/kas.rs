@@ -696,7 +696,12 @@ fn kubernetes_api_server(
                 tokens,
                 prefix,
                 routing_timeout: k.routing_timeout,
-                open: kubernetes_api::OpenRequests::new(k.max_requests_per_token, metrics.clone()),
+                open: kubernetes_api::OpenRequests::new(
+                    k.max_requests_per_token,
+                    k.max_requests_per_token_per_agent,
+                    metrics.clone(),
+                ),
+                streaming_idle_timeout: k.streaming_idle_timeout,
             };
             let what = "agent.kubernetes_api";
             let tls = tls_config(&k.listen, what, ALPN_GRPC_OR_HTTP1)?;

@@ -3,6 +3,17 @@
 //! user) or, when kas says so, as the GitLab user or CI job behind the call
 //! (`Impersonate-*` headers). The caller's own credentials never reach the API server.
 
+// Peer input passes through here: nothing may panic on it.
+#![cfg_attr(
+    not(test),
+    deny(
+        clippy::unwrap_used,
+        clippy::expect_used,
+        clippy::panic,
+        clippy::indexing_slicing
+    )
+)]
+
 use super::modules::{Answer, Modules, Requests};
 use crate::http_relay::{self, BoxError, Incoming, Outgoing};
 use bytes::Bytes;
@@ -10,7 +21,9 @@ use futures::{FutureExt, StreamExt};
 use http::{HeaderMap, HeaderName, HeaderValue};
 use http_body_util::BodyExt;
 use http_body_util::combinators::UnsyncBoxBody;
-use kas_proto::http::{HttpRequest, HttpResponse, Impersonation, ResponseHead, http_request};
+use kas_proto::http::{
+    HttpRequest, HttpResponse, Impersonation, RequestHead, ResponseHead, http_request,
+};
 use prost::Message;
 use std::path::Path;
 use tokio::sync::mpsc;
@@ -31,6 +44,11 @@ const CALLER_MAY_NOT_SET: [&str; 4] = [
 
 /// The prefix of `Impersonate-Extra-<key>` headers.
 const IMPERSONATE_EXTRA: &str = "impersonate-extra-";
+
+/// Header prefixes the caller may not set: `Impersonate-Extra-*`, and the front-proxy
+/// identity headers (`X-Remote-User`, `-Group`, `-Extra-*`), which kube-apiserver trusts
+/// only from its front proxy but nothing legitimate sends through kas.
+const CALLER_MAY_NOT_SET_PREFIXES: [&str; 2] = [IMPERSONATE_EXTRA, "x-remote-"];
 
 /// The cluster's API server, reached with this agent's credentials.
 #[derive(Clone)]
@@ -191,22 +209,7 @@ async fn exchange(
             )));
         }
     };
-    let mut headers = HeaderMap::new();
-    http_relay::add_values(&head.headers, &mut headers).map_err(Status::invalid_argument)?;
-    for name in CALLER_MAY_NOT_SET {
-        headers.remove(name);
-    }
-    let extras: Vec<HeaderName> = headers
-        .keys()
-        .filter(|n| n.as_str().starts_with(IMPERSONATE_EXTRA))
-        .cloned()
-        .collect();
-    for name in extras {
-        headers.remove(name);
-    }
-    if let Some(who) = &head.impersonation {
-        impersonate(who, &mut headers).map_err(Status::invalid_argument)?;
-    }
+    let headers = request_headers(&head)?;
     // An upgrade's request has no body: what follows the head is the upgraded stream.
     let (body, mut upgraded) = if http_relay::wants_upgrade(&headers) {
         let empty = http_body_util::Empty::new()
@@ -233,10 +236,13 @@ async fn exchange(
         .await
         .map_err(|e| Status::unavailable(format!("cannot reach the Kubernetes API server: {e}")))?;
     let status = resp.status();
+    let headers = http_relay::to_values(resp.headers());
+    http_relay::check_size(&headers)
+        .map_err(|e| Status::unavailable(format!("the API server's response head: {e}")))?;
     let head = HttpResponse {
         kind: Some(kas_proto::http::http_response::Kind::Head(ResponseHead {
             status: u32::from(status.as_u16()),
-            headers: http_relay::to_values(resp.headers()),
+            headers,
         })),
     };
     if !out.send(http_relay::encode(head)).await {
@@ -250,7 +256,7 @@ async fn exchange(
             Status::unavailable(format!("the API server's upgraded connection failed: {e}"))
         })?;
         let end = http_relay::UpgradedEnd::Server;
-        return http_relay::relay_upgraded::<HttpRequest, HttpResponse>(io, end, pieces, out)
+        return http_relay::relay_upgraded::<HttpRequest, HttpResponse>(io, end, None, pieces, out)
             .await
             .map_err(Status::unavailable);
     }
@@ -260,6 +266,32 @@ async fn exchange(
             "the API server's response: {e}"
         ))),
     }
+}
+
+/// The headers sent to the API server for `head`: the caller's, less what the caller may
+/// not set, with kas's impersonation.
+fn request_headers(head: &RequestHead) -> Result<HeaderMap, Status> {
+    let mut headers = HeaderMap::new();
+    http_relay::add_values(&head.headers, &mut headers).map_err(Status::invalid_argument)?;
+    for name in CALLER_MAY_NOT_SET {
+        headers.remove(name);
+    }
+    let barred: Vec<HeaderName> = headers
+        .keys()
+        .filter(|n| {
+            CALLER_MAY_NOT_SET_PREFIXES
+                .iter()
+                .any(|p| n.as_str().starts_with(p))
+        })
+        .cloned()
+        .collect();
+    for name in barred {
+        headers.remove(name);
+    }
+    if let Some(who) = &head.impersonation {
+        impersonate(who, &mut headers).map_err(Status::invalid_argument)?;
+    }
+    Ok(headers)
 }
 
 /// Sets the `Impersonate-*` headers for `who`.
@@ -298,4 +330,46 @@ fn percent_encode(s: &str) -> String {
         }
     }
     out
+}
+
+#[cfg(test)]
+mod tests {
+    #![allow(clippy::disallowed_types)] // prost's header maps, built for the test
+    use super::*;
+    use kas_proto::frame::Values;
+
+    #[test]
+    fn callers_credentials_impersonation_and_front_proxy_headers_never_reach_the_cluster() {
+        let values = |v: &str| Values {
+            values: vec![v.into()],
+        };
+        let mut sent = std::collections::HashMap::new();
+        for name in [
+            "authorization",
+            "Impersonate-User",
+            "impersonate-group",
+            "impersonate-uid",
+            "impersonate-extra-scopes",
+            "X-Remote-User",
+            "x-remote-group",
+            "X-Remote-Extra-Scopes",
+        ] {
+            sent.insert(name.to_string(), values("mallory"));
+        }
+        sent.insert("accept".into(), values("application/json"));
+        let head = RequestHead {
+            method: "GET".into(),
+            path: "/api/v1/pods".into(),
+            headers: sent,
+            impersonation: Some(Impersonation {
+                user: "gitlab:user:alice".into(),
+                ..Default::default()
+            }),
+        };
+        let headers = request_headers(&head).unwrap();
+        let mut names: Vec<&str> = headers.keys().map(HeaderName::as_str).collect();
+        names.sort_unstable();
+        assert_eq!(names, ["accept", "impersonate-user"]);
+        assert_eq!(headers["impersonate-user"], "gitlab:user:alice");
+    }
 }

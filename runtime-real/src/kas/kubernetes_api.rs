@@ -9,6 +9,17 @@
 //! session lasts for as long as the client keeps it: no kas timeout applies once the call
 //! reached the agent. Refusals are Kubernetes `Status` objects, which kubectl prints.
 
+// Peer input passes through here: nothing may panic on it.
+#![cfg_attr(
+    not(test),
+    deny(
+        clippy::unwrap_used,
+        clippy::expect_used,
+        clippy::panic,
+        clippy::indexing_slicing
+    )
+)]
+
 mod access;
 mod gitlab;
 
@@ -18,6 +29,7 @@ pub use gitlab::GitLabAccess;
 use super::call::{Call, Rest};
 use super::engine::{CancelOnDrop, EngineHandle};
 use super::limits::{Place, Places};
+use super::listener::Busy;
 use super::metrics::Metrics;
 use super::reply::Reply;
 use crate::clock;
@@ -86,48 +98,83 @@ pub struct KubernetesApiService {
     pub routing_timeout: Duration,
     /// What each caller token has open.
     pub open: OpenRequests,
+    /// `streaming_idle_timeout`.
+    pub streaming_idle_timeout: Duration,
 }
 
-/// The configuration key of [`OpenRequests`]'s limit.
+/// The configuration keys of [`OpenRequests`]'s limits.
 const MAX_REQUESTS_PER_TOKEN: &str = "agent.kubernetes_api.max_requests_per_token";
+const MAX_REQUESTS_PER_TOKEN_PER_AGENT: &str =
+    "agent.kubernetes_api.max_requests_per_token_per_agent";
 
-/// Requests each caller token has open at once, under `max_requests_per_token`; keyed by
-/// a digest of the token, so that the tokens themselves are not kept.
+/// A digest of a caller's token, so that the tokens themselves are not kept.
+type TokenKey = [u8; 32];
+
+/// Requests each caller token has open at once, under `max_requests_per_token` in all and
+/// `max_requests_per_token_per_agent` to each agent.
 #[derive(Clone)]
 pub struct OpenRequests {
-    places: Places<[u8; 32]>,
+    per_token: Places<TokenKey>,
+    per_agent: Places<(TokenKey, AgentId)>,
     metrics: Metrics,
 }
 
+/// A request's places under both limits, held until dropped: with the response's body or
+/// upgraded stream.
+pub struct Open {
+    _token: Place<TokenKey>,
+    _agent: Place<(TokenKey, AgentId)>,
+}
+
 impl OpenRequests {
-    /// At most `max` requests per token; refusals counted in `metrics`.
-    pub fn new(max: usize, metrics: Metrics) -> Self {
+    /// At most `max` requests per token and `max_per_agent` to one agent; refusals counted
+    /// in `metrics`.
+    pub fn new(max: usize, max_per_agent: usize, metrics: Metrics) -> Self {
         OpenRequests {
-            places: Places::new(max),
+            per_token: Places::new(max),
+            per_agent: Places::new(max_per_agent),
             metrics,
         }
     }
 
-    /// A place for one more request of `credential`'s token, held until dropped: with the
-    /// response's body or upgraded stream.
-    fn open(&self, credential: &Credential) -> Result<Place<[u8; 32]>, Refusal> {
-        // The token alone: one caller's requests count together whatever agents they name.
-        let key: [u8; 32] = Sha256::digest(credential.token.as_bytes()).into();
-        self.places.take(key).ok_or_else(|| {
-            self.metrics.limit_refused(MAX_REQUESTS_PER_TOKEN);
-            Refusal::Throttled(format!(
-                "this token already has {} requests open on this kas (limit {MAX_REQUESTS_PER_TOKEN})",
-                self.places.max()
-            ))
+    /// Places for one more request of `credential`'s token.
+    fn open(&self, credential: &Credential) -> Result<Open, Refusal> {
+        let key: TokenKey = Sha256::digest(credential.token.as_bytes()).into();
+        let refuse = |limit: &'static str, what: String| {
+            self.metrics.limit_refused(limit);
+            Refusal::Throttled(format!("{what} (limit {limit})"))
+        };
+        let agent = self
+            .per_agent
+            .take((key, credential.agent))
+            .ok_or_else(|| {
+                let what = format!(
+                    "this token already has {} requests open to agent {} on this kas",
+                    self.per_agent.max(),
+                    credential.agent
+                );
+                refuse(MAX_REQUESTS_PER_TOKEN_PER_AGENT, what)
+            })?;
+        let token = self.per_token.take(key).ok_or_else(|| {
+            let what = format!(
+                "this token already has {} requests open on this kas",
+                self.per_token.max()
+            );
+            refuse(MAX_REQUESTS_PER_TOKEN, what)
+        })?;
+        Ok(Open {
+            _token: token,
+            _agent: agent,
         })
     }
 }
 
-/// The agent's answer, and the caller's place under its token's limit for as long as the
-/// answer is read.
+/// The agent's answer, and the caller's places under its token's limits (and its
+/// connection's busy mark) for as long as the answer is read.
 struct Answer {
     reply: Reply,
-    _open: Place<[u8; 32]>,
+    _open: Open,
+    _busy: Option<Busy>,
 }
 
 impl Incoming for Answer {
@@ -172,6 +219,7 @@ impl KubernetesApiService {
             http_relay::wants_upgrade(req.headers()).then(|| hyper::upgrade::on(&mut req));
         let mut headers = http_relay::to_values(req.headers());
         headers.remove(header::AUTHORIZATION.as_str());
+        http_relay::check_size(&headers).map_err(Failure::HeadersTooLarge)?;
         let head = HttpRequest {
             kind: Some(http_request::Kind::Head(RequestHead {
                 method: req.method().as_str().to_string(),
@@ -223,7 +271,9 @@ impl KubernetesApiService {
         let mut from_agent = Answer {
             reply: Reply::new(agent, rx, cancel, None, true),
             _open: open,
+            _busy: req.extensions().get::<Busy>().cloned(),
         };
+        let idle = Some(self.streaming_idle_timeout);
         let upgrading = match (upgrade, rest_tx) {
             (Some(on_upgrade), Some(out)) => Some((on_upgrade, out)),
             (None, Some(mut out)) => {
@@ -253,11 +303,16 @@ impl KubernetesApiService {
                     head.status
                 ))
             })?;
-        let mut resp = Response::builder().status(status);
-        http_relay::add_values(&head.headers, resp.headers_mut().expect("a fresh builder"))
-            .map_err(|e| {
-                Failure::Agent(format!("agent {agent} answered with a bad header: {e}"))
-            })?;
+        let mut headers = http::HeaderMap::new();
+        http_relay::add_values(&head.headers, &mut headers).map_err(|e| {
+            Failure::Agent(format!("agent {agent} answered with a bad header: {e}"))
+        })?;
+        let respond = |body: Body| {
+            let mut resp = Response::new(body);
+            *resp.status_mut() = status;
+            *resp.headers_mut() = headers;
+            resp
+        };
         match upgrading {
             Some((on_upgrade, mut out)) if status == StatusCode::SWITCHING_PROTOCOLS => {
                 tokio::spawn(async move {
@@ -266,6 +321,7 @@ impl KubernetesApiService {
                     let relay = http_relay::relay_upgraded::<HttpResponse, HttpRequest>(
                         io,
                         end,
+                        idle,
                         &mut from_agent,
                         &mut out,
                     );
@@ -273,7 +329,7 @@ impl KubernetesApiService {
                         tracing::debug!(%agent, error = %e, "upgraded stream ended");
                     }
                 });
-                Ok(resp.body(Body::empty()).expect("a valid response"))
+                Ok(respond(Body::empty()))
             }
             upgrading => {
                 if let Some((_, mut out)) = upgrading {
@@ -281,7 +337,7 @@ impl KubernetesApiService {
                     tokio::spawn(async move { out.close().await });
                 }
                 let body = http_relay::recv_body::<HttpResponse, _>(from_agent);
-                Ok(resp.body(Body::new(body)).expect("a valid response"))
+                Ok(respond(Body::new(body)))
             }
         }
     }
@@ -360,6 +416,8 @@ enum Failure {
     Call(Status),
     /// The agent answered something that is not an HTTP response.
     Agent(String),
+    /// The request's headers are more than kas relays.
+    HeadersTooLarge(String),
 }
 
 impl From<Refusal> for Failure {
@@ -384,6 +442,11 @@ impl Failure {
             }
             Failure::NotFound(m) => (StatusCode::NOT_FOUND, "NotFound", m),
             Failure::Agent(m) => (StatusCode::BAD_GATEWAY, "InternalError", m),
+            Failure::HeadersTooLarge(m) => (
+                StatusCode::REQUEST_HEADER_FIELDS_TOO_LARGE,
+                "RequestEntityTooLarge",
+                format!("the request's headers: {m}"),
+            ),
             Failure::Call(s) => {
                 let (code, reason) = match s.code() {
                     tonic::Code::DeadlineExceeded => (StatusCode::GATEWAY_TIMEOUT, "Timeout"),
@@ -434,9 +497,13 @@ pub async fn serve(
     metrics: super::metrics::Metrics,
     signal: impl Future<Output = ()> + Send + 'static,
 ) {
-    use super::listener::{Acceptor, Guard};
-    // Only the start is guarded: a watch or an exec session may rightly stay silent.
-    let guard = Guard::FirstByte(listen.handshake_timeout);
+    use super::listener::{Acceptor, Guard, RequestTimeouts};
+    // A watch or an exec session may rightly stay silent: timers run between requests.
+    let guard = Guard::Requests(RequestTimeouts {
+        first_byte: listen.handshake_timeout,
+        head: listen.request_head_timeout,
+        idle: listen.idle_timeout,
+    });
     let acceptor = Acceptor::new(listener, guard, "kubernetes_api", metrics);
     super::listener::serve_http(acceptor, service.router(), tls, listen, signal).await;
 }

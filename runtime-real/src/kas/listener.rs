@@ -12,8 +12,13 @@
 //! (one slow client must not hold up the others), and guards the decrypted stream as
 //! above once the handshake is done.
 
+mod requests;
+
+pub use requests::{Activity, Busy, RequestTimeouts};
+
 use super::metrics::Metrics;
 use crate::ws::Io;
+use requests::RequestClock;
 use std::io;
 use std::net::SocketAddr;
 use std::pin::Pin;
@@ -68,9 +73,10 @@ pub enum Guard {
     Http2Preface(Duration),
     /// Never stay silent this long while kas waits to read (HTTP/1.1).
     ReadIdle(Duration),
-    /// Send a first byte within this long: a listener whose connections may rightly stay
-    /// silent later (a watch, an upgraded exec session) guards only their start.
-    FirstByte(Duration),
+    /// A listener whose requests may rightly stay silent (a watch, an upgraded exec
+    /// session): timers run only while the connection has no request open (see
+    /// [`requests`]).
+    Requests(RequestTimeouts),
 }
 
 /// Accepts connections on one listener.
@@ -244,16 +250,14 @@ impl Stage {
         if !self.websocket || conn.starts_with(b"PRI ").await? {
             return Ok(conn);
         }
-        let ws = tokio_tungstenite::accept_async_with_config(conn, Some(crate::ws::config()))
-            .await
-            .map_err(|e| {
-                io::Error::new(
-                    io::ErrorKind::InvalidData,
-                    format!("neither HTTP/2 nor a WebSocket upgrade: {e}"),
-                )
-            })?;
+        let ws = crate::ws::accept(conn, self.timeout).await.map_err(|e| {
+            io::Error::new(
+                io::ErrorKind::InvalidData,
+                format!("neither HTTP/2 nor a WebSocket upgrade: {e}"),
+            )
+        })?;
         Ok(Accepted {
-            io: Box::new(crate::ws::WsBytes::new(ws)),
+            io: Box::new(ws),
             head: Vec::new(),
             info,
         })
@@ -279,9 +283,11 @@ pub struct Peer(pub SocketAddr);
 
 /// Serves `router` (HTTP/1.1 and HTTP/2) on `acceptor`'s connections, after a TLS
 /// handshake within `listen.handshake_timeout` when `tls` is set, at most
-/// `listen.max_concurrent_streams` requests at once per HTTP/2 connection, until `signal`
-/// resolves: then it takes no new connections, tells HTTP/2 clients to go elsewhere
-/// (GOAWAY) and lets running requests finish.
+/// `listen.max_concurrent_streams` requests at once per HTTP/2 connection, pinging idle
+/// HTTP/2 connections as the gRPC listeners do, until `signal` resolves: then it takes no
+/// new connections, tells HTTP/2 clients to go elsewhere (GOAWAY) and lets running
+/// requests finish. Each request holds its connection's [`Busy`] (an extension) until its
+/// response body is dropped.
 pub async fn serve_http(
     acceptor: Acceptor,
     router: axum::Router,
@@ -289,31 +295,61 @@ pub async fn serve_http(
     listen: &crate::config::Listen,
     signal: impl Future<Output = ()> + Send + 'static,
 ) {
-    let max_streams = listen.max_concurrent_streams;
+    use hyper_util::rt::{TokioExecutor, TokioTimer};
+    let mut builder = hyper_util::server::conn::auto::Builder::new(TokioExecutor::new());
+    builder
+        .http2()
+        .timer(TokioTimer::new())
+        .max_concurrent_streams(listen.max_concurrent_streams)
+        .keep_alive_interval(listen.keepalive_interval)
+        .keep_alive_timeout(listen.keepalive_timeout);
+    let router = router.layer(axum::middleware::from_fn(hold_busy));
     match tls {
-        None => serve_connections(acceptor, router, max_streams, signal).await,
+        None => serve_connections(acceptor, router, builder, signal).await,
         Some(tls) => {
             let incoming = acceptor.handshaking(Handshakes {
                 tls: Some(tls),
                 websocket: false,
                 timeout: listen.handshake_timeout,
             });
-            serve_connections(incoming, router, max_streams, signal).await
+            serve_connections(incoming, router, builder, signal).await
         }
     }
 }
 
-async fn serve_connections<L>(
+/// Marks the connection busy for as long as the response body lives.
+async fn hold_busy(
+    mut req: axum::extract::Request,
+    next: axum::middleware::Next,
+) -> axum::response::Response {
+    let busy = req.extensions().get::<Activity>().map(Activity::busy);
+    if let Some(b) = &busy {
+        req.extensions_mut().insert(b.clone());
+    }
+    let resp = next.run(req).await;
+    match busy {
+        None => resp,
+        Some(busy) => resp.map(|body| {
+            use http_body_util::BodyExt;
+            // The closure owns the mark: it goes when the body does.
+            axum::body::Body::new(body.map_frame(move |f| {
+                let _held = &busy;
+                f
+            }))
+        }),
+    }
+}
+
+async fn serve_connections<L, S>(
     mut listener: L,
     router: axum::Router,
-    max_streams: u32,
+    builder: hyper_util::server::conn::auto::Builder<hyper_util::rt::TokioExecutor>,
     signal: impl Future<Output = ()> + Send + 'static,
 ) where
-    L: axum::serve::Listener<Addr = SocketAddr>,
+    L: axum::serve::Listener<Addr = SocketAddr, Io = Guarded<S>>,
+    S: AsyncRead + AsyncWrite + Send + Unpin + 'static,
 {
-    use hyper_util::rt::{TokioExecutor, TokioIo};
-    let mut builder = hyper_util::server::conn::auto::Builder::new(TokioExecutor::new());
-    builder.http2().max_concurrent_streams(max_streams);
+    use hyper_util::rt::TokioIo;
     let graceful = hyper_util::server::graceful::GracefulShutdown::new();
     tokio::pin!(signal);
     loop {
@@ -321,9 +357,12 @@ async fn serve_connections<L>(
             accepted = listener.accept() => accepted,
             () = &mut signal => break,
         };
-        let service = router
+        let mut service = router
             .clone()
             .layer(axum::Extension(axum::extract::ConnectInfo(Peer(peer))));
+        if let Some(activity) = io.activity() {
+            service = service.layer(axum::Extension(activity));
+        }
         let service = hyper_util::service::TowerToHyperService::new(service);
         let connection = builder
             .serve_connection_with_upgrades(TokioIo::new(io), service)
@@ -482,26 +521,30 @@ pub struct Guarded<S = TcpStream> {
     preface_error: &'static str,
     /// The read-idle limit and its timer.
     idle: Option<(Duration, Pin<Box<Sleep>>)>,
+    /// The timers between requests.
+    requests: Option<RequestClock>,
 }
 
 impl<S> Guarded<S> {
     fn new(inner: S, guard: Guard) -> Self {
         let timer = |d: Duration| Box::pin(tokio::time::sleep(d));
-        let (preface, idle) = match guard {
-            Guard::Http2Preface(d) => (Some((HTTP2_PREFACE_LEN, timer(d))), None),
-            Guard::FirstByte(d) => (Some((1, timer(d))), None),
-            Guard::ReadIdle(d) => (None, Some((d, timer(d)))),
-        };
-        let preface_error = match guard {
-            Guard::FirstByte(_) => "no request within listen.handshake_timeout",
-            _ => "no HTTP/2 preface within listen.handshake_timeout",
+        let (preface, idle, requests) = match guard {
+            Guard::Http2Preface(d) => (Some((HTTP2_PREFACE_LEN, timer(d))), None, None),
+            Guard::ReadIdle(d) => (None, Some((d, timer(d))), None),
+            Guard::Requests(t) => (None, None, Some(RequestClock::new(t))),
         };
         Guarded {
             inner,
             preface,
-            preface_error,
+            preface_error: "no HTTP/2 preface within listen.handshake_timeout",
             idle,
+            requests,
         }
+    }
+
+    /// What the connection has open, when its guard counts requests.
+    pub fn activity(&self) -> Option<Activity> {
+        self.requests.as_ref().map(RequestClock::activity)
     }
 
     fn timed_out(&mut self, cx: &mut Context<'_>) -> Option<io::Error> {
@@ -518,7 +561,7 @@ impl<S> Guarded<S> {
                 "connection silent for listen.handshake_timeout",
             ));
         }
-        None
+        self.requests.as_mut().and_then(|r| r.expired(cx))
     }
 
     fn received(&mut self, n: usize) {
@@ -530,6 +573,9 @@ impl<S> Guarded<S> {
         }
         if let Some((d, sleep)) = &mut self.idle {
             sleep.as_mut().reset(Instant::now() + *d);
+        }
+        if let Some(r) = &mut self.requests {
+            r.received(n);
         }
     }
 }

@@ -7,6 +7,16 @@
 //! reach that agent and whom the agent acts as towards its API server, by GitLab's
 //! impersonation rules.
 
+// Peer input passes through here: nothing may panic on it.
+#![cfg_attr(
+    not(test),
+    deny(
+        clippy::unwrap_used,
+        clippy::expect_used,
+        clippy::panic,
+        clippy::indexing_slicing
+    )
+)]
 // A std hash map on purpose: looked up by client-presented tokens, never iterated into an
 // output; a random seed keeps lookup cost unrelated to the tokens' content.
 #![allow(clippy::disallowed_types)]
@@ -72,8 +82,11 @@ impl Credential {
     pub fn parse(header: Option<&str>) -> Result<Credential, Refusal> {
         let header = header
             .ok_or_else(|| Refusal::Unauthenticated(format!("no Authorization header: {FORMS}")))?;
+        // The scheme is case-insensitive (RFC 7235), as kube-apiserver reads it.
         let bearer = header
-            .strip_prefix("Bearer ")
+            .split_once(' ')
+            .filter(|(scheme, _)| scheme.eq_ignore_ascii_case("bearer"))
+            .map(|(_, token)| token.trim_start_matches(' '))
             .ok_or_else(|| Refusal::Unauthenticated(format!("not a bearer token: {FORMS}")))?;
         let mut parts = bearer.splitn(3, ':');
         let (kind, agent, token) = (parts.next(), parts.next(), parts.next());
@@ -303,7 +316,13 @@ mod tests {
             Credential::parse(Some("Bearer ci:3:job")).unwrap().kind,
             TokenKind::Ci
         );
+        // The scheme in any case (RFC 7235), as kube-apiserver takes it.
+        for scheme in ["bearer", "BEARER", "bEaReR"] {
+            let header = format!("{scheme} pat:12:glpat-abc:def");
+            assert_eq!(Credential::parse(Some(&header)).unwrap(), c, "{header}");
+        }
         for (header, says) in [
+            (Some("Bearerpat:1:t"), "not a bearer token"),
             (None, "no Authorization header"),
             (Some("Basic abc"), "not a bearer token"),
             (Some("Bearer xyz:1:t"), "no pat: or ci: prefix"),
