@@ -239,6 +239,15 @@ pub struct Listen {
     /// request line) within this long is closed.
     #[serde(default = "default_handshake_timeout", with = "humantime_serde")]
     pub handshake_timeout: Duration,
+    /// On a listener with TLS or WebSocket: a new connection that has sent nothing within
+    /// this long is closed, before its handshake starts.
+    #[serde(default = "default_first_byte_timeout", with = "humantime_serde")]
+    pub first_byte_timeout: Duration,
+    /// On a listener with TLS or WebSocket: connections from one IP address in their
+    /// handshakes at once; more are closed as soon as they are accepted (the listener
+    /// takes at most 1024 at once in all).
+    #[serde(default = "default_max_handshakes_per_address")]
+    pub max_handshakes_per_address: usize,
     /// kas pings an idle connection this often and closes it when a ping is not answered
     /// within `keepalive_timeout` (HTTP/2). On the observability listener (HTTP/1.1), a
     /// connection silent for `keepalive_interval` while kas waits for a request is closed.
@@ -319,6 +328,14 @@ fn default_max_concurrent_streams() -> u32 {
 
 fn default_handshake_timeout() -> Duration {
     Duration::from_secs(10)
+}
+
+fn default_first_byte_timeout() -> Duration {
+    Duration::from_secs(3)
+}
+
+fn default_max_handshakes_per_address() -> usize {
+    64
 }
 
 fn default_request_head_timeout() -> Duration {
@@ -453,6 +470,8 @@ fn listen(port: u16) -> Listen {
         authentication_secret_file: None,
         max_concurrent_streams: default_max_concurrent_streams(),
         handshake_timeout: default_handshake_timeout(),
+        first_byte_timeout: default_first_byte_timeout(),
+        max_handshakes_per_address: default_max_handshakes_per_address(),
         keepalive_interval: default_keepalive_interval(),
         keepalive_timeout: default_keepalive_timeout(),
         request_head_timeout: default_request_head_timeout(),

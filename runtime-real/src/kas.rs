@@ -119,9 +119,9 @@ fn server(listen: &Listen) -> Server {
 
 /// How one listener takes its connections.
 struct Listening {
-    /// `listen.handshake_timeout`.
+    /// `listen.handshake_timeout` and the other handshake limits.
     #[cfg_attr(madsim, allow(dead_code))] // madsim's tonic accepts by itself
-    handshake: Duration,
+    handshake: listener::HandshakeLimits,
     /// Its name in logs and metrics.
     #[cfg_attr(madsim, allow(dead_code))] // madsim's tonic accepts by itself
     what: &'static str,
@@ -173,7 +173,7 @@ async fn serve(
     l: Listening,
     signal: impl Future<Output = ()>,
 ) -> Result<(), tonic::transport::Error> {
-    let guard = listener::Guard::Http2Preface(l.handshake);
+    let guard = listener::Guard::Http2Preface(l.handshake.timeout);
     let acceptor = listener::Acceptor::new(listener, guard, l.what, l.metrics);
     if l.tls.is_none() && !l.websocket {
         return router
@@ -183,7 +183,7 @@ async fn serve(
     let incoming = acceptor.handshaking(listener::Handshakes {
         tls: l.tls,
         websocket: l.websocket,
-        timeout: l.handshake,
+        limits: l.handshake,
     });
     router
         .serve_with_incoming_shutdown(incoming.into_stream(), signal)
@@ -502,7 +502,7 @@ impl Kas {
                 alpn
             };
             Ok(Listening {
-                handshake: listen.handshake_timeout,
+                handshake: listener::HandshakeLimits::of(listen),
                 what,
                 metrics: metrics.clone(),
                 tls: tls_config(listen, what, alpn)?,

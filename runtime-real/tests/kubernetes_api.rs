@@ -121,18 +121,9 @@ fn http_client() -> reqwest::Client {
 /// `pat:1:<token>`, [`KUBE_MAX_STREAMS`] requests at once per HTTP/2 connection and
 /// [`KUBE_MAX_REQUESTS`] per token.
 async fn kas_with_kubernetes_api(secrets: &support::Secrets, token: &str) -> support::KasProc {
-    let users = secrets.path("users.yaml");
-    let line = format!("tokens:\n  - {{token: {token}, kind: pat, agent_ids: [1], username: u}}\n");
-    std::fs::write(&users, line).unwrap();
-    let agent_lines = format!(
-        "  kubernetes_api:\n    listen:\n      address: 127.0.0.1:0\n      max_concurrent_streams: {KUBE_MAX_STREAMS}\n    max_requests_per_token: {KUBE_MAX_REQUESTS}\n    tokens_file: {}\n",
-        users.display()
-    );
-    let extra = support::Extra {
-        agent: &agent_lines,
-        ..support::Extra::default()
-    };
-    support::KasProc::start_extra(secrets, "kas", None, 10_000, extra, None).await
+    let listen = format!("      max_concurrent_streams: {KUBE_MAX_STREAMS}\n");
+    let lines = format!("    max_requests_per_token: {KUBE_MAX_REQUESTS}\n");
+    support::KasProc::with_kubernetes_api(secrets, &[token], &listen, &lines).await
 }
 
 const KUBE_MAX_STREAMS: u32 = 64;

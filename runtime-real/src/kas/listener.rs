@@ -16,6 +16,7 @@ mod requests;
 
 pub use requests::{Activity, Busy, RequestTimeouts};
 
+use super::limits::Places;
 use super::metrics::Metrics;
 use crate::ws::Io;
 use requests::RequestClock;
@@ -40,7 +41,8 @@ const ACCEPT_LOG_EVERY: Duration = Duration::from_secs(5);
 /// How long accepting pauses after an error, so that a full file table does not spin.
 const ACCEPT_BACKOFF: Duration = Duration::from_millis(100);
 
-/// TLS handshakes under way at once on one listener; further connections wait to start.
+/// Handshakes under way at once on one listener; further connections are closed at once
+/// (a client left in the kernel's backlog would wait out its own timeout instead).
 const MAX_HANDSHAKES: usize = 1024;
 
 /// The first byte of every TLS connection (a handshake record).
@@ -150,13 +152,19 @@ impl Acceptor {
 
     /// The connections once their handshakes (see [`Handshakes`]) are done, within
     /// `handshakes.timeout`; those that fail are counted, logged now and then, and closed.
+    ///
+    /// A connection must send its first byte within `limits.first_byte`; one source address
+    /// has at most `limits.per_address` connections in handshakes, and the listener at most
+    /// [`MAX_HANDSHAKES`]: beyond either, a connection is closed as soon as it is accepted.
+    /// So idle sockets cost their sender descriptors, not other clients' handshakes.
     pub fn handshaking(mut self, handshakes: Handshakes) -> Incoming {
         let local = self.listener.local_addr();
         let (tx, rx) = mpsc::channel(64);
+        let limits = handshakes.limits;
         let stage = Stage {
             tls: handshakes.tls.map(tokio_rustls::TlsAcceptor::from),
             websocket: handshakes.websocket,
-            timeout: handshakes.timeout,
+            limits,
             guard: self.guard,
             what: self.what,
             metrics: self.metrics.clone(),
@@ -165,19 +173,25 @@ impl Acceptor {
             tx,
         };
         let permits = Arc::new(Semaphore::new(MAX_HANDSHAKES));
+        let per_address = Places::new(limits.per_address);
         tokio::spawn(async move {
             loop {
-                let Ok(permit) = permits.clone().acquire_owned().await else {
-                    return;
-                };
                 let (stream, peer) = tokio::select! {
                     c = self.accept_tcp() => c,
                     () = stage.tx.closed() => return,
                 };
+                let Ok(permit) = permits.clone().try_acquire_owned() else {
+                    stage.failed(peer, "the listener has 1024 handshakes under way");
+                    continue;
+                };
+                let Some(place) = per_address.take(peer.ip()) else {
+                    stage.failed(peer, "listen.max_handshakes_per_address reached");
+                    continue;
+                };
                 let stage = stage.clone();
                 tokio::spawn(async move {
                     stage.run(stream, peer).await;
-                    drop(permit);
+                    drop((permit, place));
                 });
             }
         });
@@ -190,7 +204,7 @@ impl Acceptor {
 struct Stage {
     tls: Option<tokio_rustls::TlsAcceptor>,
     websocket: bool,
-    timeout: Duration,
+    limits: HandshakeLimits,
     guard: Guard,
     what: &'static str,
     metrics: Metrics,
@@ -206,7 +220,12 @@ impl Stage {
             local_addr: self.local_addr,
             remote_addr: Some(peer),
         };
-        let done = tokio::time::timeout(self.timeout, self.handshake(stream, info)).await;
+        let mut first = [0u8; 1];
+        let started = tokio::time::timeout(self.limits.first_byte, stream.peek(&mut first)).await;
+        if started.is_err() {
+            return self.failed(peer, "no first byte within listen.first_byte_timeout");
+        }
+        let done = tokio::time::timeout(self.limits.timeout, self.handshake(stream, info)).await;
         let why = match done {
             Ok(Ok(conn)) => {
                 let _ = self.tx.send((Guarded::new(conn, self.guard), peer)).await;
@@ -215,6 +234,11 @@ impl Stage {
             Ok(Err(e)) => e.to_string(),
             Err(_) => "no handshake within listen.handshake_timeout".into(),
         };
+        self.failed(peer, &why);
+    }
+
+    /// Counts and now and then logs a connection closed before its handshake was done.
+    fn failed(&self, peer: SocketAddr, why: &str) {
         self.metrics.handshake_error(self.what);
         let allowed = self
             .log_limit
@@ -250,12 +274,14 @@ impl Stage {
         if !self.websocket || conn.starts_with(b"PRI ").await? {
             return Ok(conn);
         }
-        let ws = crate::ws::accept(conn, self.timeout).await.map_err(|e| {
-            io::Error::new(
-                io::ErrorKind::InvalidData,
-                format!("neither HTTP/2 nor a WebSocket upgrade: {e}"),
-            )
-        })?;
+        let ws = crate::ws::accept(conn, self.limits.timeout)
+            .await
+            .map_err(|e| {
+                io::Error::new(
+                    io::ErrorKind::InvalidData,
+                    format!("neither HTTP/2 nor a WebSocket upgrade: {e}"),
+                )
+            })?;
         Ok(Accepted {
             io: Box::new(ws),
             head: Vec::new(),
@@ -310,7 +336,7 @@ pub async fn serve_http(
             let incoming = acceptor.handshaking(Handshakes {
                 tls: Some(tls),
                 websocket: false,
-                timeout: listen.handshake_timeout,
+                limits: HandshakeLimits::of(listen),
             });
             serve_connections(incoming, router, builder, signal).await
         }
@@ -386,8 +412,31 @@ pub struct Handshakes {
     /// with an HTTP/1.1 request rather than the HTTP/2 preface is upgraded, and its
     /// WebSocket carries the HTTP/2 connection.
     pub websocket: bool,
+    /// Its limits.
+    pub limits: HandshakeLimits,
+}
+
+/// How long a connection may take over its handshakes, and how many one address may have
+/// under way.
+#[derive(Clone, Copy, Debug)]
+pub struct HandshakeLimits {
     /// `listen.handshake_timeout`, for all of it.
     pub timeout: Duration,
+    /// `listen.first_byte_timeout`, for its first byte.
+    pub first_byte: Duration,
+    /// `listen.max_handshakes_per_address`.
+    pub per_address: usize,
+}
+
+impl HandshakeLimits {
+    /// The limits `listen` configures.
+    pub fn of(listen: &crate::config::Listen) -> Self {
+        HandshakeLimits {
+            timeout: listen.handshake_timeout,
+            first_byte: listen.first_byte_timeout,
+            per_address: listen.max_handshakes_per_address,
+        }
+    }
 }
 
 /// A TLS handshake; a client that speaks plaintext first is named as such.

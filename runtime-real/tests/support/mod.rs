@@ -249,6 +249,47 @@ impl KasProc {
         self.process.kill();
     }
 
+    /// A kas (in-memory registry) with a plaintext Kubernetes API listener taking each of
+    /// `tokens` for agents 1 and 2 (`pat:<agent>:<token>`); `listen` lines go under its
+    /// `listen:` (six spaces in), `lines` under `agent.kubernetes_api:` (four).
+    pub async fn with_kubernetes_api(
+        secrets: &Secrets,
+        tokens: &[&str],
+        listen: &str,
+        lines: &str,
+    ) -> KasProc {
+        let users = secrets.path("users.yaml");
+        let mut text = "tokens:\n".to_string();
+        for token in tokens {
+            text += &format!(
+                "  - {{token: {token}, kind: pat, agent_ids: [1, 2], username: u-{token}}}\n"
+            );
+        }
+        std::fs::write(&users, text).unwrap();
+        let agent_lines = format!(
+            "  kubernetes_api:\n    listen:\n      address: 127.0.0.1:0\n{listen}{lines}    tokens_file: {}\n",
+            users.display()
+        );
+        let extra = Extra {
+            agent: &agent_lines,
+            ..Extra::default()
+        };
+        KasProc::start_extra(secrets, "kas", None, 10_000, extra, None).await
+    }
+
+    /// Its resident memory, in bytes.
+    pub fn rss(&self) -> u64 {
+        self.process.resident_bytes().expect("kas is running")
+    }
+
+    /// Its open file descriptors.
+    pub fn open_fds(&self) -> usize {
+        let pid = self.process.pid().expect("kas is running");
+        std::fs::read_dir(format!("/proc/{pid}/fd"))
+            .map(|d| d.count())
+            .unwrap_or(0)
+    }
+
     /// SIGTERM, then waits for the exit status.
     pub fn terminate(&mut self) -> std::process::ExitStatus {
         self.process.terminate().expect("kas was running")

@@ -30,6 +30,8 @@ pub struct RequestTimeouts {
 #[derive(Default)]
 struct Open {
     requests: AtomicUsize,
+    /// Requests made so far: one that came and went between two reads still counts.
+    made: AtomicUsize,
     /// The connection's reader, woken when its last request ends.
     reader: AtomicWaker,
 }
@@ -41,12 +43,17 @@ pub struct Activity(Arc<Open>);
 impl Activity {
     /// Marks one request open until the returned value (and its clones) are dropped.
     pub fn busy(&self) -> Busy {
+        self.0.made.fetch_add(1, Ordering::SeqCst);
         self.0.requests.fetch_add(1, Ordering::SeqCst);
         Busy(self.0.clone())
     }
 
     fn open(&self) -> bool {
         self.0.requests.load(Ordering::SeqCst) > 0
+    }
+
+    fn made(&self) -> usize {
+        self.0.made.load(Ordering::SeqCst)
     }
 }
 
@@ -85,6 +92,8 @@ pub struct RequestClock {
     limits: RequestTimeouts,
     activity: Activity,
     waiting: Waiting,
+    /// [`Activity::made`] when last seen.
+    made: usize,
     timer: Pin<Box<Sleep>>,
 }
 
@@ -95,6 +104,7 @@ impl RequestClock {
             limits,
             activity: Activity::default(),
             waiting: Waiting::FirstByte,
+            made: 0,
             timer: Box::pin(tokio::time::sleep(limits.first_byte)),
         }
     }
@@ -122,11 +132,13 @@ impl RequestClock {
     /// out; otherwise the timer (and the end of its last request) will wake `cx`.
     pub fn expired(&mut self, cx: &mut Context<'_>) -> Option<io::Error> {
         self.activity.0.reader.register(cx.waker());
+        let made = self.activity.made();
         if self.activity.open() {
             self.waiting = Waiting::Busy;
             return None;
         }
-        if self.waiting == Waiting::Busy {
+        if self.waiting == Waiting::Busy || made != self.made {
+            self.made = made;
             self.waiting = Waiting::Idle;
             let by = Instant::now() + self.limits.idle;
             self.timer.as_mut().reset(by);
