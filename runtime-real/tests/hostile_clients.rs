@@ -312,3 +312,77 @@ async fn idle_sockets_from_one_address_leave_handshakes_to_others() {
     eprintln!("handshake errors counted on the api listener: {refused:?}");
     assert!(refused.is_some_and(|n| n >= 1900.0), "{refused:?}");
 }
+
+/// Item 3: one user cannot take every tunnel of an agent. A token holds at most
+/// `max_requests_per_token_per_agent` requests to one agent on a kas (then 429 naming the
+/// key) while another user still gets through, and silent upgraded sessions end after
+/// `streaming_idle_timeout`, giving their places and tunnels back.
+#[tokio::test(flavor = "multi_thread")]
+async fn one_user_cannot_hold_every_tunnel_of_an_agent() {
+    use kas_proto::http::{HttpResponse, ResponseHead, http_response};
+    use prost::Message;
+    let s = Secrets::new();
+    let (alice, bob) = ("alice-user-token-0001", "bob-user-token-000001");
+    let lines = "    max_requests_per_token_per_agent: 2\n    streaming_idle_timeout: 2s\n";
+    let kas = KasProc::with_kubernetes_api(&s, &[alice, bob], "", lines).await;
+    // An agent whose API server switches every request to a stream that stays silent.
+    let mut modules = kas_runtime::agent::Modules::default();
+    modules.streaming(kas_proto::http::KUBERNETES_API_METHOD, |_| {
+        let head = HttpResponse {
+            kind: Some(http_response::Kind::Head(ResponseHead {
+                status: 101,
+                headers: [(
+                    "upgrade".to_string(),
+                    kas_proto::frame::Values {
+                        values: vec!["SPDY/3.1".into()],
+                    },
+                )]
+                .into(),
+            })),
+        };
+        let head = futures::stream::once(async move { Ok(head.encode_to_vec().into()) });
+        futures::StreamExt::boxed(futures::StreamExt::chain(head, futures::stream::pending()))
+    });
+    let _agent = TestAgent::connect_with(kas.agent, 1, "exec", 8, modules).await;
+    let addr = kas.kubernetes_api.expect("a Kubernetes API listener");
+    let exec = |token: &'static str| async move {
+        let mut c = TcpStream::connect(addr).await.unwrap();
+        let request = format!(
+            "POST /api/v1/namespaces/default/pods/web-1/exec?command=sh HTTP/1.1\r\nHost: kas\r\nAuthorization: Bearer pat:1:{token}\r\nConnection: Upgrade\r\nUpgrade: SPDY/3.1\r\n\r\n"
+        );
+        c.write_all(request.as_bytes()).await.unwrap();
+        let head = read_head(&mut c, Duration::from_secs(10)).await;
+        (head, c)
+    };
+    let first = eventually(Duration::from_secs(20), "the agent to switch", || async {
+        let (head, c) = exec(alice).await;
+        head.starts_with("HTTP/1.1 101").then_some(c)
+    })
+    .await;
+    let (head, second) = exec(alice).await;
+    assert!(head.starts_with("HTTP/1.1 101"), "{head}");
+    let (head, mut refused) = exec(alice).await;
+    assert!(head.starts_with("HTTP/1.1 429"), "{head}");
+    let mut body = vec![0u8; 4096];
+    let n = refused.read(&mut body).await.unwrap();
+    let body = String::from_utf8_lossy(&body[..n]);
+    assert!(
+        body.contains("agent.kubernetes_api.max_requests_per_token_per_agent"),
+        "{body}"
+    );
+    let (head, other) = exec(bob).await;
+    assert!(
+        head.starts_with("HTTP/1.1 101"),
+        "another user gets through: {head}"
+    );
+    // Silent sessions end after streaming_idle_timeout (2 s), and their places come back.
+    for c in [first, second, other] {
+        let closed = closed_within(c, Duration::from_secs(6), Vec::new()).await;
+        assert!(
+            closed.is_some_and(|d| d < Duration::from_secs(5)),
+            "{closed:?}"
+        );
+    }
+    let (head, _again) = exec(alice).await;
+    assert!(head.starts_with("HTTP/1.1 101"), "{head}");
+}

@@ -804,7 +804,8 @@ fn ensure_python_kubernetes() {
 }
 
 /// An agent's answers that are not HTTP are refused as 502, naming the agent, and kas
-/// goes on serving: garbage, a body before its head, a 101 nobody asked for.
+/// goes on serving: garbage, a body before its head, a 101 nobody asked for, a head with
+/// 30,000 headers (it once panicked kas) or 30,000 values of one.
 #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
 async fn an_agents_answers_that_are_not_http_are_a_bad_gateway() {
     use kas_proto::http::{HttpRequest, HttpResponse, ResponseHead, http_request, http_response};
@@ -835,6 +836,20 @@ async fn an_agents_answers_that_are_not_http_are_a_bad_gateway() {
                     .encode_to_vec(),
                 ],
                 "/switch" => vec![head(101).encode_to_vec()],
+                "/many-headers" | "/many-values" => {
+                    let mut h = head(200);
+                    if let Some(http_response::Kind::Head(head)) = &mut h.kind {
+                        let values = |values| kas_proto::frame::Values { values };
+                        head.headers = if path == "/many-headers" {
+                            (0..30_000)
+                                .map(|i| (format!("x-h{i}"), values(vec!["v".into()])))
+                                .collect()
+                        } else {
+                            [("x-h".into(), values(vec!["v".into(); 30_000]))].into()
+                        };
+                    }
+                    vec![h.encode_to_vec()]
+                }
                 _ => vec![head(200).encode_to_vec()],
             };
             futures::stream::iter(messages.into_iter().map(|m| Ok(m.into())))
@@ -868,6 +883,14 @@ async fn an_agents_answers_that_are_not_http_are_a_bad_gateway() {
             "agent 1 answered without an HTTP response head",
         ),
         ("/switch", "agent 1 answered with HTTP status 101"),
+        (
+            "/many-headers",
+            "30000 header values; at most 256 are relayed",
+        ),
+        (
+            "/many-values",
+            "30000 header values; at most 256 are relayed",
+        ),
     ] {
         let (code, body) = get(path).await;
         assert_eq!(code, 502, "{path}: {body}");
