@@ -194,6 +194,11 @@ pub enum NodeInput<C> {
     CallDone(RequestId),
     /// A tunnel or a kas did not take the call; nothing reached an agent.
     Bounced(RequestId),
+    /// Another kas did not take the forwarded call because every tunnel of the agent there
+    /// was busy ([`CallError::NoFreeTunnel`]): like [`NodeInput::Bounced`], and should the
+    /// call end unrouted, it ends as [`CallError::TunnelsBusy`], as it would have on that
+    /// kas, not as "not connected".
+    BouncedBusy(RequestId),
     /// The caller went away.
     Cancel(RequestId),
     /// A tracker batch finished.
@@ -391,6 +396,8 @@ struct CallState<C> {
     forwarding: bool,
     /// It reached an agent, or may have ([`NodeInput::Delivered`]).
     delivered: bool,
+    /// A kas holding the agent's tunnels refused it as all busy ([`NodeInput::BouncedBusy`]).
+    found_busy: bool,
     started: Time,
 }
 
@@ -616,6 +623,12 @@ impl<C: Clone> KasNode<C> {
                     .handle_input(now, RouterInput::Finished { request });
             }
             NodeInput::Bounced(request) => self.bounced(now, request),
+            NodeInput::BouncedBusy(request) => {
+                if let Some(state) = self.calls.get_mut(&request) {
+                    state.found_busy = true;
+                }
+                self.bounced(now, request);
+            }
             NodeInput::Cancel(request) => {
                 let Some(state) = self.calls.get(&request) else {
                     return Ok(()); // ended first: the caller's guard fires after every end
@@ -717,6 +730,7 @@ impl<C: Clone> KasNode<C> {
             in_tunnel: false,
             forwarding: false,
             delivered: false,
+            found_busy: false,
             started: now,
         };
         self.calls.insert(request, state);
@@ -943,14 +957,21 @@ impl<C: Clone> KasNode<C> {
                 let Some(state) = self.calls.get(&request) else {
                     return;
                 };
-                let outcome = match error {
-                    RouteError::NotConnected { .. } => Outcome::NotConnected,
-                    RouteError::DeadlineExceeded { .. } => Outcome::DeadlineExceeded,
+                let (outcome, error) = match error {
+                    RouteError::NotConnected { agent, .. } if state.found_busy => {
+                        (Outcome::DeadlineExceeded, CallError::TunnelsBusy { agent })
+                    }
+                    RouteError::NotConnected { .. } => {
+                        (Outcome::NotConnected, CallError::Route(error))
+                    }
+                    RouteError::DeadlineExceeded { .. } => {
+                        (Outcome::DeadlineExceeded, CallError::Route(error))
+                    }
                 };
                 if !state.in_tunnel {
                     self.registry_in_drain(now, RegistryInput::Release { request });
                 }
-                self.end(request, outcome, Some(CallError::Route(error)));
+                self.end(request, outcome, Some(error));
             }
         }
     }

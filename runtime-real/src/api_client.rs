@@ -57,6 +57,27 @@ impl ApiClient {
         }
     }
 
+    /// `call`, given up at the call's deadline as a Go gRPC client does: a kas that does
+    /// not answer (cut off, stopped) must not hold the caller past its timeout.
+    /// (tonic's own timer on `grpc-timeout` says `CANCELLED`: that is the same deadline.)
+    async fn within<T>(&self, call: impl Future<Output = Result<T, Status>>) -> Result<T, Status> {
+        let expired = || {
+            Status::deadline_exceeded(format!(
+                "kas did not answer within the timeout ({:?})",
+                self.timeout
+            ))
+        };
+        match tokio::time::timeout(self.timeout, call).await {
+            Err(_) => Err(expired()),
+            Ok(Err(s))
+                if s.code() == tonic::Code::Cancelled && s.message() == "Timeout expired" =>
+            {
+                Err(expired())
+            }
+            Ok(answer) => answer,
+        }
+    }
+
     fn request<T>(&self, msg: T) -> tonic::Request<T> {
         let mut r = tonic::Request::new(msg);
         r.set_timeout(self.timeout);
@@ -74,10 +95,9 @@ impl ApiClient {
         let req = self.request(ConnectedAgentsForProjectRequest {
             project_id: project,
         });
+        let mut client = self.client.clone();
         let resp = self
-            .client
-            .clone()
-            .connected_agents_for_project(req)
+            .within(client.connected_agents_for_project(req))
             .await?;
         Ok(resp.into_inner().agents)
     }
@@ -85,7 +105,8 @@ impl ApiClient {
     /// The connected replicas of `agent`.
     pub async fn agents_by_id(&self, agent: i64) -> Result<Vec<ConnectedAgentInfo>, Status> {
         let req = self.request(ConnectedAgentsByIdRequest { agent_id: agent });
-        let resp = self.client.clone().connected_agents_by_id(req).await?;
+        let mut client = self.client.clone();
+        let resp = self.within(client.connected_agents_by_id(req)).await?;
         Ok(resp.into_inner().agents)
     }
 
@@ -102,7 +123,8 @@ impl ApiClient {
             connection_id: connection,
             namespace: namespace.into(),
         });
-        Ok(self.client.clone().get_pods(req).await?.into_inner().pods)
+        let mut client = self.client.clone();
+        Ok(self.within(client.get_pods(req)).await?.into_inner().pods)
     }
 
     /// One HTTP exchange with `agent`'s Kubernetes API (its replica `connection`, when
@@ -121,10 +143,9 @@ impl ApiClient {
                 req.metadata_mut().insert(key, v);
             }
         }
+        let mut client = self.client.clone();
         Ok(self
-            .client
-            .clone()
-            .make_kubernetes_request(req)
+            .within(client.make_kubernetes_request(req))
             .await?
             .into_inner())
     }
@@ -148,6 +169,7 @@ impl ApiClient {
             container: container.into(),
             limit_bytes,
         });
-        Ok(self.client.clone().get_pod_logs(req).await?.into_inner())
+        let mut client = self.client.clone();
+        Ok(self.within(client.get_pod_logs(req)).await?.into_inner())
     }
 }

@@ -648,3 +648,68 @@ async fn a_log_stream_left_unread_does_not_hold_the_tunnel() {
     .await;
     drop(unread);
 }
+
+/// Second round, item 8: a delivered unary call the agent never answers ends
+/// `DEADLINE_EXCEEDED` through a remote kas too (tonic's timer answered `CANCELLED` first),
+/// and a call meanwhile through the kas holding the agent's only tunnel is told it was
+/// busy. (Through the remote kas that second call still reads "not connected": the
+/// serving kas withdraws a busy agent's tunnel record, so the routing kas sees no tunnel;
+/// see the closing note.)
+#[tokio::test(flavor = "multi_thread")]
+async fn an_unanswered_call_through_a_remote_kas_ends_deadline_exceeded() {
+    let redis = Redis::start().expect("redis-server starts (scripts/test installs it)");
+    let s = Secrets::new();
+    let holder = KasProc::start(&s, "kas0", Some(&redis), 10_000, "").await;
+    let router = KasProc::start(&s, "kas1", Some(&redis), 10_000, "").await;
+    let agent = RawAgent::start(&holder, 2, 1, |_| Vec::new()).await;
+    let (local, remote) = (
+        GitLab::new(&s, holder.api).await,
+        GitLab::new(&s, router.api).await,
+    );
+    eventually(Duration::from_secs(10), "agent 2 listed", || async {
+        remote.connections(2).await.ok().filter(|c| c.len() == 1)
+    })
+    .await;
+    let unanswered =
+        tokio::spawn(async move { remote.pods(2, None, Duration::from_millis(2500)).await });
+    eventually(Duration::from_secs(5), "the call delivered", || async {
+        (agent.received() == 1).then_some(())
+    })
+    .await;
+    // Within the tunnel's heartbeat timeout (3 s): this agent sends no heartbeats.
+    let err = local
+        .pods(2, None, Duration::from_millis(1000))
+        .await
+        .expect_err("the only tunnel is busy");
+    assert_eq!(err.code(), Code::DeadlineExceeded, "{err}");
+    assert!(err.message().contains("was busy"), "{err}");
+    let err = unanswered.await.unwrap().expect_err("never answered");
+    assert_eq!(err.code(), Code::DeadlineExceeded, "{err}");
+}
+
+/// Second round, item 8: kasctl's client gives up at its own deadline when kas stops
+/// answering (frozen, its connection open), as a Go gRPC client does.
+#[tokio::test(flavor = "multi_thread")]
+async fn the_api_client_gives_up_at_its_deadline_when_kas_stops_answering() {
+    let s = Secrets::new();
+    let kas = KasProc::start(&s, "kas", None, 10_000, "").await;
+    let gl = GitLab::new(&s, kas.api).await;
+    gl.connections(1).await.expect("kas answers");
+    let client = kas_runtime::api_client::ApiClient::connect(
+        &kas.api.to_string(),
+        &s.gitlab,
+        Duration::from_secs(2),
+    )
+    .await
+    .expect("connects");
+    kas.freeze(true);
+    let started = std::time::Instant::now();
+    let answer = tokio::time::timeout(Duration::from_secs(10), client.agents_by_id(1)).await;
+    let took = started.elapsed();
+    kas.freeze(false);
+    let err = answer
+        .expect("gave up by itself")
+        .expect_err("kas is frozen");
+    assert_eq!(err.code(), Code::DeadlineExceeded, "{err}");
+    assert!(took < Duration::from_secs(3), "gave up after {took:?}");
+}

@@ -532,3 +532,31 @@ fn a_draining_kas_gives_no_new_call_to_its_tunnels_and_announces_it_has_none() {
     n.handle_input(Time(5), opened).unwrap();
     assert!(absence(&outputs(&mut n)).iter().all(|(_, _, c)| !c));
 }
+
+#[test]
+fn a_call_refused_as_busy_elsewhere_ends_busy_not_unconnected() {
+    let mut n = node();
+    let other = KasId("10.0.0.2:8155".into());
+    route(&mut n, 1, 2_000);
+    found_at(&mut n, &other);
+    let _ = outputs(&mut n);
+    n.handle_input(Time(3), NodeInput::BouncedBusy(RequestId(1)))
+        .unwrap();
+    assert!(ended(&outputs(&mut n)).is_empty(), "refused: routed again");
+    let mut ends = Vec::new();
+    for t in (0..=10_000).step_by(100) {
+        n.handle_timeout(Time(t));
+        ends.extend(ended(&outputs(&mut n)));
+    }
+    assert!(
+        matches!(
+            ends.as_slice(),
+            [(
+                RequestId(1),
+                Outcome::DeadlineExceeded,
+                Some(CallError::TunnelsBusy { agent: AGENT })
+            )]
+        ),
+        "{ends:?}"
+    );
+}

@@ -505,10 +505,11 @@ fn answer(
     origin: Origin,
     error: &CallError,
 ) -> Result<kas_proto::frame::Frame, Status> {
-    let status = if error.is_deadline() {
-        Status::deadline_exceeded(error.to_string())
-    } else {
-        Status::unavailable(error.to_string())
+    let status = match error {
+        // The routing kas tells this refusal from others by its code (NodeInput::BouncedBusy).
+        CallError::NoFreeTunnel { .. } => Status::resource_exhausted(error.to_string()),
+        e if e.is_deadline() => Status::deadline_exceeded(error.to_string()),
+        _ => Status::unavailable(error.to_string()),
     };
     match origin {
         Origin::Public => Err(status),

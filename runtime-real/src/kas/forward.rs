@@ -31,6 +31,8 @@ pub struct Forwarder {
 enum Forwarded {
     /// Not delivered: the router may try elsewhere.
     Refused(String),
+    /// Not delivered: every tunnel of the agent on that kas was busy.
+    Busy(String),
     /// Delivered (completely or not): the call is over.
     Done,
 }
@@ -61,6 +63,10 @@ impl Forwarder {
                 Forwarded::Refused(why) => {
                     tracing::debug!(%kas, %request, %why, "forward refused");
                     engine.input(NodeInput::Bounced(request));
+                }
+                Forwarded::Busy(why) => {
+                    tracing::debug!(%kas, %request, %why, "forward refused: tunnels busy");
+                    engine.input(NodeInput::BouncedBusy(request));
                 }
             }
         }
@@ -149,7 +155,11 @@ impl Forwarder {
                     };
                     if first {
                         if let Some(Kind::Error(e)) = &frame.kind {
-                            return Forwarded::Refused(e.message.clone());
+                            let why = e.message.clone();
+                            return match tonic::Code::from(e.code) {
+                                tonic::Code::ResourceExhausted => Forwarded::Busy(why),
+                                _ => Forwarded::Refused(why),
+                            };
                         }
                         self.metrics
                             .routing_latency

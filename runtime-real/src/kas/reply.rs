@@ -1,7 +1,7 @@
 //! The answer of a call routed for a caller of this kas, as its handler reads it.
 
 use super::engine::CancelOnDrop;
-use super::timing::ANSWER_GRACE;
+use super::timing::answer_slack;
 use crate::clock;
 use crate::frames;
 use bytes::Bytes;
@@ -24,7 +24,7 @@ pub struct Reply {
 
 impl Reply {
     /// The reply of call `cancel` names, arriving on `rx`: waited for until `deadline` and
-    /// [`ANSWER_GRACE`] when given (for a streaming call until its first message only);
+    /// [`answer_slack`] when given (for a streaming call until its first message only);
     /// without, the engine's routing deadline ends a call that reached no agent, and one
     /// that did is its ends' to end.
     pub fn new(
@@ -34,8 +34,10 @@ impl Reply {
         deadline: Option<Time>,
         streaming: bool,
     ) -> Reply {
-        let give_up =
-            deadline.map(|d| tokio::time::Instant::now() + clock::until(d) + ANSWER_GRACE);
+        let give_up = deadline.map(|d| {
+            let left = clock::until(d);
+            tokio::time::Instant::now() + left + answer_slack(left)
+        });
         Reply {
             agent,
             rx,

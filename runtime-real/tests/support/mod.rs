@@ -277,6 +277,17 @@ impl KasProc {
         KasProc::start_extra(secrets, "kas", None, 10_000, extra, None).await
     }
 
+    /// Freezes the process (SIGSTOP: a kas cut off, its connections open), or thaws it.
+    pub fn freeze(&self, frozen: bool) {
+        let pid = self.process.pid().expect("kas is running").to_string();
+        let signal = if frozen { "-STOP" } else { "-CONT" };
+        let status = std::process::Command::new("kill")
+            .args([signal, &pid])
+            .status()
+            .expect("kill runs");
+        assert!(status.success(), "kill {signal} {pid}");
+    }
+
     /// Its resident memory, in bytes.
     pub fn rss(&self) -> u64 {
         self.process.resident_bytes().expect("kas is running")
