@@ -83,9 +83,9 @@ async fn closed_within(mut c: TcpStream, within: Duration, trickle: Vec<u8>) -> 
         if !trickle.is_empty() && c.write_all(&trickle).await.is_err() {
             return Some(start.elapsed());
         }
-        match timeout(Duration::from_millis(250), c.read(&mut b)).await {
-            Ok(Ok(0) | Err(_)) => return Some(start.elapsed()),
-            Ok(Ok(_)) | Err(_) => {}
+        let read = timeout(Duration::from_millis(250), c.read(&mut b)).await;
+        if let Ok(Ok(0) | Err(_)) = read {
+            return Some(start.elapsed());
         }
     }
     None
