@@ -25,7 +25,7 @@
 use crate::cluster::{AgentSpec, pod_name};
 use crate::truth::{Delivery, Hold};
 use crate::workload::Call;
-use kas_runtime::kas::timing::{ANSWER_GRACE, TUNNEL_GRACE};
+use kas_runtime::kas::timing::TUNNEL_GRACE;
 use std::collections::BTreeMap;
 use std::time::Duration;
 use tokio::time::Instant;
@@ -33,10 +33,11 @@ use tokio::time::Instant;
 /// Slack for the network and timers on top of kas's own graces.
 pub const SLACK: Duration = Duration::from_secs(1);
 
-/// How much later than its timeout a call may end: kas waits up to [`ANSWER_GRACE`] past a
-/// call's deadline for an answer already under way (its longest grace: the router fails
-/// an attempt `ROUTE_GRACE` past it), plus [`SLACK`].
-pub const OUTCOME_BOUND: Duration = ANSWER_GRACE.saturating_add(SLACK);
+/// How much later than its timeout a call may end: kas's API handler answers before the
+/// caller's timeout (`timing::answer_slack`); a tunnel's answer may still be under way
+/// [`TUNNEL_GRACE`] past kas's deadline (longer than the router's `ROUTE_GRACE`), plus
+/// [`SLACK`].
+pub const OUTCOME_BOUND: Duration = TUNNEL_GRACE.saturating_add(SLACK);
 
 /// How much later than its timeout a two-way call may end: its ends finish within a
 /// second, and a kas -> kas link that dies under a delivered one is found by HTTP/2
