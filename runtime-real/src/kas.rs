@@ -120,7 +120,7 @@ fn server(listen: &Listen) -> Server {
 /// How one listener takes its connections.
 struct Listening {
     /// `listen.handshake_timeout` and the other handshake limits.
-    #[cfg_attr(madsim, allow(dead_code))] // madsim's tonic accepts by itself
+    #[cfg(not(madsim))] // madsim's tonic accepts by itself
     handshake: listener::HandshakeLimits,
     /// Its name in logs and metrics.
     #[cfg_attr(madsim, allow(dead_code))] // madsim's tonic accepts by itself
@@ -502,6 +502,7 @@ impl Kas {
                 alpn
             };
             Ok(Listening {
+                #[cfg(not(madsim))]
                 handshake: listener::HandshakeLimits::of(listen),
                 what,
                 metrics: metrics.clone(),
