@@ -22,6 +22,7 @@ pub mod observability;
 mod peers;
 mod private_api;
 mod public_api;
+mod replicas;
 mod reply;
 pub mod timing;
 mod tunnel;
@@ -475,6 +476,7 @@ impl Kas {
             live_kas,
             activity_every: a.heartbeat_timeout / 4,
             next_tunnel: Arc::default(),
+            replicas: replicas::Replicas::default(),
             limits: limits::AgentLimits::new(
                 limits::AgentLimitsConfig {
                     requests_per_minute: a.connections_per_token_per_minute(),

@@ -270,6 +270,7 @@ async fn malformed_tunnel_frames_are_refused_without_harm_to_others() {
     let bogus = frames::frame(Kind::Descriptor(Descriptor {
         methods: vec![],
         connection_id: 12345,
+        ..Default::default()
     }));
     let (_tx, r) = raw_tunnel(&kas, 2, bogus).await;
     let err = r.expect_err("refused");
@@ -281,6 +282,7 @@ async fn malformed_tunnel_frames_are_refused_without_harm_to_others() {
     let descriptor = frames::frame(Kind::Descriptor(Descriptor {
         methods: vec![kas_runtime::agent::PODS_LIST.into()],
         connection_id: connection.0,
+        ..Default::default()
     }));
     let (tx, r) = raw_tunnel(&kas, 2, descriptor).await;
     let mut inbound = r.expect("tunnel accepted");

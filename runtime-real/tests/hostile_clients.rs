@@ -386,3 +386,73 @@ async fn one_user_cannot_hold_every_tunnel_of_an_agent() {
     let (head, _again) = exec(alice).await;
     assert!(head.starts_with("HTTP/1.1 101"), "{head}");
 }
+
+/// Item 6: another holder of the agent's token proposing a live replica's connection id is
+/// refused on each kas where the replica is open, for streams and tunnels alike, whatever
+/// metadata it claims; every call pinned to the replica reaches it, and the listing keeps
+/// the replica's own metadata. The replica itself may add a stream (a reconnect).
+#[tokio::test(flavor = "multi_thread")]
+async fn an_agent_token_cannot_shadow_one_of_its_replicas() {
+    use kas_core::ConnectionId;
+    use kas_runtime::agent::AgentClient;
+    let redis = Redis::start().expect("redis-server starts (scripts/test installs it)");
+    let s = Secrets::new();
+    let kas = [
+        KasProc::start(&s, "kas0", Some(&redis), 10_000, "").await,
+        KasProc::start(&s, "kas1", Some(&redis), 10_000, "").await,
+    ];
+    let id = ConnectionId(4242);
+    let replica = Some((id, &b"the replica's proof"[..]));
+    let modules = || pod_modules("real", Duration::ZERO);
+    let mut real = Vec::new();
+    for k in &kas {
+        let a = TestAgent::connect_as(k.agent, 1, "real", 2, modules(), replica).await;
+        real.push(a.expect("the replica connects"));
+    }
+    let gl = GitLab::new(&s, kas[0].api).await;
+    let listed = || async { gl.replicas(1).await.ok() };
+    eventually(
+        Duration::from_secs(10),
+        "the replica listed on both",
+        || async {
+            listed()
+                .await
+                .filter(|r| *r == [(id.0, "real".to_string(), 2)])
+        },
+    )
+    .await;
+    let impostors: [(&[u8], &str); 3] = [
+        (b"a guess", "impostor"),
+        (b"a guess", "real"),
+        (b"", "impostor"),
+    ];
+    for k in &kas {
+        for (proof, pod) in impostors {
+            let r = TestAgent::connect_as(k.agent, 1, pod, 2, modules(), Some((id, proof))).await;
+            let e = r.err().expect("the impostor's stream is refused");
+            assert_eq!(e.code(), tonic::Code::FailedPrecondition, "{e}");
+            assert!(e.message().contains("connection_id 4242"), "{e}");
+        }
+        let client = AgentClient::new(channel(k.agent).await, agent_token(1))
+            .with_proof(b"a guess".to_vec());
+        let tunnel = client
+            .serve_tunnel(id, modules().into(), Duration::from_secs(1), None)
+            .await;
+        assert_eq!(tunnel.code(), tonic::Code::FailedPrecondition, "{tunnel}");
+    }
+    // A reconnect of the replica itself is taken, and leaves nothing behind when it ends.
+    let again = TestAgent::connect_as(kas[0].agent, 1, "real", 1, modules(), replica).await;
+    drop(again.expect("the replica's second stream is taken"));
+    for k in &kas {
+        let gl = GitLab::new(&s, k.api).await;
+        for _ in 0..20 {
+            let pods = gl.pods(1, Some(id), Duration::from_secs(5)).await;
+            assert_eq!(pods.expect("a pinned call"), ["real"]);
+        }
+    }
+    tokio::time::sleep(Duration::from_secs(1)).await;
+    assert_eq!(
+        listed().await.expect("a listing"),
+        [(id.0, "real".to_string(), 2)]
+    );
+}

@@ -111,6 +111,7 @@ async fn tunnel(channel: Channel, token: &str, connection: i64, agent: i64, trut
     let descriptor = frames::frame(Kind::Descriptor(Descriptor {
         methods: vec![PODS_LIST.into(), PODS_LOGS.into()],
         connection_id: connection,
+        ..Default::default()
     }));
     if tx.send(descriptor).await.is_err() {
         return;

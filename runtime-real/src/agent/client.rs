@@ -24,6 +24,8 @@ use tonic::{Request, Status, Streaming};
 pub struct AgentClient {
     client: AgentApiClient<Channel>,
     token: String,
+    /// The replica's proof, sent with its connection id (see `ConfigurationRequest`).
+    proof: Vec<u8>,
 }
 
 /// How a tunnel reports to its pool, and how the pool closes it.
@@ -50,7 +52,13 @@ impl AgentClient {
         AgentClient {
             client: AgentApiClient::new(channel),
             token: token.into(),
+            proof: Vec::new(),
         }
+    }
+
+    /// The same client proving it is the replica that drew `proof`.
+    pub fn with_proof(self, proof: Vec<u8>) -> Self {
+        AgentClient { proof, ..self }
     }
 
     fn request<T>(&self, msg: T) -> Result<Request<T>, Status> {
@@ -81,6 +89,7 @@ impl AgentClient {
             agent_meta: Some(meta),
             commit_id: String::new(),
             connection_id: connection.map_or(0, |c| c.0),
+            replica_proof: self.proof.clone(),
         })?;
         let mut stream = self
             .client
@@ -109,6 +118,7 @@ impl AgentClient {
         let descriptor = frames::frame(Kind::Descriptor(Descriptor {
             methods: modules.methods(),
             connection_id: connection.0,
+            replica_proof: self.proof.clone(),
         }));
         let mut sequence = FrameSequence::new(StreamKind::Tunnel);
         if let Err(e) = sequence.check(Direction::FromAgent, &descriptor) {

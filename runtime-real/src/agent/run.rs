@@ -125,6 +125,11 @@ pub async fn run(
     let mut rng = Rng::new(options.seed);
     // Positive: kas refuses negative ids, and 0 asks kas to draw one.
     let replica = ConnectionId((rng.next_u64() >> 1) as i64 | 1);
+    // Binds the id to this replica on each kas (kas/replicas.rs): never sent elsewhere.
+    let proof: Arc<[u8]> = [rng.next_u64(), rng.next_u64()]
+        .iter()
+        .flat_map(|w| w.to_le_bytes())
+        .collect();
     let config = LinksConfig {
         want: options.kas_connections,
         backoff: options.reconnect,
@@ -147,6 +152,7 @@ pub async fn run(
                         kas,
                         modules: modules.clone(),
                         replica,
+                        proof: proof.clone(),
                         link,
                         order,
                         events: events_tx.clone(),
@@ -250,6 +256,8 @@ struct Connection {
     kas: String,
     modules: Arc<Modules>,
     replica: ConnectionId,
+    /// The replica's proof.
+    proof: Arc<[u8]>,
     link: Link,
     order: watch::Receiver<Order>,
     events: mpsc::UnboundedSender<(Link, Event)>,
@@ -265,7 +273,8 @@ impl Connection {
             let channel = tls::connect(&url, ca, options.proxy.as_ref(), CONNECT_TIMEOUT)
                 .await
                 .map_err(Status::unavailable)?;
-            let client = AgentClient::new(channel, options.token.clone());
+            let client =
+                AgentClient::new(channel, options.token.clone()).with_proof(self.proof.to_vec());
             let (connection, first, config) = client
                 .connect(options.meta.clone(), Some(self.replica))
                 .await?;

@@ -4,6 +4,7 @@
 use super::engine::{Command, EngineHandle};
 use super::limits::AgentLimits;
 use super::live_kas::LiveKas;
+use super::replicas::Replicas;
 use super::tunnel::{self, OutboundStream, Outgoing, Tunnel};
 use crate::agent_auth::{AgentAuth, AgentIdentity, AuthError};
 use kas_core::frame_sequence::{Direction, FrameSequence, StreamKind};
@@ -48,6 +49,8 @@ pub struct AgentService {
     pub next_tunnel: Arc<AtomicU64>,
     /// What one agent may hold.
     pub limits: AgentLimits,
+    /// Which replica holds each open connection id.
+    pub replicas: Replicas,
 }
 
 impl AgentService {
@@ -101,6 +104,9 @@ impl AgentApi for AgentService {
         };
         self.limits.request(identity.agent_id)?;
         let slot = self.limits.connection(identity.agent_id)?;
+        let claim =
+            self.replicas
+                .claim(identity.agent_id, connection, &request.replica_proof, &meta)?;
         let live_kas = self.live_kas.count().await;
         let info = ConnectedAgentInfo {
             agent_id: identity.agent_id.0,
@@ -150,7 +156,7 @@ impl AgentApi for AgentService {
                 project: identity.project_id,
                 connection,
             });
-            drop(slot);
+            drop((claim, slot));
         });
         Ok(Response::new(rx))
     }
@@ -184,6 +190,8 @@ impl AgentApi for AgentService {
             ));
         };
         let connection = ConnectionId(descriptor.connection_id);
+        self.replicas
+            .check_tunnel(identity.agent_id, connection, &descriptor.replica_proof)?;
         let slot = self.limits.tunnel(identity.agent_id, connection)?;
         let tunnel = TunnelId(self.next_tunnel.fetch_add(1, Ordering::Relaxed));
         let (orders_tx, orders) = mpsc::channel(1);

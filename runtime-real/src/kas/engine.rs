@@ -505,10 +505,13 @@ fn answer(
     origin: Origin,
     error: &CallError,
 ) -> Result<kas_proto::frame::Frame, Status> {
-    let status = match error {
-        // The routing kas tells this refusal from others by its code (NodeInput::BouncedBusy).
-        CallError::NoFreeTunnel { .. } => Status::resource_exhausted(error.to_string()),
-        e if e.is_deadline() => Status::deadline_exceeded(error.to_string()),
+    let status = match (error, origin) {
+        // The routing kas tells "busy here" from other refusals by its code
+        // (NodeInput::BouncedBusy), and ends the call as busy as this kas would have.
+        (CallError::NoFreeTunnel { .. } | CallError::TunnelsBusy { .. }, Origin::Private) => {
+            Status::resource_exhausted(error.to_string())
+        }
+        (e, _) if e.is_deadline() => Status::deadline_exceeded(error.to_string()),
         _ => Status::unavailable(error.to_string()),
     };
     match origin {

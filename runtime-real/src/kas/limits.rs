@@ -41,7 +41,7 @@ pub struct Place<K: Hash + Eq> {
     key: K,
 }
 
-fn locked<T>(state: &Mutex<T>) -> std::sync::MutexGuard<'_, T> {
+pub(super) fn locked<T>(state: &Mutex<T>) -> std::sync::MutexGuard<'_, T> {
     // The state stays consistent under a panic elsewhere: each update is one statement.
     state.lock().unwrap_or_else(|p| p.into_inner())
 }

@@ -447,6 +447,41 @@ pub fn test_log(pod: &str) -> Vec<u8> {
         .collect()
 }
 
+/// The fixture pod `pod`'s modules: `List` (taking `delay`), and `Logs` answering
+/// [`test_log`].
+pub fn pod_modules(pod: &str, delay: Duration) -> Modules {
+    let pods = vec![Pod {
+        namespace: "default".into(),
+        name: pod.into(),
+        phase: "Running".into(),
+        node_name: "node-1".into(),
+    }];
+    let mut modules = Modules::default();
+    modules.unary(kas_runtime::agent::PODS_LIST, move |_: ListRequest| {
+        let pods = pods.clone();
+        async move {
+            tokio::time::sleep(delay).await;
+            Ok(ListResponse { pods })
+        }
+    });
+    let log: Arc<[u8]> = test_log(pod).into();
+    let name = pod.to_string();
+    modules.server_streaming(kas_runtime::agent::PODS_LOGS, move |req: LogsRequest| {
+        let (log, name) = (log.clone(), name.clone());
+        async move {
+            if req.pod != name {
+                return Err(tonic::Status::not_found(format!("no pod {}", req.pod)));
+            }
+            let limit = match req.limit_bytes {
+                0 => usize::MAX,
+                n => n as usize,
+            };
+            Ok(kas_runtime::agent::pods::chunks(log, limit))
+        }
+    });
+    modules
+}
+
 /// One agent replica: a `GetConfiguration` stream and idle tunnels serving one fixture pod
 /// named `pod` (`List`, and `Logs` answering [`test_log`]). Dropping it disconnects.
 pub struct TestAgent {
@@ -472,35 +507,7 @@ impl TestAgent {
         tunnels: usize,
         delay: Duration,
     ) -> TestAgent {
-        let pods = vec![Pod {
-            namespace: "default".into(),
-            name: pod.into(),
-            phase: "Running".into(),
-            node_name: "node-1".into(),
-        }];
-        let mut modules = Modules::default();
-        modules.unary(kas_runtime::agent::PODS_LIST, move |_: ListRequest| {
-            let pods = pods.clone();
-            async move {
-                tokio::time::sleep(delay).await;
-                Ok(ListResponse { pods })
-            }
-        });
-        let log: Arc<[u8]> = test_log(pod).into();
-        let name = pod.to_string();
-        modules.server_streaming(kas_runtime::agent::PODS_LOGS, move |req: LogsRequest| {
-            let (log, name) = (log.clone(), name.clone());
-            async move {
-                if req.pod != name {
-                    return Err(tonic::Status::not_found(format!("no pod {}", req.pod)));
-                }
-                let limit = match req.limit_bytes {
-                    0 => usize::MAX,
-                    n => n as usize,
-                };
-                Ok(kas_runtime::agent::pods::chunks(log, limit))
-            }
-        });
+        let modules = pod_modules(pod, delay);
         Self::connect_with(kas_agent, agent, pod, tunnels, modules).await
     }
 
@@ -512,15 +519,31 @@ impl TestAgent {
         tunnels: usize,
         modules: Modules,
     ) -> TestAgent {
-        let client = AgentClient::new(channel(kas_agent).await, agent_token(agent));
+        Self::connect_as(kas_agent, agent, pod, tunnels, modules, None)
+            .await
+            .expect("GetConfiguration")
+    }
+
+    /// Connects as replica `replica` (its connection id and proof), or as one kas names
+    /// when `None`; `Err` when kas refuses the `GetConfiguration` stream.
+    pub async fn connect_as(
+        kas_agent: SocketAddr,
+        agent: i64,
+        pod: &str,
+        tunnels: usize,
+        modules: Modules,
+        replica: Option<(ConnectionId, &[u8])>,
+    ) -> Result<TestAgent, tonic::Status> {
+        let proof = replica.map(|r| r.1.to_vec()).unwrap_or_default();
+        let client =
+            AgentClient::new(channel(kas_agent).await, agent_token(agent)).with_proof(proof);
         let meta = AgentMeta {
             version: "test".into(),
             commit: String::new(),
             pod_namespace: "default".into(),
             pod_name: pod.into(),
         };
-        let (connection, _, mut stream) =
-            client.connect(meta, None).await.expect("GetConfiguration");
+        let (connection, _, mut stream) = client.connect(meta, replica.map(|r| r.0)).await?;
         let mut tasks = vec![tokio::spawn(async move {
             while let Ok(Some(_)) = stream.message().await {}
         })];
@@ -544,7 +567,7 @@ impl TestAgent {
                 }
             }));
         }
-        TestAgent { connection, tasks }
+        Ok(TestAgent { connection, tasks })
     }
 }
 
