@@ -10,9 +10,9 @@
 //! the next clock advance. The test's own table of tunnels is the reference model; after
 //! each sequence a fault-free phase checks convergence.
 //!
-//! Invariants (DESIGN.md): 1 right agent, 2 every call ends by deadline + grace,
-//! 3 at most one delivery, 4 at most two kas hops, 5 the store converges to the live truth,
-//! 6 nothing leaks, 7 a connected agent is reachable from every kas.
+//! Invariants (docs/invariants.md): 1 right agent, 2 every call ends by deadline + grace,
+//! 3 at most one delivery, 4 at most two kas hops, 5 a connected agent is reachable from
+//! every kas, 6 nothing leaks, 7 the store converges to the live truth.
 //!
 //! `MODEL_TRACE=1` prints every router command while a case runs.
 
@@ -841,7 +841,7 @@ impl World {
                 let (at, payload) = expiring::decode(bytes).unwrap();
                 assert!(
                     expiring::is_live(at, now),
-                    "inv 5: {key}/{field} expired but kept"
+                    "inv 7: {key}/{field} expired but kept"
                 );
                 stored.push((key.clone(), field.clone(), payload));
             }
@@ -853,7 +853,7 @@ impl World {
             .flat_map(|n| n.node.parts().1.desired())
             .collect();
         desired.sort();
-        assert_eq!(stored, desired, "inv 5: store differs from the live truth");
+        assert_eq!(stored, desired, "inv 7: store differs from the live truth");
         let expected_tunnels: BTreeSet<(AgentId, usize)> =
             self.tunnels.values().map(|t| (t.agent, t.kas)).collect();
         for &(agent, kas) in &expected_tunnels {
@@ -863,7 +863,7 @@ impl World {
                     .hashes
                     .get(&key)
                     .is_some_and(|(_, f)| f.contains_key(&kas_id(kas).0)),
-                "inv 5: tunnel of {agent} at kas {kas} not registered"
+                "inv 7: tunnel of {agent} at kas {kas} not registered"
             );
         }
         // Inv 7: every connected agent is reachable from every kas.
@@ -876,7 +876,7 @@ impl World {
                 let delivered = self.calls[&id].delivered_to.is_some();
                 assert!(
                     delivered,
-                    "inv 7: probe {id} via kas {via} did not reach {agent} at once"
+                    "inv 5: probe {id} via kas {via} did not reach {agent} at once"
                 );
                 self.answer_calls();
                 self.settle();

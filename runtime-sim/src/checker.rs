@@ -1,7 +1,7 @@
 //! The invariant checker: compares what callers saw with what agents saw (the ground
 //! truth) and with the cluster's state after the faults have healed.
 //!
-//! DESIGN.md's invariants, as checked here:
+//! The invariants of docs/invariants.md, as checked here:
 //! 1. a call is delivered only to the agent it names (and the replica, if it named one);
 //! 2. every call has an outcome by its deadline (plus a bound, plus any time jump), and
 //!    kas lets go of an agent that never answers by then (plus its grace);
