@@ -32,5 +32,6 @@ pub mod signals;
 pub mod store;
 pub mod tasks;
 pub mod tls;
+pub mod token_file;
 #[cfg(not(madsim))]
 pub mod ws;

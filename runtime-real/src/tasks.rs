@@ -7,13 +7,18 @@ use futures::stream::FuturesUnordered;
 use std::future::Future;
 use tokio::task::{AbortHandle, JoinError, JoinHandle};
 
-/// A set of running tasks; see the module documentation.
-#[derive(Default)]
-pub struct Tasks(FuturesUnordered<JoinHandle<()>>);
+/// A set of running tasks, each ending with a `T`; see the module documentation.
+pub struct Tasks<T = ()>(FuturesUnordered<JoinHandle<T>>);
 
-impl Tasks {
+impl<T> Default for Tasks<T> {
+    fn default() -> Self {
+        Tasks(FuturesUnordered::new())
+    }
+}
+
+impl<T: Send + 'static> Tasks<T> {
     /// Starts `task`; the handle aborts it alone.
-    pub fn spawn(&mut self, task: impl Future<Output = ()> + Send + 'static) -> AbortHandle {
+    pub fn spawn(&mut self, task: impl Future<Output = T> + Send + 'static) -> AbortHandle {
         let handle = tokio::spawn(task);
         let abort = handle.abort_handle();
         self.0.push(handle);
@@ -26,12 +31,12 @@ impl Tasks {
     }
 
     /// The next task to end; `None` at once when none runs.
-    pub async fn next(&mut self) -> Option<Result<(), JoinError>> {
+    pub async fn next(&mut self) -> Option<Result<T, JoinError>> {
         self.0.next().await
     }
 }
 
-impl Drop for Tasks {
+impl<T> Drop for Tasks<T> {
     fn drop(&mut self) {
         for task in self.0.iter() {
             task.abort();

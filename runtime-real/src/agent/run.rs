@@ -5,8 +5,8 @@
 use super::client::{AgentClient, TunnelHooks};
 use super::modules::Modules;
 use crate::clock;
+use crate::tasks::Tasks;
 use crate::tls::{self, KasUrl};
-use futures::stream::FuturesUnordered;
 use futures::{FutureExt, StreamExt};
 use kas_core::ConnectionId;
 use kas_core::backoff::Backoff;
@@ -19,7 +19,6 @@ use kas_proto::registry::AgentMeta;
 use std::sync::Arc;
 use std::time::Duration;
 use tokio::sync::{mpsc, oneshot, watch};
-use tokio::task::JoinHandle;
 use tonic::{Code, Status};
 
 /// How long one attempt to connect to kas (TCP, TLS, WebSocket, HTTP/2) may take.
@@ -137,7 +136,7 @@ pub async fn run(
     let mut links = KasLinks::new(config, rng.next_u64());
     let (events_tx, mut events) = mpsc::unbounded_channel();
     let mut orders: Map<Link, watch::Sender<Order>> = Map::default();
-    let mut tasks = Tasks(FuturesUnordered::new());
+    let mut tasks: Tasks<Link> = Tasks::default();
     let mut stop_asked = false;
     links.handle_timeout(clock::now());
     loop {
@@ -159,7 +158,7 @@ pub async fn run(
                         seed: rng.next_u64(),
                     };
                     let task = std::panic::AssertUnwindSafe(connection.serve()).catch_unwind();
-                    tasks.0.push(tokio::spawn(task.map(move |_| link)));
+                    tasks.spawn(task.map(move |_| link));
                     continue;
                 }
                 LinksOutput::Serve(link) => (link, Order::Serve),
@@ -184,7 +183,7 @@ pub async fn run(
                 };
                 links.handle_input(clock::now(), input);
             }
-            Some(ended) = tasks.0.next() => {
+            Some(ended) = tasks.next() => {
                 let Ok(link) = ended else {
                     tracing::error!("a connection task was lost");
                     continue;
@@ -199,17 +198,6 @@ pub async fn run(
                 stop_asked = true;
                 links.handle_input(clock::now(), LinksInput::Stop);
             }
-        }
-    }
-}
-
-/// The connection tasks; aborted when the agent is dropped.
-struct Tasks(FuturesUnordered<JoinHandle<Link>>);
-
-impl Drop for Tasks {
-    fn drop(&mut self) {
-        for task in self.0.iter() {
-            task.abort();
         }
     }
 }
@@ -320,7 +308,7 @@ impl Connection {
             connection,
             modules: self.modules.clone(),
             heartbeat: options.heartbeat,
-            tunnels: FuturesUnordered::new(),
+            tunnels: Tasks::default(),
             closers: Map::default(),
             reports: mpsc::unbounded_channel(),
         };
@@ -395,7 +383,7 @@ struct Pool {
     modules: Arc<Modules>,
     heartbeat: Duration,
     /// Tunnel tasks (madsim has no `JoinSet`); aborted when the pool is dropped.
-    tunnels: FuturesUnordered<JoinHandle<(Slot, Status)>>,
+    tunnels: Tasks<(Slot, Status)>,
     closers: Map<Slot, oneshot::Sender<()>>,
     reports: (
         mpsc::UnboundedSender<PoolInput>,
@@ -418,12 +406,12 @@ impl Pool {
                     };
                     let (client, modules) = (self.client.clone(), self.modules.clone());
                     let (connection, heartbeat) = (self.connection, self.heartbeat);
-                    self.tunnels.push(tokio::spawn(async move {
+                    self.tunnels.spawn(async move {
                         let status = client
                             .serve_tunnel(connection, modules, heartbeat, Some(hooks))
                             .await;
                         (slot, status)
-                    }));
+                    });
                 }
                 PoolOutput::Close(slot) => {
                     if let Some(close) = self.closers.remove(&slot) {
@@ -446,14 +434,6 @@ impl Pool {
         }
         self.machine
             .handle_input(clock::now(), PoolInput::Ended { slot, failed });
-    }
-}
-
-impl Drop for Pool {
-    fn drop(&mut self) {
-        for task in self.tunnels.iter() {
-            task.abort();
-        }
     }
 }
 

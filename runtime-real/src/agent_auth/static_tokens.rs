@@ -8,23 +8,15 @@
 //!     config: |          # optional: the agent's configuration file
 //!       observability: {}
 //! ```
-// A std hash map on purpose: looked up by client-presented tokens, never iterated into an
-// output; a random seed keeps lookup cost unrelated to the tokens' content.
+// A std hash map on purpose: see `token_file`.
 #![allow(clippy::disallowed_types)]
 
 use super::{AgentIdentity, AuthError};
+use crate::token_file;
 use kas_core::{AgentId, ProjectId};
 use serde::Deserialize;
 use std::collections::HashMap;
 use std::path::Path;
-
-const MIN_TOKEN_LEN: usize = 16;
-
-#[derive(Deserialize)]
-#[serde(deny_unknown_fields)]
-struct File {
-    agents: Vec<Entry>,
-}
 
 #[derive(Deserialize)]
 #[serde(deny_unknown_fields)]
@@ -36,6 +28,22 @@ struct Entry {
     config: String,
 }
 
+impl token_file::Entry for Entry {
+    type Value = AgentIdentity;
+
+    fn into_pair(self) -> Result<(String, AgentIdentity), String> {
+        if self.agent_id <= 0 || self.project_id <= 0 {
+            return Err("agent_id and project_id must be positive".into());
+        }
+        let identity = AgentIdentity {
+            agent_id: AgentId(self.agent_id),
+            project_id: ProjectId(self.project_id),
+            config: self.config,
+        };
+        Ok((self.token, identity))
+    }
+}
+
 /// Tokens from a file, looked up in memory.
 #[derive(Debug)]
 pub struct StaticTokens {
@@ -45,35 +53,7 @@ pub struct StaticTokens {
 impl StaticTokens {
     /// Reads and checks a tokens file; errors name the entry at fault.
     pub fn load(path: &Path) -> Result<StaticTokens, String> {
-        let text = std::fs::read_to_string(path)
-            .map_err(|e| format!("cannot read {}: {e}", path.display()))?;
-        Self::parse(&text).map_err(|e| format!("{}: {e}", path.display()))
-    }
-
-    /// Parses and checks the YAML text of a tokens file.
-    pub fn parse(text: &str) -> Result<StaticTokens, String> {
-        let file: File = serde_yaml::from_str(text).map_err(|e| e.to_string())?;
-        let mut by_token = HashMap::new();
-        for (i, e) in file.agents.into_iter().enumerate() {
-            if e.token.len() < MIN_TOKEN_LEN {
-                return Err(format!(
-                    "agents[{i}].token is shorter than {MIN_TOKEN_LEN} characters"
-                ));
-            }
-            if e.agent_id <= 0 || e.project_id <= 0 {
-                return Err(format!(
-                    "agents[{i}]: agent_id and project_id must be positive"
-                ));
-            }
-            let identity = AgentIdentity {
-                agent_id: AgentId(e.agent_id),
-                project_id: ProjectId(e.project_id),
-                config: e.config,
-            };
-            if by_token.insert(e.token, identity).is_some() {
-                return Err(format!("agents[{i}].token is listed twice"));
-            }
-        }
+        let by_token = token_file::read::<Entry>(path, "agents")?;
         Ok(StaticTokens { by_token })
     }
 

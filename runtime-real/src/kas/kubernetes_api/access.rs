@@ -16,15 +16,13 @@
 // output; a random seed keeps lookup cost unrelated to the tokens' content.
 #![allow(clippy::disallowed_types)]
 
+use crate::token_file;
 use kas_core::AgentId;
 use kas_proto::frame::Values;
 use kas_proto::http::Impersonation;
 use serde::Deserialize;
 use std::collections::HashMap;
 use std::path::Path;
-
-/// Tokens in a file must be at least this long.
-const MIN_TOKEN_LEN: usize = 16;
 
 /// Which of GitLab's token forms a request used.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Deserialize)]
@@ -178,12 +176,6 @@ pub struct Grant {
 
 #[derive(Deserialize)]
 #[serde(deny_unknown_fields)]
-struct File {
-    tokens: Vec<Entry>,
-}
-
-#[derive(Deserialize)]
-#[serde(deny_unknown_fields)]
 struct Entry {
     token: String,
     kind: TokenKind,
@@ -224,52 +216,46 @@ pub struct StaticUserTokens {
     by_token: HashMap<String, Known>,
 }
 
+impl token_file::Entry for Entry {
+    type Value = Known;
+
+    fn into_pair(self) -> Result<(String, Known), String> {
+        if self.agent_ids.is_empty() || self.agent_ids.iter().any(|a| *a <= 0) {
+            return Err("agent_ids must list positive agent ids".into());
+        }
+        match (self.kind, self.access_as, self.job_id) {
+            (TokenKind::Pat, AccessAs::CiJob, _) => {
+                return Err("access_as ci_job needs kind ci".into());
+            }
+            (TokenKind::Ci, AccessAs::CiJob, None) => {
+                return Err("access_as ci_job needs job_id".into());
+            }
+            _ => {}
+        }
+        let known = Known {
+            kind: self.kind,
+            agents: self.agent_ids.into_iter().map(AgentId).collect(),
+            access_as: self.access_as,
+            caller: Caller {
+                username: self.username,
+                job_id: self.job_id,
+                project_id: self.project_id,
+            },
+        };
+        Ok((self.token, known))
+    }
+}
+
 impl StaticUserTokens {
     /// Reads and checks a tokens file; errors name the entry at fault.
     pub fn load(path: &Path) -> Result<StaticUserTokens, String> {
-        let text = std::fs::read_to_string(path)
-            .map_err(|e| format!("cannot read {}: {e}", path.display()))?;
-        Self::parse(&text).map_err(|e| format!("{}: {e}", path.display()))
+        let by_token = token_file::read::<Entry>(path, "tokens")?;
+        Ok(StaticUserTokens { by_token })
     }
 
     /// Parses and checks the YAML text of a tokens file.
     pub fn parse(text: &str) -> Result<StaticUserTokens, String> {
-        let file: File = serde_yaml::from_str(text).map_err(|e| e.to_string())?;
-        let mut by_token = HashMap::new();
-        for (i, e) in file.tokens.into_iter().enumerate() {
-            if e.token.len() < MIN_TOKEN_LEN {
-                return Err(format!(
-                    "tokens[{i}].token is shorter than {MIN_TOKEN_LEN} characters"
-                ));
-            }
-            if e.agent_ids.is_empty() || e.agent_ids.iter().any(|a| *a <= 0) {
-                return Err(format!(
-                    "tokens[{i}].agent_ids must list positive agent ids"
-                ));
-            }
-            match (e.kind, e.access_as, e.job_id) {
-                (TokenKind::Pat, AccessAs::CiJob, _) => {
-                    return Err(format!("tokens[{i}]: access_as ci_job needs kind ci"));
-                }
-                (TokenKind::Ci, AccessAs::CiJob, None) => {
-                    return Err(format!("tokens[{i}]: access_as ci_job needs job_id"));
-                }
-                _ => {}
-            }
-            let known = Known {
-                kind: e.kind,
-                agents: e.agent_ids.into_iter().map(AgentId).collect(),
-                access_as: e.access_as,
-                caller: Caller {
-                    username: e.username,
-                    job_id: e.job_id,
-                    project_id: e.project_id,
-                },
-            };
-            if by_token.insert(e.token, known).is_some() {
-                return Err(format!("tokens[{i}].token is listed twice"));
-            }
-        }
+        let by_token = token_file::parse::<Entry>(text, "tokens")?;
         Ok(StaticUserTokens { by_token })
     }
 
@@ -392,7 +378,7 @@ mod tests {
             ),
             (
                 "tokens:\n- {token: long-enough-token-1, kind: pat, agent_ids: [], username: a}\n",
-                "tokens[0].agent_ids",
+                "tokens[0]: agent_ids",
             ),
             (
                 "tokens:\n- {token: long-enough-token-1, kind: pat, agent_ids: [1], access_as: ci_job, username: a}\n",
