@@ -7,7 +7,7 @@ use super::modules::Modules;
 use crate::clock;
 use crate::tasks::Tasks;
 use crate::tls::{self, KasUrl};
-use futures::{FutureExt, StreamExt};
+use futures::FutureExt;
 use kas_core::ConnectionId;
 use kas_core::backoff::Backoff;
 use kas_core::fixed_hash::Map;
@@ -125,7 +125,9 @@ pub async fn run(
     // Positive: kas refuses negative ids, and 0 asks kas to draw one.
     let replica = ConnectionId((rng.next_u64() >> 1) as i64 | 1);
     // Binds the id to this replica on each kas (kas/replicas.rs): never sent elsewhere.
-    let proof: Arc<[u8]> = [rng.next_u64(), rng.next_u64()]
+    // Drawn from a stream of its own, so that the draws after it do not move.
+    let mut proof_rng = Rng::new(!options.seed);
+    let proof: Arc<[u8]> = [proof_rng.next_u64(), proof_rng.next_u64()]
         .iter()
         .flat_map(|w| w.to_le_bytes())
         .collect();
