@@ -10,7 +10,7 @@
 //! - [`kas_links`]: agentk's connections to several kas (which to dial, drain, close).
 //! - [`frame_sequence`]: the checked frame grammar of tunnel and forward streams.
 //!
-//! The drivers (`kas-runtime` with tokio, `kas-sim` under madsim) do the I/O and nothing
+//! The drivers (`kas-server` and `kas-agent` with tokio, `kas-sim` under madsim) do the I/O and nothing
 //! else. Every machine follows one contract, after str0m and quinn-proto: feed one input
 //! with `handle_input(now, ..)`, drain `poll_output()` until it returns `None`, then sleep
 //! until `poll_timeout()` (or the next input) and call `handle_timeout(now)`.

@@ -3,7 +3,7 @@
 //! agent) and the table of agent connections and their tunnels.
 //!
 //! This is the composition production runs, the model test drives and the simulation
-//! exercises: the driver (`kas-runtime`'s engine) only carries outputs to the network and
+//! exercises: the driver (`kas-server`'s engine) only carries outputs to the network and
 //! the network's answers back as inputs.
 //!
 //! At-most-once lives here. A call is in one of three places: routing (the router decides),

@@ -25,7 +25,7 @@
 use crate::cluster::{AgentSpec, pod_name};
 use crate::truth::{Delivery, Hold};
 use crate::workload::Call;
-use kas_runtime::kas::timing::TUNNEL_GRACE;
+use kas_server::kas::timing::TUNNEL_GRACE;
 use std::collections::BTreeMap;
 use std::time::Duration;
 use tokio::time::Instant;

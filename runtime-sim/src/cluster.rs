@@ -1,17 +1,17 @@
 //! Builds a simulated kas cluster: one Redis node, N kas nodes and agent replica nodes, all
-//! running `kas-runtime`'s production code, plus GitLab caller nodes.
+//! running kas-server's and kas-agent's production code, plus GitLab caller nodes.
 //!
 //! Addresses: Redis `10.0.0.1:6379`; kas `i` at `10.0.1.(i+1)` (agent 8150, api 8153,
 //! private 8155, observability 8151); agent replicas at `10.0.2.x`; callers at `10.0.3.x`.
 
 use crate::redis::RedisState;
 use crate::truth::Truth;
+use kas_agent::AgentOptions;
+use kas_auth::jwt::Secret;
 use kas_proto::registry::AgentMeta;
-use kas_runtime::agent::{self, AgentOptions};
-use kas_runtime::config::Config;
-use kas_runtime::jwt::Secret;
-use kas_runtime::kas::Kas;
-use kas_runtime::kas::observability::Health;
+use kas_server::config::Config;
+use kas_server::kas::Kas;
+use kas_server::kas::observability::Health;
 use madsim::rand::{Rng, thread_rng};
 use madsim::runtime::{Handle, NodeHandle};
 use std::net::{IpAddr, Ipv4Addr, SocketAddr};
@@ -202,7 +202,7 @@ impl Cluster {
                                     Some(cleaned)
                             };
                             *stop_slot.lock().unwrap_or_else(|p| p.into_inner()) = KasRun {
-                                started: kas_runtime::clock::now(),
+                                started: kas_transport::clock::now(),
                                 cleaned: None,
                             };
                             // Watched from the start, so that a SIGTERM never kills the node.
@@ -303,7 +303,7 @@ impl Cluster {
                 let delay = Duration::from_millis(delay.swap(0, Ordering::Relaxed));
                 async move {
                     tokio::time::sleep(delay).await;
-                    agent::run(options, modules, shutdown).await;
+                    kas_agent::run(options, modules, shutdown).await;
                     drop(stop);
                 }
             })

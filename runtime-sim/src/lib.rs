@@ -1,5 +1,5 @@
 //! The simulated world for madsim: the simulated Redis node and the cluster builder. The
-//! kas and agent code that runs in it is `kas-runtime`'s own, compiled for madsim.
+//! kas and agent code that runs in it is kas-server's and kas-agent's own, compiled for madsim.
 //!
 //! Everything here exists only under `RUSTFLAGS="--cfg madsim"`.
 

@@ -8,9 +8,9 @@
 //! Latency is injected per request through [`RedisKnobs`].
 
 use kas_core::tracker::KeyWrite;
-use kas_runtime::store::Keyspace;
-use kas_runtime::store::sim::{SimReply, SimRequest};
-use kas_runtime::store::slot::{SLOTS, slot};
+use kas_server::store::Keyspace;
+use kas_server::store::sim::{SimReply, SimRequest};
+use kas_server::store::slot::{SLOTS, slot};
 use std::collections::{BTreeMap, BTreeSet, VecDeque};
 use std::net::SocketAddr;
 use std::sync::atomic::{AtomicU64, Ordering};

@@ -12,11 +12,11 @@
 
 use crate::cluster::pod_name;
 use crate::truth::{Delivery, Truth};
+use kas_agent::{AgentClient, PODS_LIST, PODS_LOGS};
 use kas_proto::agent_api::agent_api_client::AgentApiClient;
 use kas_proto::frame::{Descriptor, Frame, frame::Kind};
 use kas_proto::pods::{ListRequest, ListResponse, LogChunk, Pod};
-use kas_runtime::agent::{AgentClient, PODS_LIST, PODS_LOGS};
-use kas_runtime::frames;
+use kas_transport::frames;
 use prost::Message;
 use std::net::SocketAddr;
 use std::time::Duration;

@@ -8,7 +8,7 @@ use crate::redis::{MAX_REPLICATION_LAG, SHARDS};
 use crate::workload::{self, Call};
 use kas_core::AgentId;
 use kas_core::keys::Keys;
-use kas_runtime::kas::observability;
+use kas_server::kas::observability;
 use madsim::net::NetSim;
 use madsim::rand::{Rng, thread_rng};
 use madsim::runtime::Handle;
@@ -475,8 +475,8 @@ const PROBE_SPREAD: Duration = Duration::from_millis(500);
 /// that never comes, fails here, where before only such a state that lasted until the
 /// healed phase was found (the next pub-sub loss mends it).
 async fn probe(cluster: &Cluster, agents: &[AgentSpec], fault: Fault, log: &mut FaultLog) {
-    let rates = kas_runtime::buggify::rates();
-    kas_runtime::buggify::heal();
+    let rates = kas_server::buggify::rates();
+    kas_server::buggify::heal();
     let secret = cluster.gitlab_secret();
     let count = log.count;
     let targets: Vec<(usize, i64, String)> = (0..cluster.kas_nodes.len())
@@ -493,7 +493,7 @@ async fn probe(cluster: &Cluster, agents: &[AgentSpec], fault: Fault, log: &mut 
         )
         .await
         .expect("probe calls");
-    kas_runtime::buggify::restore(rates);
+    kas_server::buggify::restore(rates);
     for c in &calls {
         if let Err((code, msg)) = &c.result {
             log.violations.push(format!(
@@ -654,7 +654,7 @@ async fn listed_on_dead(cluster: &Cluster, agents: &[AgentSpec], dead: usize) ->
 /// `ttl + 2 refresh` = 2 TTL here), and collects at its next period (GC period = TTL here),
 /// so 4 TTL after the last fault, which the healed wait outlasts. Every field must be live.
 fn expired_fields_left(cluster: &Cluster) -> Vec<String> {
-    let now = kas_runtime::clock::now();
+    let now = kas_transport::clock::now();
     let entries = cluster.redis.with_db(|db| db.entries(Instant::now()));
     let mut out = Vec::new();
     for (key, fields) in entries {
@@ -784,12 +784,12 @@ pub async fn run(scenario: Scenario) -> Report {
         cluster: spec,
         every,
     } = shape(scenario);
-    let mut points = kas_runtime::buggify::enable();
+    let mut points = kas_server::buggify::enable();
     // With agent HA a kas going away is the fault, and every call must be answered
     // (invariant 9). Half the steady runs keep only the timing points, so that every
     // call there is judged too (`check_fault_free`): a call that waits for nothing fails.
     if scenario.ha() || (scenario == Scenario::Steady && thread_rng().gen_bool(0.5)) {
-        kas_runtime::buggify::heal();
+        kas_server::buggify::heal();
         points.retain(|p| !p.is_fault());
     }
     let mut cluster = Cluster::build(&spec);
@@ -842,7 +842,7 @@ pub async fn run(scenario: Scenario) -> Report {
     let mut calls: Vec<Call> = calls.await.expect("caller finished");
     calls.append(&mut log.calls);
     // The fault points are faults too: off for the healed phase (timing points stay on).
-    kas_runtime::buggify::heal();
+    kas_server::buggify::heal();
     let mut violations = std::mem::take(&mut log.violations);
     if scenario.ha() {
         let ha: Vec<i64> = spec.agents.iter().map(|a| a.agent).collect();
@@ -987,7 +987,7 @@ pub async fn run(scenario: Scenario) -> Report {
         Handle::current().kill(node.id());
     }
     // Subscriptions outlive an agent's last call by the linger.
-    let linger = kas_runtime::config::DEFAULT_SUBSCRIPTION_LINGER;
+    let linger = kas_server::config::DEFAULT_SUBSCRIPTION_LINGER;
     tokio::time::sleep(TTL * 3 + Duration::from_secs(4) + linger).await;
     let mut routed = 0.0;
     for (k, slot) in cluster.health.iter().enumerate() {
@@ -1017,7 +1017,7 @@ pub async fn run(scenario: Scenario) -> Report {
         }
     }
     violations.extend(checker::check_routed(routed, calls.len()));
-    kas_runtime::buggify::disable();
+    kas_server::buggify::disable();
     let entries = cluster.redis.with_db(|db| db.entries(Instant::now()));
     for (key, fields) in entries {
         if key.contains("agent:") || key.contains("project:") {

@@ -3,9 +3,9 @@
 //! exchange's path), so each delivery is matched to the call that caused it.
 
 use futures::StreamExt;
+use kas_agent::{Modules, PODS_LIST, PODS_LOGS};
 use kas_proto::http::KUBERNETES_API_METHOD;
 use kas_proto::pods::{ListRequest, ListResponse, LogChunk, LogsRequest, Pod};
-use kas_runtime::agent::{Modules, PODS_LIST, PODS_LOGS};
 use madsim::rand::{Rng, thread_rng};
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
@@ -49,8 +49,8 @@ fn echo(
     agent: i64,
     replica: usize,
     pod: String,
-    mut requests: kas_runtime::agent::modules::Requests,
-) -> kas_runtime::agent::modules::Answer {
+    mut requests: kas_agent::modules::Requests,
+) -> kas_agent::modules::Answer {
     use kas_proto::http::{HttpRequest, HttpResponse, ResponseHead, http_request, http_response};
     use prost::Message;
     let (tx, rx) = tokio::sync::mpsc::channel(4);

@@ -3,8 +3,8 @@
 //! every timer of kas's own (routing deadline, tunnel heartbeats, record refreshes).
 #![cfg(madsim)]
 
+use kas_client::api_client::ApiClient;
 use kas_proto::http::{HttpRequest, RequestHead, http_request, http_response};
-use kas_runtime::api_client::ApiClient;
 use kas_sim::cluster::{AgentSpec, Cluster, ClusterSpec, kas_addr};
 use std::time::Duration;
 use tokio::time::Instant;

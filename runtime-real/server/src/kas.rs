@@ -1,0 +1,779 @@
+//! The kas server: four listeners around the engine that drives the core machines.
+//!
+//! [`Kas::start`] binds every listener and starts serving; [`Kas::stop`] shuts down
+//! gracefully, make-before-break: not ready, no new calls, and agents are asked to move
+//! (they connect to another kas first, then close their connections here once their
+//! running calls finish). Once every call and agent is gone, or `shutdown_grace` has
+//! passed, the rest is cut off and this kas's registry records are deleted.
+
+mod agent_api;
+mod call;
+mod deadline;
+mod engine;
+mod forward;
+#[cfg(not(madsim))]
+pub mod kubernetes_api;
+mod limits;
+#[cfg(not(madsim))]
+mod listener;
+mod live_kas;
+mod metrics;
+pub mod observability;
+mod peers;
+mod private_api;
+mod public_api;
+mod replicas;
+mod reply;
+pub mod timing;
+mod tunnel;
+
+pub use deadline::parse_grpc_timeout;
+pub use public_api::{PODS_LIST, PODS_LOGS};
+
+use crate::config::{Config, Listen};
+use crate::store::{MemoryStore, Store};
+use kas_auth::agent_auth::{AgentAuth, CachePolicy, GitLabClient, StaticTokens};
+use kas_auth::jwt::{self, Secret, Signer, Verifier};
+use kas_core::KasId;
+use kas_core::backoff::Backoff;
+use kas_core::keys::Keys;
+use kas_core::node::{KasNode, NodeConfig, NodeInput, NodeStats};
+use kas_core::router::{Router, RouterConfig};
+use kas_core::tracker::{Tracker, TrackerConfig};
+use kas_core::tunnel_registry::{RegistryConfig, TunnelRegistry};
+use kas_proto::agent_api::agent_api_server::AgentApiServer;
+use kas_proto::private_api::kas_private_server::KasPrivateServer;
+use kas_proto::public_api::kas_api_server::KasApiServer;
+use kas_proto::registry::{KasAddress, KasInstanceInfo};
+use kas_transport::clock;
+use kas_transport::tls::{ALPN_GRPC, ALPN_GRPC_OR_HTTP1, ALPN_HTTP1};
+use std::net::SocketAddr;
+use std::sync::Arc;
+use std::time::Duration;
+use tokio::net::TcpListener;
+use tokio::sync::{oneshot, watch};
+use tokio::task::JoinHandle;
+use tonic::service::Interceptor;
+use tonic::transport::Server;
+use tonic::{Request, Status};
+
+/// Why kas could not start.
+#[derive(Debug, thiserror::Error)]
+pub enum StartError {
+    /// A listener could not bind.
+    #[error("cannot listen on {what} {addr}: {source}")]
+    Bind {
+        /// Which listener.
+        what: &'static str,
+        /// Its address.
+        addr: SocketAddr,
+        /// Why.
+        source: std::io::Error,
+    },
+    /// Anything else in the configuration that only shows at start.
+    #[error("{0}")]
+    Setup(String),
+}
+
+/// The bound addresses of a running kas.
+#[derive(Clone, Copy, Debug)]
+pub struct Addresses {
+    /// agentk -> kas.
+    pub agent: SocketAddr,
+    /// GitLab -> kas.
+    pub api: SocketAddr,
+    /// kas -> kas (also this kas's id).
+    pub private_api: SocketAddr,
+    /// Metrics and probes.
+    pub observability: SocketAddr,
+    /// kubectl -> kas, when `agent.kubernetes_api` is set.
+    pub kubernetes_api: Option<SocketAddr>,
+}
+
+/// A running kas.
+pub struct Kas {
+    /// Where it listens.
+    pub addresses: Addresses,
+    engine: engine::EngineHandle,
+    /// The node's sizes.
+    stats: watch::Receiver<NodeStats>,
+    closing: watch::Sender<bool>,
+    leaving: watch::Sender<bool>,
+    stop_agents: Option<oneshot::Sender<()>>,
+    stop_observability: Option<oneshot::Sender<()>>,
+    calls_server: JoinHandle<()>,
+    agents_server: JoinHandle<()>,
+    observability_server: JoinHandle<()>,
+    grace: Duration,
+    health: observability::Health,
+}
+
+/// A gRPC server with `listen`'s per-connection limits.
+fn server(listen: &Listen) -> Server {
+    Server::builder()
+        .tcp_nodelay(true)
+        .max_concurrent_streams(listen.max_concurrent_streams)
+        .max_frame_size(kas_transport::MAX_FRAME_SIZE)
+        .http2_keepalive_interval(Some(listen.keepalive_interval))
+        .http2_keepalive_timeout(Some(listen.keepalive_timeout))
+}
+
+/// How one listener takes its connections.
+struct Listening {
+    /// `listen.handshake_timeout` and the other handshake limits.
+    #[cfg(not(madsim))] // madsim's tonic accepts by itself
+    handshake: listener::HandshakeLimits,
+    /// Its name in logs and metrics.
+    #[cfg_attr(madsim, allow(dead_code))] // madsim's tonic accepts by itself
+    what: &'static str,
+    #[cfg_attr(madsim, allow(dead_code))]
+    metrics: metrics::Metrics,
+    /// Its TLS configuration when it serves TLS.
+    tls: Option<Arc<rustls::ServerConfig>>,
+    /// Whether it also takes gRPC inside WebSocket connections.
+    #[cfg_attr(madsim, allow(dead_code))] // refused by the configuration check
+    websocket: bool,
+}
+
+/// The TLS configuration of listener `what` (`<what>.listen`) when `listen` sets a
+/// certificate; its files are watched for as long as the listener holds it.
+#[cfg(not(madsim))]
+fn tls_config(
+    listen: &Listen,
+    what: &'static str,
+    alpn: &[&[u8]],
+) -> Result<Option<Arc<rustls::ServerConfig>>, StartError> {
+    let Some((cert_file, key_file)) = listen.tls() else {
+        return Ok(None);
+    };
+    let setup = |e: String| StartError::Setup(format!("{what}.listen: {e}"));
+    let cert = kas_transport::tls::ServerCert::load(cert_file, key_file).map_err(setup)?;
+    tokio::spawn(kas_transport::tls::watch(Arc::downgrade(&cert), what));
+    Ok(Some(Arc::new(
+        kas_transport::tls::server_config(cert, alpn).map_err(setup)?,
+    )))
+}
+
+/// In the simulation no listener serves TLS (the configuration check refuses it).
+#[cfg(madsim)]
+fn tls_config(
+    _: &Listen,
+    _: &'static str,
+    _: &[&[u8]],
+) -> Result<Option<Arc<rustls::ServerConfig>>, StartError> {
+    Ok(None)
+}
+
+/// Serves `router` on `listener` until `signal` resolves; connections that send no HTTP/2
+/// preface (or do not finish their TLS handshake) within `listen.handshake_timeout` are
+/// closed.
+#[cfg(not(madsim))]
+async fn serve(
+    router: tonic::transport::server::Router,
+    listener: TcpListener,
+    l: Listening,
+    signal: impl Future<Output = ()>,
+) -> Result<(), tonic::transport::Error> {
+    let guard = listener::Guard::Http2Preface(l.handshake.timeout);
+    let acceptor = listener::Acceptor::new(listener, guard, l.what, l.metrics);
+    if l.tls.is_none() && !l.websocket {
+        return router
+            .serve_with_incoming_shutdown(acceptor.into_stream(), signal)
+            .await;
+    }
+    let incoming = acceptor.handshaking(listener::Handshakes {
+        tls: l.tls,
+        websocket: l.websocket,
+        limits: l.handshake,
+    });
+    router
+        .serve_with_incoming_shutdown(incoming.into_stream(), signal)
+        .await
+}
+
+/// Serves `router` on `listener`'s address until `signal` resolves (madsim's tonic binds
+/// the address itself; in the simulation every node has its own address, so no one can
+/// take it in between).
+#[cfg(madsim)]
+async fn serve(
+    router: tonic::transport::server::Router,
+    listener: TcpListener,
+    _: Listening,
+    signal: impl Future<Output = ()>,
+) -> Result<(), tonic::transport::Error> {
+    let addr = listener
+        .local_addr()
+        .expect("a bound listener has an address");
+    drop(listener);
+    router.serve_with_shutdown(addr, signal).await
+}
+
+/// Checks the JWT of every call on a listener.
+#[derive(Clone)]
+struct JwtCheck {
+    verifier: Verifier,
+    listener: &'static str,
+}
+
+impl Interceptor for JwtCheck {
+    fn call(&mut self, req: Request<()>) -> Result<Request<()>, Status> {
+        let header = req
+            .metadata()
+            .get("authorization")
+            .and_then(|v| v.to_str().ok());
+        self.verifier.check_bearer(header).map_err(|reason| {
+            tracing::info!(listener = self.listener, %reason, "call refused");
+            Status::unauthenticated(format!("{} listener: {reason}", self.listener))
+        })?;
+        Ok(req)
+    }
+}
+
+async fn bind(what: &'static str, addr: SocketAddr) -> Result<TcpListener, StartError> {
+    TcpListener::bind(addr)
+        .await
+        .map_err(|source| StartError::Bind { what, addr, source })
+}
+
+/// Where `redis` says the Redis is (the configuration was checked: exactly one is set).
+#[cfg(not(madsim))]
+fn redis_topology(r: &crate::config::Redis) -> Result<crate::store::RedisTopology, StartError> {
+    use crate::store::RedisTopology;
+    if let Some(s) = &r.sentinel {
+        return Ok(RedisTopology::Sentinel {
+            master_name: s.master_name.clone(),
+            addresses: s.addresses.clone(),
+            password: password(
+                s.sentinel_password_file.as_ref(),
+                "redis.sentinel.sentinel_password_file",
+            )?,
+        });
+    }
+    if let Some(c) = &r.cluster {
+        return Ok(RedisTopology::Cluster(c.addresses.clone()));
+    }
+    let address = r.server.as_ref().map(|s| s.address.clone());
+    Ok(RedisTopology::Server(address.unwrap_or_default()))
+}
+
+/// The password in the file configured at `key`, if one is, without surrounding blanks.
+fn password(path: Option<&std::path::PathBuf>, key: &str) -> Result<Option<String>, StartError> {
+    path.map(|f| {
+        std::fs::read_to_string(f)
+            .map(|p| p.trim().to_string())
+            .map_err(|e| StartError::Setup(format!("{key}: {e}")))
+    })
+    .transpose()
+}
+
+fn secret(path: Option<&std::path::PathBuf>, key: &str) -> Result<Secret, StartError> {
+    let path = path.ok_or_else(|| StartError::Setup(format!("{key} is required")))?;
+    Secret::load(path).map_err(|e| StartError::Setup(format!("{key}: {e}")))
+}
+
+impl Kas {
+    /// Binds all listeners and starts serving.
+    pub async fn start(config: Config) -> Result<Kas, StartError> {
+        let agent_l = bind("agent.listen.address", config.agent.listen.address).await?;
+        let api_l = bind("api.listen.address", config.api.listen.address).await?;
+        let private_l = bind(
+            "private_api.listen.address",
+            config.private_api.listen.address,
+        )
+        .await?;
+        let obs_l = bind(
+            "observability.listen.address",
+            config.observability.listen.address,
+        )
+        .await?;
+        let kube_l = match &config.agent.kubernetes_api {
+            Some(k) => Some(bind("agent.kubernetes_api.listen.address", k.listen.address).await?),
+            None => None,
+        };
+        let local = |l: &TcpListener| l.local_addr().map_err(|e| StartError::Setup(e.to_string()));
+        let addresses = Addresses {
+            agent: local(&agent_l)?,
+            api: local(&api_l)?,
+            private_api: local(&private_l)?,
+            observability: local(&obs_l)?,
+            kubernetes_api: kube_l.as_ref().map(local).transpose()?,
+        };
+        let advertise = match config.private_api.advertise_address {
+            Some(a) => a.addr,
+            None => addresses.private_api,
+        };
+        let kas_id = KasId(advertise.to_string());
+
+        let gitlab_secret = secret(
+            config.api.listen.authentication_secret_file.as_ref(),
+            "api.listen.authentication_secret_file",
+        )?;
+        let private_secret = secret(
+            config
+                .private_api
+                .listen
+                .authentication_secret_file
+                .as_ref(),
+            "private_api.listen.authentication_secret_file",
+        )?;
+        let auth = agent_auth(&config)?;
+        let (store, keys) = match &config.redis {
+            None => (
+                Store::Memory(MemoryStore::default()),
+                Keys::new("gitlab-kas"),
+            ),
+            Some(r) => {
+                let password = password(r.password_file.as_ref(), "redis.password_file")?;
+                #[cfg(not(madsim))]
+                let s = {
+                    let auth = crate::store::RedisAuth {
+                        username: r.username.clone(),
+                        password,
+                    };
+                    crate::store::RedisStore::new(&redis_topology(r)?, &auth, &r.tls, r.timeout)
+                        .map(Store::Redis)
+                };
+                // In the simulation the address is the simulated Redis node's.
+                #[cfg(madsim)]
+                let s = {
+                    let _ = password;
+                    let address = r.server.as_ref().map_or("", |s| s.address.as_str());
+                    crate::store::SimStore::new(address, r.timeout).map(Store::Sim)
+                };
+                let s = s.map_err(|e| StartError::Setup(format!("redis: {e}")))?;
+                (s, Keys::new(r.key_prefix.clone()))
+            }
+        };
+
+        let now = clock::now();
+        let seed: u64 = rand::random();
+        let a = &config.agent;
+        let instance = KasInstanceInfo {
+            version: env!("CARGO_PKG_VERSION").into(),
+            commit: String::new(),
+            address: Some(KasAddress {
+                ip: advertise.ip().to_string(),
+                port: u32::from(advertise.port()),
+            }),
+            incarnation: rand::random(),
+        };
+        let tracker = Tracker::new(
+            now,
+            TrackerConfig {
+                ttl: a.redis_conn_info_ttl,
+                refresh: a.redis_conn_info_refresh,
+                gc: a.redis_conn_info_gc,
+                liveness: a.kas_liveness_ttl,
+                backoff: Backoff {
+                    initial: Duration::from_millis(100),
+                    max: Duration::from_secs(5),
+                    factor: 2,
+                },
+                max_keys_per_batch: 256,
+            },
+            keys.clone(),
+            kas_id.clone(),
+            &instance,
+            seed,
+        );
+        let router = Router::new(
+            RouterConfig {
+                poll_backoff: Backoff {
+                    initial: Duration::from_millis(500),
+                    max: Duration::from_secs(10),
+                    factor: 2,
+                },
+                failure_memory: Duration::from_secs(30),
+                grace: timing::ROUTE_GRACE,
+                linger: config
+                    .redis
+                    .as_ref()
+                    .map_or(Duration::ZERO, |r| r.subscription_linger),
+            },
+            kas_id.clone(),
+            seed.rotate_left(17),
+        );
+        let registry = TunnelRegistry::new(RegistryConfig {
+            heartbeat_timeout: a.heartbeat_timeout,
+        });
+        let metrics = metrics::Metrics::default();
+        #[cfg(not(madsim))]
+        metrics
+            .open_files_limit
+            .set(i64::try_from(listener::raise_open_files_limit()).unwrap_or(i64::MAX));
+        let (store_ready_tx, store_ready) = watch::channel(true);
+        let (stats_tx, stats) = watch::channel(NodeStats::default());
+        // `closing`: not ready, no new calls, agents asked to move. `leaving`, once running
+        // calls are done and agents gone (or the grace is over): the rest is cut off.
+        let (closing, closing_rx) = watch::channel(false);
+        let (leaving, leaving_rx) = watch::channel(false);
+        let signer = Signer::new(&private_secret, jwt::GITLAB_KAS, jwt::GITLAB_KAS);
+        let node = KasNode::new(
+            NodeConfig {
+                kas_id: kas_id.clone(),
+                keys: keys.clone(),
+                wakeups: config.redis.as_ref().is_none_or(|r| r.pubsub_wakeups),
+            },
+            registry,
+            tracker,
+            router,
+        );
+        let engine = engine::spawn(engine::EngineParts {
+            node,
+            store: store.clone(),
+            forwarder: forward::Forwarder::new(
+                peers::Peers::new(
+                    signer,
+                    a.max_message_size,
+                    peers::PrivateTls {
+                        tls: config.private_api.listen.tls().is_some(),
+                        ca_file: config.private_api.listen.ca_certificate_file.clone(),
+                    },
+                    peers::connections(),
+                ),
+                metrics.clone(),
+            ),
+            metrics: metrics.clone(),
+            store_ready: store_ready_tx,
+            stats: stats_tx,
+        });
+
+        let live_kas = Arc::new(live_kas::LiveKas::new(store.clone(), keys.kas_instances()));
+        let public = KasApiServer::with_interceptor(
+            public_api::PublicService {
+                engine: engine.clone(),
+                store,
+                keys,
+                default_timeout: config.api.default_timeout,
+                max_timeout: config.api.max_timeout,
+            },
+            JwtCheck {
+                verifier: Verifier::new(&gitlab_secret, jwt::GITLAB, jwt::GITLAB_KAS)
+                    .with_max_lifetime(config.api.max_token_lifetime),
+                listener: "api",
+            },
+        );
+        let private = KasPrivateServer::with_interceptor(
+            private_api::PrivateService {
+                engine: engine.clone(),
+                closing: closing_rx.clone(),
+                default_timeout: config.api.default_timeout,
+                max_timeout: config.api.max_timeout,
+            },
+            JwtCheck {
+                verifier: Verifier::new(&private_secret, jwt::GITLAB_KAS, jwt::GITLAB_KAS)
+                    .with_max_lifetime(config.private_api.max_token_lifetime),
+                listener: "private_api",
+            },
+        );
+        let agents = AgentApiServer::new(agent_api::AgentService {
+            auth,
+            engine: engine.clone(),
+            kas_address: advertise,
+            draining: closing_rx.clone(),
+            leaving: leaving_rx,
+            max_connection_age: a.max_connection_age(),
+            live_kas,
+            activity_every: a.heartbeat_timeout / 4,
+            next_tunnel: Arc::default(),
+            replicas: replicas::Replicas::default(),
+            limits: limits::AgentLimits::new(
+                limits::AgentLimitsConfig {
+                    requests_per_minute: a.connections_per_token_per_minute(),
+                    connections_per_agent: a.max_connections_per_agent,
+                    tunnels_per_connection: a.max_tunnels_per_connection,
+                },
+                metrics.clone(),
+            ),
+        })
+        .max_decoding_message_size(a.max_message_size);
+
+        let (stop_agents, agents_rx) = oneshot::channel::<()>();
+        let (stop_obs, obs_rx) = oneshot::channel::<()>();
+        // The public and private listeners stop together, when `closing` turns true: no
+        // new calls during shutdown, running ones finish.
+        let stop_signal = |mut rx: watch::Receiver<bool>| async move {
+            let _ = rx.wait_for(|c| *c).await;
+        };
+        // `alpn`: what the listener speaks; an agent listener behind a proxy that passes
+        // only HTTP/1.1 also takes WebSocket upgrades.
+        let listening = |listen: &Listen, what, alpn| -> Result<Listening, StartError> {
+            let alpn = if listen.websocket {
+                ALPN_GRPC_OR_HTTP1
+            } else {
+                alpn
+            };
+            Ok(Listening {
+                #[cfg(not(madsim))]
+                handshake: listener::HandshakeLimits::of(listen),
+                what,
+                metrics: metrics.clone(),
+                tls: tls_config(listen, what, alpn)?,
+                websocket: listen.websocket,
+            })
+        };
+        let api_listening = listening(&config.api.listen, "api", ALPN_GRPC)?;
+        let private_listening = listening(&config.private_api.listen, "private_api", ALPN_GRPC)?;
+        let agent_listening = listening(&a.listen, "agent", ALPN_GRPC)?;
+        let obs_listening = listening(&config.observability.listen, "observability", ALPN_HTTP1)?;
+        let api_server = serve(
+            server(&config.api.listen).add_service(public),
+            api_l,
+            api_listening,
+            stop_signal(closing_rx.clone()),
+        );
+        let private_server = serve(
+            server(&config.private_api.listen).add_service(private),
+            private_l,
+            private_listening,
+            stop_signal(closing_rx.clone()),
+        );
+        let kube_server = kubernetes_api_server(
+            &config,
+            kube_l,
+            &engine,
+            &metrics,
+            stop_signal(closing_rx.clone()),
+        )?;
+        let agent_listen = a.listen.clone();
+        let calls_server = tokio::spawn(async move {
+            let (a, p, ()) = tokio::join!(api_server, private_server, kube_server);
+            for r in [a, p] {
+                if let Err(e) = r {
+                    tracing::error!(error = %e, "call listener failed");
+                }
+            }
+        });
+        let agents_server = tokio::spawn(async move {
+            let router = server(&agent_listen).add_service(agents);
+            let r = serve(router, agent_l, agent_listening, async {
+                let _ = agents_rx.await;
+            })
+            .await;
+            if let Err(e) = r {
+                tracing::error!(error = %e, "agent listener failed");
+            }
+        });
+        let health = observability::Health {
+            metrics,
+            store_ready,
+            closing: closing_rx,
+        };
+        let observability_server = tokio::spawn(observability::serve(
+            obs_l,
+            config.observability.listen.clone(),
+            obs_listening.tls,
+            health.clone(),
+            async {
+                let _ = obs_rx.await;
+            },
+        ));
+        tracing::info!(
+            kas = %kas_id,
+            agent = %addresses.agent,
+            api = %addresses.api,
+            private_api = %addresses.private_api,
+            observability = %addresses.observability,
+            kubernetes_api = %addresses.kubernetes_api.map_or("off".into(), |a| a.to_string()),
+            "kas started"
+        );
+        Ok(Kas {
+            addresses,
+            engine,
+            stats,
+            closing,
+            leaving,
+            stop_agents: Some(stop_agents),
+            stop_observability: Some(stop_obs),
+            calls_server,
+            agents_server,
+            observability_server,
+            grace: config.shutdown_grace,
+            health,
+        })
+    }
+
+    /// Readiness and metrics, as `/readiness` and `/metrics` serve them.
+    pub fn health(&self) -> &observability::Health {
+        &self.health
+    }
+
+    /// Shuts down gracefully (see the module docs). True when this kas's registry records
+    /// were deleted; false when they are left to expire by TTL (Redis did not answer).
+    pub async fn stop(mut self) -> bool {
+        tracing::info!("shutting down: asking agents to move, letting running calls finish");
+        let until = tokio::time::Instant::now() + self.grace;
+        let _ = self.closing.send(true);
+        self.engine.input(NodeInput::Drain);
+        let left = || until.saturating_duration_since(tokio::time::Instant::now());
+        if tokio::time::timeout(left(), &mut self.calls_server)
+            .await
+            .is_err()
+        {
+            tracing::warn!("calls still running after the shutdown grace period: cut off");
+            self.calls_server.abort();
+        }
+        let gone = self.stats.wait_for(|s| s.calls == 0 && s.connections == 0);
+        if let Ok(Ok(_)) = tokio::time::timeout(left(), gone).await {
+            tracing::info!("every call ended and every agent moved away");
+        } else {
+            let s = *self.stats.borrow();
+            tracing::warn!(
+                calls = s.calls,
+                agent_connections = s.connections,
+                "still here after the shutdown grace period: cut off"
+            );
+        }
+        let _ = self.leaving.send(true);
+        let (done_tx, done) = oneshot::channel();
+        self.engine.send(engine::Command::Shutdown(done_tx));
+        let cleaned = tokio::time::timeout(timing::STOP_CLEANUP, done)
+            .await
+            .is_ok_and(|r| r.is_ok());
+        if !cleaned {
+            tracing::warn!(
+                within = ?timing::STOP_CLEANUP,
+                "could not delete this kas's registry records; they expire by TTL"
+            );
+        }
+        // What is left is connection teardown: bounded, so that a stop always ends
+        // within the grace and a little more.
+        if let Some(s) = self.stop_agents.take() {
+            let _ = s.send(());
+        }
+        if tokio::time::timeout(timing::STOP_LISTENER, &mut self.agents_server)
+            .await
+            .is_err()
+        {
+            self.agents_server.abort();
+        }
+        if let Some(s) = self.stop_observability.take() {
+            let _ = s.send(());
+        }
+        if tokio::time::timeout(timing::STOP_LISTENER, &mut self.observability_server)
+            .await
+            .is_err()
+        {
+            self.observability_server.abort();
+        }
+        tracing::info!("stopped");
+        cleaned
+    }
+}
+
+/// The Kubernetes API listener's server, when `agent.kubernetes_api` is set; it stops
+/// with the other call listeners.
+#[cfg(not(madsim))]
+fn kubernetes_api_server(
+    config: &Config,
+    listener: Option<TcpListener>,
+    engine: &engine::EngineHandle,
+    metrics: &metrics::Metrics,
+    signal: impl Future<Output = ()> + Send + 'static,
+) -> Result<impl Future<Output = ()> + Send + 'static, StartError> {
+    let setup = match (&config.agent.kubernetes_api, listener) {
+        (Some(k), Some(listener)) => {
+            let tokens = match &k.tokens_file {
+                Some(file) => kubernetes_api::UserTokens::Static(
+                    kubernetes_api::StaticUserTokens::load(file).map_err(|e| {
+                        StartError::Setup(format!("agent.kubernetes_api.tokens_file: {e}"))
+                    })?,
+                ),
+                None => {
+                    let (address, signer) = gitlab_api(config)?;
+                    let access = kubernetes_api::GitLabAccess::new(
+                        &address,
+                        signer,
+                        Duration::from_secs(10),
+                    )
+                    .map_err(StartError::Setup)?;
+                    kubernetes_api::UserTokens::GitLab(access.cached(cache_policy(&config.agent)))
+                }
+            };
+            let mut prefix = k.url_path_prefix.clone();
+            if !prefix.ends_with('/') {
+                prefix.push('/');
+            }
+            let service = kubernetes_api::KubernetesApiService {
+                engine: engine.clone(),
+                tokens,
+                prefix,
+                routing_timeout: k.routing_timeout,
+                open: kubernetes_api::OpenRequests::new(
+                    k.max_requests_per_token,
+                    k.max_requests_per_token_per_agent,
+                    metrics.clone(),
+                ),
+                streaming_idle_timeout: k.streaming_idle_timeout,
+            };
+            let what = "agent.kubernetes_api";
+            let tls = tls_config(&k.listen, what, ALPN_GRPC_OR_HTTP1)?;
+            Some((listener, service, tls, k.listen.clone()))
+        }
+        _ => None,
+    };
+    let metrics = metrics.clone();
+    Ok(async move {
+        match setup {
+            Some((listener, service, tls, listen)) => {
+                kubernetes_api::serve(listener, service, tls, &listen, metrics, signal).await
+            }
+            None => signal.await,
+        }
+    })
+}
+
+/// In the simulation there is no Kubernetes API listener (the configuration check refuses
+/// it).
+#[cfg(madsim)]
+fn kubernetes_api_server(
+    _: &Config,
+    _: Option<TcpListener>,
+    _: &engine::EngineHandle,
+    _: &metrics::Metrics,
+    signal: impl Future<Output = ()> + Send + 'static,
+) -> Result<impl Future<Output = ()> + Send + 'static, StartError> {
+    Ok(signal)
+}
+
+fn agent_auth(config: &Config) -> Result<AgentAuth, StartError> {
+    if let Some(f) = &config.agent.tokens_file {
+        let tokens = StaticTokens::load(f)
+            .map_err(|e| StartError::Setup(format!("agent.tokens_file: {e}")))?;
+        return Ok(AgentAuth::Static(Arc::new(tokens)));
+    }
+    let (address, signer) = gitlab_api(config)
+        .map_err(|_| StartError::Setup("agent.tokens_file or gitlab is required".into()))?;
+    let client =
+        GitLabClient::new(&address, signer, Duration::from_secs(10)).map_err(StartError::Setup)?;
+    Ok(AgentAuth::GitLab(Arc::new(
+        client.cached(cache_policy(&config.agent)),
+    )))
+}
+
+/// GitLab's address, and how kas signs its requests to GitLab's internal API.
+fn gitlab_api(config: &Config) -> Result<(String, Signer), StartError> {
+    let g = config
+        .gitlab
+        .as_ref()
+        .ok_or_else(|| StartError::Setup("gitlab is required".into()))?;
+    let secret = Secret::load(&g.authentication_secret_file)
+        .map_err(|e| StartError::Setup(format!("gitlab.authentication_secret_file: {e}")))?;
+    Ok((
+        g.address.clone(),
+        Signer::new(&secret, jwt::GITLAB_KAS, jwt::GITLAB),
+    ))
+}
+
+/// How answers of GitLab's token checks are cached (`agent.info_cache_*`,
+/// `agent.token_lookups_*`); agents' and the Kubernetes API's callers' tokens have a
+/// cache, and budgets, each.
+fn cache_policy(a: &crate::config::Agent) -> CachePolicy {
+    CachePolicy {
+        ttl: a.info_cache_ttl,
+        error_ttl: a.info_cache_error_ttl,
+        stale_ttl: a.info_cache_stale_ttl,
+        lookups_per_second: a.token_lookups_per_second,
+        lookups_per_second_per_address: a.token_lookups_per_second_per_address,
+    }
+}

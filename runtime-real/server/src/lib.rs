@@ -1,0 +1,9 @@
+//! The kas server: its listeners and engine (`kas`), its configuration (`config`), and
+//! the registry store (`store`: Redis, in memory, or the simulation's).
+
+pub mod buggify;
+pub mod config;
+pub mod kas;
+#[cfg(madsim)]
+pub mod planted_bug;
+pub mod store;
