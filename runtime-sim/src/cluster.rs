@@ -5,6 +5,7 @@
 //! private 8155, observability 8151); agent replicas at `10.0.2.x`; callers at `10.0.3.x`.
 
 use crate::redis::RedisState;
+use crate::sim_store::SimStore;
 use crate::truth::Truth;
 use kas_agent::AgentOptions;
 use kas_auth::jwt::Secret;
@@ -12,6 +13,7 @@ use kas_proto::registry::AgentMeta;
 use kas_server::config::Config;
 use kas_server::kas::Kas;
 use kas_server::kas::observability::Health;
+use kas_server::store::Store;
 use madsim::rand::{Rng, thread_rng};
 use madsim::runtime::{Handle, NodeHandle};
 use std::net::{IpAddr, Ipv4Addr, SocketAddr};
@@ -153,6 +155,16 @@ fn write_files() -> PathBuf {
 
 /// A simulated kas's configuration: production defaults (the 60 s `subscription_linger`
 /// included) but for the short record TTL that lets a run see records expire.
+/// The store a simulated kas runs on: the simulated Redis node its configuration names.
+fn sim_store(config: &Config) -> Store {
+    let r = config
+        .redis
+        .as_ref()
+        .expect("a simulated kas has a redis section");
+    let address = r.server.as_ref().map_or("", |s| s.address.as_str());
+    Store::new(SimStore::new(address, r.timeout).expect("the simulated Redis node's address"))
+}
+
 fn kas_config(i: usize, dir: &std::path::Path, spec: &ClusterSpec) -> Config {
     let ttl = spec.ttl.as_millis();
     let yaml = format!(
@@ -195,6 +207,7 @@ impl Cluster {
                     .ip(kas_addr(i, 0).ip())
                     .init(move || {
                         let (config, slot) = (config.clone(), slot.clone());
+                        let store = sim_store(&config);
                         let stop_slot = stop_slot.clone();
                         async move {
                             let report = |cleaned| {
@@ -209,7 +222,7 @@ impl Cluster {
                             let sigterm = madsim::signal::ctrl_c();
                             tokio::pin!(sigterm);
                             let kas = tokio::select! {
-                                kas = Kas::start(config) => kas.expect("kas starts"),
+                                kas = Kas::start(config, store) => kas.expect("kas starts"),
                                 _ = &mut sigterm => return report(false),
                             };
                             *slot.lock().unwrap_or_else(|p| p.into_inner()) =

@@ -8,11 +8,15 @@ pub mod checker;
 #[cfg(madsim)]
 pub mod cluster;
 #[cfg(madsim)]
+pub mod planted_bug;
+#[cfg(madsim)]
 pub mod redis;
 #[cfg(madsim)]
 pub mod rogue;
 #[cfg(madsim)]
 pub mod scenario;
+#[cfg(madsim)]
+pub mod sim_store;
 #[cfg(madsim)]
 pub mod truth;
 #[cfg(madsim)]

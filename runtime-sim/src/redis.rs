@@ -7,9 +7,9 @@
 //! [`SHARDS`] masters, one of which may fail over alone ([`RedisState::fail_shard`]).
 //! Latency is injected per request through [`RedisKnobs`].
 
+use crate::sim_store::{SimReply, SimRequest};
 use kas_core::tracker::KeyWrite;
 use kas_server::store::Keyspace;
-use kas_server::store::sim::{SimReply, SimRequest};
 use kas_server::store::slot::{SLOTS, slot};
 use std::collections::{BTreeMap, BTreeSet, VecDeque};
 use std::net::SocketAddr;

@@ -5,9 +5,9 @@
 //! outcome is recorded.
 
 use crate::cluster::kas_addr;
+use crate::planted_bug::{Bug, planted};
 use kas_auth::jwt::Secret;
 use kas_client::api_client::ApiClient;
-use kas_server::planted_bug::{Bug, planted};
 use madsim::rand::{Rng, thread_rng};
 use std::sync::{Arc, Mutex};
 use std::time::Duration;

@@ -2,7 +2,7 @@
 //! reports the invariant the bug breaks.
 #![cfg(madsim)]
 
-use kas_server::planted_bug::{Bug, plant};
+use kas_sim::planted_bug::{Bug, plant};
 use kas_sim::scenario::{self, Scenario};
 
 async fn violations_with(bug: Bug) -> Vec<String> {

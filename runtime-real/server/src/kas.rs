@@ -31,7 +31,9 @@ pub use deadline::parse_grpc_timeout;
 pub use public_api::{PODS_LIST, PODS_LOGS};
 
 use crate::config::{Config, Listen};
-use crate::store::{MemoryStore, Store};
+#[cfg(not(madsim))]
+use crate::store::MemoryStore;
+use crate::store::Store;
 use kas_auth::agent_auth::{AgentAuth, CachePolicy, GitLabClient, StaticTokens};
 use kas_auth::jwt::{self, Secret, Signer, Verifier};
 use kas_core::KasId;
@@ -237,6 +239,7 @@ async fn bind(what: &'static str, addr: SocketAddr) -> Result<TcpListener, Start
 
 /// Where `redis` says the Redis is (the configuration was checked: exactly one is set).
 #[cfg(not(madsim))]
+#[cfg(not(madsim))]
 fn redis_topology(r: &crate::config::Redis) -> Result<crate::store::RedisTopology, StartError> {
     use crate::store::RedisTopology;
     if let Some(s) = &r.sentinel {
@@ -257,6 +260,7 @@ fn redis_topology(r: &crate::config::Redis) -> Result<crate::store::RedisTopolog
 }
 
 /// The password in the file configured at `key`, if one is, without surrounding blanks.
+#[cfg(not(madsim))]
 fn password(path: Option<&std::path::PathBuf>, key: &str) -> Result<Option<String>, StartError> {
     path.map(|f| {
         std::fs::read_to_string(f)
@@ -271,9 +275,33 @@ fn secret(path: Option<&std::path::PathBuf>, key: &str) -> Result<Secret, StartE
     Secret::load(path).map_err(|e| StartError::Setup(format!("{key}: {e}")))
 }
 
+/// The store `config` names: Redis (a server, Sentinel or a Cluster) when it has a `redis`
+/// section, else this process's memory.
+#[cfg(not(madsim))]
+pub fn configured_store(config: &Config) -> Result<Store, StartError> {
+    let Some(r) = &config.redis else {
+        return Ok(Store::new(MemoryStore::default()));
+    };
+    let auth = crate::store::RedisAuth {
+        username: r.username.clone(),
+        password: password(r.password_file.as_ref(), "redis.password_file")?,
+    };
+    crate::store::RedisStore::new(&redis_topology(r)?, &auth, &r.tls, r.timeout)
+        .map(Store::new)
+        .map_err(|e| StartError::Setup(format!("redis: {e}")))
+}
+
 impl Kas {
-    /// Binds all listeners and starts serving.
-    pub async fn start(config: Config) -> Result<Kas, StartError> {
+    /// [`Kas::start`] on the store the configuration names ([`configured_store`]).
+    #[cfg(not(madsim))]
+    pub async fn start_configured(config: Config) -> Result<Kas, StartError> {
+        let store = configured_store(&config)?;
+        Kas::start(config, store).await
+    }
+
+    /// Binds all listeners and starts serving, with its registry in `store` (the
+    /// simulation passes its own).
+    pub async fn start(config: Config, store: Store) -> Result<Kas, StartError> {
         let agent_l = bind("agent.listen.address", config.agent.listen.address).await?;
         let api_l = bind("api.listen.address", config.api.listen.address).await?;
         let private_l = bind(
@@ -317,33 +345,12 @@ impl Kas {
             "private_api.listen.authentication_secret_file",
         )?;
         let auth = agent_auth(&config)?;
-        let (store, keys) = match &config.redis {
-            None => (
-                Store::Memory(MemoryStore::default()),
-                Keys::new("gitlab-kas"),
-            ),
-            Some(r) => {
-                let password = password(r.password_file.as_ref(), "redis.password_file")?;
-                #[cfg(not(madsim))]
-                let s = {
-                    let auth = crate::store::RedisAuth {
-                        username: r.username.clone(),
-                        password,
-                    };
-                    crate::store::RedisStore::new(&redis_topology(r)?, &auth, &r.tls, r.timeout)
-                        .map(Store::Redis)
-                };
-                // In the simulation the address is the simulated Redis node's.
-                #[cfg(madsim)]
-                let s = {
-                    let _ = password;
-                    let address = r.server.as_ref().map_or("", |s| s.address.as_str());
-                    crate::store::SimStore::new(address, r.timeout).map(Store::Sim)
-                };
-                let s = s.map_err(|e| StartError::Setup(format!("redis: {e}")))?;
-                (s, Keys::new(r.key_prefix.clone()))
-            }
-        };
+        let keys = Keys::new(
+            config
+                .redis
+                .as_ref()
+                .map_or("gitlab-kas", |r| r.key_prefix.as_str()),
+        );
 
         let now = clock::now();
         let seed: u64 = rand::random();

@@ -4,6 +4,4 @@
 pub mod buggify;
 pub mod config;
 pub mod kas;
-#[cfg(madsim)]
-pub mod planted_bug;
 pub mod store;

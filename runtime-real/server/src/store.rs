@@ -1,26 +1,25 @@
 //! The registry store: where kas replicas publish who is connected where.
 //!
-//! Two implementations behind one enum: Redis (shared by many kas) and in-memory (one kas
-//! alone, used when the configuration has no `redis` section). Both apply the tracker's
+//! One [`Backend`] trait, two implementations here: Redis (shared by many kas) and
+//! in-memory (one kas alone, used when the configuration has no `redis` section); the
+//! simulation brings a third and hands it to `Kas::start`. Each applies the tracker's
 //! batches atomically (per key `HDEL; HSET; PEXPIRE; PUBLISH`, then the announcements if
-//! the `HSET` created a field; on Redis one `EVALSHA` per batch), read hashes, collect
-//! expired fields without ever deleting a field that was refreshed meanwhile, and carry
+//! the `HSET` created a field; on Redis one `EVALSHA` per batch), reads hashes, collects
+//! expired fields without ever deleting a field that was refreshed meanwhile, and carries
 //! pub-sub on a connection of its own that reports when it is up and down.
 
 mod memory;
-mod pubsub;
+pub mod pubsub;
 mod redis;
-#[cfg(madsim)]
-pub mod sim;
 pub mod slot;
 
 pub use self::memory::{Keyspace, MemoryStore};
 pub use self::redis::{RedisAuth, RedisStore, RedisTopology};
-#[cfg(madsim)]
-pub use self::sim::SimStore;
 
+use futures::future::BoxFuture;
 use kas_core::Time;
 use kas_core::tracker::KeyWrite;
+use std::sync::Arc;
 use tokio::sync::mpsc;
 
 /// A failed store operation.
@@ -28,48 +27,91 @@ use tokio::sync::mpsc;
 #[error("registry store: {0}")]
 pub struct StoreError(pub String);
 
-/// The configured store.
-#[derive(Clone)]
-pub enum Store {
-    /// Redis, shared by all kas replicas.
-    Redis(RedisStore),
-    /// This process only.
-    Memory(MemoryStore),
-    /// The simulated Redis node (madsim only).
-    #[cfg(madsim)]
-    Sim(SimStore),
+/// What a registry store does.
+pub trait Backend: Send + Sync {
+    /// Applies the writes atomically, in one round trip.
+    fn execute<'a>(&'a self, writes: &'a [KeyWrite]) -> BoxFuture<'a, Result<(), StoreError>>;
+
+    /// Every field of a hash with its stored bytes.
+    fn read<'a>(&'a self, key: &'a str) -> BoxFuture<'a, Fields>;
+
+    /// Deletes the fields of `keys` that are expired (or undecodable) at `now`, never one
+    /// refreshed meanwhile. Returns how many went.
+    fn gc<'a>(&'a self, keys: &'a [String], now: Time) -> BoxFuture<'a, Result<usize, StoreError>>;
+
+    /// Checks the store answers.
+    fn ping(&self) -> BoxFuture<'_, Result<(), StoreError>>;
+
+    /// Starts the pub-sub connection, driven by `cmds`, reporting to `events`.
+    fn spawn_pubsub(
+        &self,
+        cmds: mpsc::UnboundedReceiver<PubSubCommand>,
+        events: mpsc::Sender<PubSubEvent>,
+    );
 }
 
+/// A hash's fields with their stored bytes, or why they could not be read.
+pub type Fields = Result<Vec<(String, Vec<u8>)>, StoreError>;
+
+/// A store that deletes a field only if it still holds a given value: its GC goes key by
+/// key ([`gc_key_by_key`]) where Redis runs one script per master.
+pub trait CompareAndDelete: Backend {
+    /// Deletes each of `garbage`'s fields of `key` that still holds the value given;
+    /// returns how many went.
+    fn delete_unchanged<'a>(
+        &'a self,
+        key: &'a str,
+        garbage: &'a [(String, Vec<u8>)],
+    ) -> BoxFuture<'a, Result<usize, StoreError>>;
+}
+
+/// [`Backend::gc`] for a [`CompareAndDelete`] store: each key read, judged, and its
+/// garbage deleted only where unchanged.
+pub async fn gc_key_by_key<B: CompareAndDelete + ?Sized>(
+    store: &B,
+    keys: &[String],
+    now: Time,
+) -> Result<usize, StoreError> {
+    let mut n = 0;
+    for key in keys {
+        let fields = store.read(key).await?;
+        let dead = kas_core::expiring::garbage_fields(
+            fields.iter().map(|(f, v)| (f.as_str(), v.as_slice())),
+            now,
+        );
+        let garbage: Vec<(String, Vec<u8>)> = fields
+            .into_iter()
+            .filter(|(f, _)| dead.contains(f))
+            .collect();
+        if !garbage.is_empty() {
+            n += store.delete_unchanged(key, &garbage).await?;
+        }
+    }
+    Ok(n)
+}
+
+/// The store kas runs on.
+#[derive(Clone)]
+pub struct Store(Arc<dyn Backend>);
+
 impl Store {
+    /// A store over `backend`.
+    pub fn new(backend: impl Backend + 'static) -> Store {
+        Store(Arc::new(backend))
+    }
+
     /// Applies the writes atomically, in one round trip.
     pub async fn execute(&self, writes: &[KeyWrite]) -> Result<(), StoreError> {
-        match self {
-            Store::Redis(s) => s.execute(writes).await,
-            Store::Memory(s) => {
-                s.execute(writes);
-                Ok(())
-            }
-            #[cfg(madsim)]
-            Store::Sim(s) => s.execute(writes).await,
-        }
+        self.0.execute(writes).await
     }
 
     /// Every field of a hash with its stored bytes.
-    pub async fn read(&self, key: &str) -> Result<Vec<(String, Vec<u8>)>, StoreError> {
-        match self {
-            Store::Redis(s) => s.read(key).await,
-            Store::Memory(s) => Ok(s.read(key)),
-            #[cfg(madsim)]
-            Store::Sim(s) => s.read(key).await,
-        }
+    pub async fn read(&self, key: &str) -> Fields {
+        self.0.read(key).await
     }
 
     /// The live fields of a hash at `now`: (field, payload without the expiry wrapper).
-    pub async fn read_live(
-        &self,
-        key: &str,
-        now: Time,
-    ) -> Result<Vec<(String, Vec<u8>)>, StoreError> {
+    pub async fn read_live(&self, key: &str, now: Time) -> Fields {
         let fields = self.read(key).await?;
         let refs = fields.iter().map(|(f, v)| (f.as_str(), v.as_slice()));
         Ok(kas_core::expiring::live_fields(refs, now))
@@ -90,63 +132,21 @@ impl Store {
 
     /// Deletes the fields of `keys` that are expired (or undecodable) at `now`. Returns how
     /// many went. On Redis one script call per 256 keys (of one master, on a cluster)
-    /// decides and deletes atomically; elsewhere each key is read, then each garbage field
-    /// deleted only if it still holds the value that was judged garbage.
+    /// decides and deletes atomically; elsewhere key by key ([`gc_key_by_key`]).
     pub async fn gc(&self, keys: &[String], now: Time) -> Result<usize, StoreError> {
-        let mut n = 0;
-        if let Store::Redis(s) = self {
-            n = s.gc(keys, now).await?;
-        } else {
-            for key in keys {
-                n += self.gc_by_compare_and_delete(key, now).await?;
-            }
-        }
-        Ok(n)
-    }
-
-    /// GC of one key: read, judge, then delete each garbage field only if it still holds
-    /// the value judged (Redis, which `gc` batches instead, would run its script).
-    async fn gc_by_compare_and_delete(&self, key: &str, now: Time) -> Result<usize, StoreError> {
-        let fields = self.read(key).await?;
-        let garbage: Vec<(String, Vec<u8>)> = {
-            let dead = kas_core::expiring::garbage_fields(
-                fields.iter().map(|(f, v)| (f.as_str(), v.as_slice())),
-                now,
-            );
-            fields
-                .into_iter()
-                .filter(|(f, _)| dead.contains(f))
-                .collect()
-        };
-        match self {
-            _ if garbage.is_empty() => Ok(0),
-            Store::Redis(s) => s.gc(&[key.to_string()], now).await,
-            Store::Memory(s) => Ok(s.delete_unchanged(key, &garbage)),
-            #[cfg(madsim)]
-            Store::Sim(s) => s.delete_unchanged(key, &garbage).await,
-        }
+        self.0.gc(keys, now).await
     }
 
     /// Checks the store answers.
     pub async fn ping(&self) -> Result<(), StoreError> {
-        match self {
-            Store::Redis(s) => s.ping().await,
-            Store::Memory(_) => Ok(()),
-            #[cfg(madsim)]
-            Store::Sim(s) => s.ping().await,
-        }
+        self.0.ping().await
     }
 
     /// Starts the pub-sub connection: subscribe through the handle, receive events.
     pub fn pubsub(&self) -> (PubSub, mpsc::Receiver<PubSubEvent>) {
         let (cmd_tx, cmd_rx) = mpsc::unbounded_channel();
         let (ev_tx, ev_rx) = mpsc::channel(1024);
-        match self {
-            Store::Redis(s) => s.spawn_pubsub(cmd_rx, ev_tx),
-            Store::Memory(s) => s.spawn_pubsub(cmd_rx, ev_tx),
-            #[cfg(madsim)]
-            Store::Sim(s) => s.spawn_pubsub(cmd_rx, ev_tx),
-        }
+        self.0.spawn_pubsub(cmd_rx, ev_tx);
         (PubSub(cmd_tx), ev_rx)
     }
 }

@@ -188,7 +188,7 @@ impl LocalDeployment {
             let path = write(&format!("kas{i}.yaml"), yaml)?;
             let config = Config::load(&path, None).map_err(|e| e.to_string())?;
             kas.push(
-                Kas::start(config)
+                Kas::start_configured(config)
                     .await
                     .map_err(|e| format!("kas{i}: {e}"))?,
             );

@@ -291,7 +291,7 @@ async fn kas_configured_with_gitlab_authenticates_agents_through_it() {
         ks = secrets.path("kas.secret").display(),
     );
     let config = Config::parse(&yaml, "test.yaml").unwrap();
-    let kas = Kas::start(config).await.unwrap();
+    let kas = Kas::start_configured(config).await.unwrap();
     let agent = kas_agent::AgentClient::new(support::channel(kas.addresses.agent).await, GOOD);
     let (connection, first, _stream) = agent.connect(Default::default(), None).await.unwrap();
     assert_eq!(first.connection_id, connection.0);

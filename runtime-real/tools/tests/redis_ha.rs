@@ -494,7 +494,7 @@ async fn batches_and_gcs_over_keys_of_many_slots_of_a_cluster_follow_a_moved_slo
     let (auth, tls) = (Default::default(), Default::default());
     let topology = RedisTopology::Cluster(nodes);
     let store =
-        Store::Redis(RedisStore::new(&topology, &auth, &tls, Duration::from_secs(2)).unwrap());
+        Store::new(RedisStore::new(&topology, &auth, &tls, Duration::from_secs(2)).unwrap());
     let now = kas_core::Time(1_700_000_000_000);
     // 50 agents' keys: slots on every shard.
     let keys: Vec<String> = (0..50)

@@ -13,7 +13,7 @@ use tokio::sync::mpsc;
 /// A store on `redis` (no TLS, no user) whose commands time out after `timeout`.
 fn store(redis: &Redis, timeout: Duration) -> Store {
     let (auth, tls) = (Default::default(), Default::default());
-    Store::Redis(
+    Store::new(
         RedisStore::new(
             &RedisTopology::Server(redis.address()),
             &auth,

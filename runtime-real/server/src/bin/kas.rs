@@ -67,7 +67,7 @@ fn main() -> ExitCode {
         }
     };
     runtime.block_on(async {
-        let kas = match Kas::start(config).await {
+        let kas = match Kas::start_configured(config).await {
             Ok(k) => k,
             Err(e) => {
                 eprintln!("kas: {e}");

@@ -1,6 +1,8 @@
 //! The in-memory store of a kas that runs alone.
 
-use super::{PubSubCommand, PubSubEvent};
+use super::{Backend, CompareAndDelete, Fields, PubSubCommand, PubSubEvent, StoreError};
+use futures::future::BoxFuture;
+use kas_core::Time;
 use kas_core::tracker::KeyWrite;
 use std::collections::{BTreeMap, BTreeSet};
 use std::sync::{Arc, Mutex};
@@ -108,8 +110,7 @@ impl Keyspace {
     }
 
     /// Makes the keys that `which` picks hold what they hold in `from` (or nothing): a
-    /// promoted replica taking over one shard of a cluster (simulated).
-    #[cfg(madsim)]
+    /// promoted replica taking over one shard of a cluster (the simulation's Redis).
     pub fn restore(&mut self, from: &Keyspace, which: impl Fn(&str) -> bool) {
         self.hashes.retain(|key, _| !which(key));
         let restored = from.hashes.iter().filter(|(key, _)| which(key));
@@ -210,5 +211,44 @@ impl MemoryStore {
 
     fn lock(&self) -> std::sync::MutexGuard<'_, Keyspace> {
         self.keyspace.lock().unwrap_or_else(|p| p.into_inner())
+    }
+}
+
+impl Backend for MemoryStore {
+    fn execute<'a>(&'a self, writes: &'a [KeyWrite]) -> BoxFuture<'a, Result<(), StoreError>> {
+        MemoryStore::execute(self, writes);
+        Box::pin(async { Ok(()) })
+    }
+
+    fn read<'a>(&'a self, key: &'a str) -> BoxFuture<'a, Fields> {
+        let fields = MemoryStore::read(self, key);
+        Box::pin(async { Ok(fields) })
+    }
+
+    fn gc<'a>(&'a self, keys: &'a [String], now: Time) -> BoxFuture<'a, Result<usize, StoreError>> {
+        Box::pin(super::gc_key_by_key(self, keys, now))
+    }
+
+    fn ping(&self) -> BoxFuture<'_, Result<(), StoreError>> {
+        Box::pin(async { Ok(()) })
+    }
+
+    fn spawn_pubsub(
+        &self,
+        cmds: mpsc::UnboundedReceiver<PubSubCommand>,
+        events: mpsc::Sender<PubSubEvent>,
+    ) {
+        MemoryStore::spawn_pubsub(self, cmds, events);
+    }
+}
+
+impl CompareAndDelete for MemoryStore {
+    fn delete_unchanged<'a>(
+        &'a self,
+        key: &'a str,
+        garbage: &'a [(String, Vec<u8>)],
+    ) -> BoxFuture<'a, Result<usize, StoreError>> {
+        let n = MemoryStore::delete_unchanged(self, key, garbage);
+        Box::pin(async move { Ok(n) })
     }
 }

@@ -15,7 +15,7 @@ use tokio::sync::mpsc;
 use tokio::time::Instant;
 
 /// How often an idle pub-sub connection is checked with `PING`.
-pub(super) const KEEPALIVE: Duration = Duration::from_secs(1);
+pub const KEEPALIVE: Duration = Duration::from_secs(1);
 
 /// Delays between attempts to (re)establish the connection.
 const RECONNECT: Backoff = Backoff {
@@ -25,7 +25,7 @@ const RECONNECT: Backoff = Backoff {
 };
 
 /// What a subscriber connection's server pushes.
-pub(super) enum Pushed {
+pub enum Pushed {
     /// A subscription is active.
     Subscribed(String),
     /// A message on a subscribed channel.
@@ -35,7 +35,7 @@ pub(super) enum Pushed {
 }
 
 /// How to open subscriber connections.
-pub(super) trait Transport: Send + Sync + 'static {
+pub trait Transport: Send + Sync + 'static {
     /// One open connection.
     type Conn: Connection;
     /// Opens one (the loop bounds it with the store's timeout).
@@ -43,7 +43,7 @@ pub(super) trait Transport: Send + Sync + 'static {
 }
 
 /// One subscriber connection. An error from any method means it is broken.
-pub(super) trait Connection: Send {
+pub trait Connection: Send {
     /// Asks for these channels; each confirmation arrives as [`Pushed::Subscribed`].
     fn subscribe(
         &mut self,
@@ -62,7 +62,7 @@ pub(super) trait Connection: Send {
 }
 
 /// Runs the loop until the handle (`cmds`) or the event receiver is dropped.
-pub(super) async fn run<T: Transport>(
+pub async fn run<T: Transport>(
     transport: T,
     timeout: Duration,
     mut cmds: mpsc::UnboundedReceiver<PubSubCommand>,

@@ -8,13 +8,14 @@ mod sentinel;
 
 use self::sentinel::Sentinel;
 use super::pubsub::{self, Connection, Pushed, Transport};
-use super::{PubSubCommand, PubSubEvent, StoreError};
+use super::{Backend, Fields, PubSubCommand, PubSubEvent, StoreError};
 use crate::config::RedisTls;
 use ::redis::aio::{ConnectionManager, ConnectionManagerConfig};
 use ::redis::cluster::ClusterClientBuilder;
 use ::redis::cluster_async::ClusterConnection;
 use ::redis::{Client, Script, Value};
 use futures::StreamExt;
+use futures::future::BoxFuture;
 use kas_core::Time;
 use kas_core::tracker::{KeyExpiry, KeyWrite};
 use std::collections::VecDeque;
@@ -631,6 +632,32 @@ impl RedisStore {
                 tokio::spawn(pubsub::run(transport, timeout, cmds, events));
             }
         }
+    }
+}
+
+impl Backend for RedisStore {
+    fn execute<'a>(&'a self, writes: &'a [KeyWrite]) -> BoxFuture<'a, Result<(), StoreError>> {
+        Box::pin(RedisStore::execute(self, writes))
+    }
+
+    fn read<'a>(&'a self, key: &'a str) -> BoxFuture<'a, Fields> {
+        Box::pin(RedisStore::read(self, key))
+    }
+
+    fn gc<'a>(&'a self, keys: &'a [String], now: Time) -> BoxFuture<'a, Result<usize, StoreError>> {
+        Box::pin(RedisStore::gc(self, keys, now))
+    }
+
+    fn ping(&self) -> BoxFuture<'_, Result<(), StoreError>> {
+        Box::pin(RedisStore::ping(self))
+    }
+
+    fn spawn_pubsub(
+        &self,
+        cmds: mpsc::UnboundedReceiver<PubSubCommand>,
+        events: mpsc::Sender<PubSubEvent>,
+    ) {
+        RedisStore::spawn_pubsub(self, cmds, events);
     }
 }
 

@@ -1,12 +1,17 @@
-//! The simulated Redis client (madsim only): the store's operations sent over `madsim::net`
-//! to the simulated Redis node of `kas-sim`, which applies them as Redis would (each key's
-//! transaction atomically, fields under key expiry, fire-and-forget pub-sub).
+//! The simulated Redis client: the store's operations sent over `madsim::net` to the
+//! simulated Redis node (`redis.rs`), which applies them as Redis would (each key's
+//! transaction atomically, fields under key expiry, fire-and-forget pub-sub). Each kas of
+//! the simulation is started on it (`Kas::start`'s store).
 
-use super::pubsub::{self, Connection, Pushed, Transport};
-use super::{PubSubCommand, PubSubEvent, StoreError};
-use crate::buggify::{self, Point};
 use crate::planted_bug::{Bug, planted};
+use futures::future::BoxFuture;
+use kas_core::Time;
 use kas_core::tracker::KeyWrite;
+use kas_server::buggify::{self, Point};
+use kas_server::store::pubsub::{self, Connection, Pushed, Transport};
+use kas_server::store::{
+    Backend, CompareAndDelete, Fields, PubSubCommand, PubSubEvent, StoreError, gc_key_by_key,
+};
 use std::collections::VecDeque;
 use std::net::SocketAddr;
 use std::time::Duration;
@@ -104,7 +109,7 @@ impl SimStore {
             .map_err(|_| err("timed out"))?
     }
 
-    pub(super) async fn execute(&self, writes: &[KeyWrite]) -> Result<(), StoreError> {
+    async fn execute(&self, writes: &[KeyWrite]) -> Result<(), StoreError> {
         if writes.len() > 1 && buggify::fires(Point::RedisPartialBatch) {
             let first = writes[..writes.len() / 2].to_vec();
             self.call(SimRequest::Execute(first)).await?;
@@ -116,14 +121,14 @@ impl SimStore {
         }
     }
 
-    pub(super) async fn read(&self, key: &str) -> Result<Vec<(String, Vec<u8>)>, StoreError> {
+    async fn read(&self, key: &str) -> Result<Vec<(String, Vec<u8>)>, StoreError> {
         match self.call(SimRequest::Read(key.into())).await? {
             SimReply::Hash(fields) => Ok(fields),
             other => Err(err(format!("unexpected answer {other:?}"))),
         }
     }
 
-    pub(super) async fn delete_unchanged(
+    async fn delete_unchanged(
         &self,
         key: &str,
         fields: &[(String, Vec<u8>)],
@@ -135,11 +140,11 @@ impl SimStore {
         }
     }
 
-    pub(super) async fn ping(&self) -> Result<(), StoreError> {
+    async fn ping(&self) -> Result<(), StoreError> {
         self.call(SimRequest::Ping).await.map(|_| ())
     }
 
-    pub(super) fn spawn_pubsub(
+    fn spawn_pubsub(
         &self,
         cmds: mpsc::UnboundedReceiver<PubSubCommand>,
         events: mpsc::Sender<PubSubEvent>,
@@ -148,6 +153,42 @@ impl SimStore {
             server: self.server,
         };
         tokio::spawn(pubsub::run(transport, self.timeout, cmds, events));
+    }
+}
+
+impl Backend for SimStore {
+    fn execute<'a>(&'a self, writes: &'a [KeyWrite]) -> BoxFuture<'a, Result<(), StoreError>> {
+        Box::pin(SimStore::execute(self, writes))
+    }
+
+    fn read<'a>(&'a self, key: &'a str) -> BoxFuture<'a, Fields> {
+        Box::pin(SimStore::read(self, key))
+    }
+
+    fn gc<'a>(&'a self, keys: &'a [String], now: Time) -> BoxFuture<'a, Result<usize, StoreError>> {
+        Box::pin(gc_key_by_key(self, keys, now))
+    }
+
+    fn ping(&self) -> BoxFuture<'_, Result<(), StoreError>> {
+        Box::pin(SimStore::ping(self))
+    }
+
+    fn spawn_pubsub(
+        &self,
+        cmds: mpsc::UnboundedReceiver<PubSubCommand>,
+        events: mpsc::Sender<PubSubEvent>,
+    ) {
+        SimStore::spawn_pubsub(self, cmds, events);
+    }
+}
+
+impl CompareAndDelete for SimStore {
+    fn delete_unchanged<'a>(
+        &'a self,
+        key: &'a str,
+        garbage: &'a [(String, Vec<u8>)],
+    ) -> BoxFuture<'a, Result<usize, StoreError>> {
+        Box::pin(SimStore::delete_unchanged(self, key, garbage))
     }
 }
 
