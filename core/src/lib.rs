@@ -18,31 +18,16 @@
 //! The driving loop, as kas's engine runs it (here with a scripted clock and inputs):
 //!
 //! ```
-//! use kas_core::backoff::Backoff;
 //! use kas_core::keys::Keys;
 //! use kas_core::node::{KasNode, NodeConfig, NodeInput, NodeOutput, Wanted};
-//! use kas_core::router::{Router, RouterConfig};
-//! use kas_core::tracker::{Tracker, TrackerConfig};
-//! use kas_core::tunnel_registry::{RegistryConfig, TunnelRegistry};
 //! use kas_core::{AgentId, KasId, RequestId, Time};
-//! use std::time::Duration;
 //!
-//! let (keys, me) = (Keys::new("kas"), KasId("10.0.0.1:8155".into()));
-//! let backoff = Backoff { initial: Duration::from_millis(100), max: Duration::from_secs(5), factor: 2 };
-//! let tracker = TrackerConfig {
-//!     ttl: Duration::from_secs(300), refresh: Duration::from_secs(240), gc: Duration::from_secs(600),
-//!     liveness: Duration::from_secs(30), backoff, max_keys_per_batch: 256,
+//! // GitLab kas's defaults and the production tuning; polls alone (no pub-sub here).
+//! let config = NodeConfig {
+//!     wakeups: false,
+//!     ..NodeConfig::new(KasId("10.0.0.1:8155".into()), Keys::new("kas"))
 //! };
-//! let router = RouterConfig {
-//!     poll_backoff: backoff, failure_memory: Duration::from_secs(30),
-//!     grace: Duration::from_secs(2), linger: Duration::from_secs(60),
-//! };
-//! let mut node: KasNode<&str> = KasNode::new(
-//!     NodeConfig { kas_id: me.clone(), keys: keys.clone(), wakeups: false },
-//!     TunnelRegistry::new(RegistryConfig { heartbeat_timeout: Duration::from_secs(60) }),
-//!     Tracker::new(Time(0), tracker, keys, me.clone(), &Default::default(), 1),
-//!     Router::new(router, me, 2),
-//! );
+//! let mut node: KasNode<&str> = KasNode::new(Time(0), config);
 //! // A call for an agent no kas holds, with a 1 s deadline.
 //! let wanted = Wanted { agent: AgentId(7), connection: None, deadline: Time(1_000) };
 //! let mut inputs = vec![NodeInput::Route { request: RequestId(1), wanted, call: "payload" }];

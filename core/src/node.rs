@@ -16,13 +16,14 @@
 //! A call for `C` (the driver's payload: the request frames and where the answer goes) is
 //! stored once and handed out in the outputs that need it; the node never looks inside.
 
+use crate::backoff::Backoff;
 use crate::ids::{AgentId, ConnectionId, KasId, ProjectId, RequestId, TunnelId};
 use crate::keys::Keys;
-use crate::router::{RouteError, Router, RouterInput, RouterOutput, Target};
+use crate::router::{RouteError, Router, RouterConfig, RouterInput, RouterOutput, Target};
 use crate::time::{self, Time};
-use crate::tracker::{Batch, Tracker, TrackerInput, TrackerOutput};
-use crate::tunnel_registry::{RegistryInput, RegistryOutput, TunnelRegistry};
-use kas_proto::registry::{ConnectedAgentInfo, TunnelEvent};
+use crate::tracker::{Batch, Tracker, TrackerConfig, TrackerInput, TrackerOutput};
+use crate::tunnel_registry::{RegistryConfig, RegistryInput, RegistryOutput, TunnelRegistry};
+use kas_proto::registry::{ConnectedAgentInfo, KasInstanceInfo, TunnelEvent};
 use prost::Message;
 use std::collections::{BTreeMap, BTreeSet, VecDeque};
 use std::time::Duration;
@@ -350,7 +351,29 @@ impl std::fmt::Display for NodeError {
 
 impl std::error::Error for NodeError {}
 
-/// Settings of the node besides its machines'.
+/// Delays between retries of a failed registry batch, in production.
+pub const BATCH_RETRY: Backoff = Backoff {
+    initial: Duration::from_millis(100),
+    max: Duration::from_secs(5),
+    factor: 2,
+};
+
+/// Keys one registry batch writes at most, in production.
+pub const MAX_KEYS_PER_BATCH: usize = 256;
+
+/// Delays between a waiting call's safety-net polls, in production.
+pub const POLL_BACKOFF: Backoff = Backoff {
+    initial: Duration::from_millis(500),
+    max: Duration::from_secs(10),
+    factor: 2,
+};
+
+/// How long a kas that refused a call is tried last for its agent, in production.
+pub const FAILURE_MEMORY: Duration = Duration::from_secs(30);
+
+/// Everything a node is built from: who it is, and its machines' settings.
+/// [`NodeConfig::new`] gives GitLab kas's defaults and the production tuning; kas sets
+/// what its configuration file says, tests what they need.
 #[derive(Clone, Debug)]
 pub struct NodeConfig {
     /// This kas's id (its private API address).
@@ -359,6 +382,48 @@ pub struct NodeConfig {
     pub keys: Keys,
     /// Subscribe to tunnel events; without, waiting calls rely on polls alone.
     pub wakeups: bool,
+    /// This kas's instance record (version, address, incarnation).
+    pub instance: KasInstanceInfo,
+    /// Seeds the machines' jitter.
+    pub seed: u64,
+    /// The tracker's record lifetimes and batching.
+    pub tracker: TrackerConfig,
+    /// The router's polls, memory of refusals, grace and subscription linger.
+    pub router: RouterConfig,
+    /// The tunnel registry's heartbeat timeout.
+    pub registry: RegistryConfig,
+}
+
+impl NodeConfig {
+    /// Kas `kas_id` with GitLab kas's defaults (records live 300 s, refreshed every 240 s,
+    /// collected every 600 s; its liveness 30 s; heartbeats 60 s; subscriptions linger
+    /// 60 s) and the production tuning.
+    pub fn new(kas_id: KasId, keys: Keys) -> NodeConfig {
+        NodeConfig {
+            kas_id,
+            keys,
+            wakeups: true,
+            instance: KasInstanceInfo::default(),
+            seed: 0,
+            tracker: TrackerConfig {
+                ttl: Duration::from_secs(300),
+                refresh: Duration::from_secs(240),
+                gc: Duration::from_secs(600),
+                liveness: Duration::from_secs(30),
+                backoff: BATCH_RETRY,
+                max_keys_per_batch: MAX_KEYS_PER_BATCH,
+            },
+            router: RouterConfig {
+                poll_backoff: POLL_BACKOFF,
+                failure_memory: FAILURE_MEMORY,
+                grace: Duration::from_secs(2),
+                linger: Duration::from_secs(60),
+            },
+            registry: RegistryConfig {
+                heartbeat_timeout: Duration::from_secs(60),
+            },
+        }
+    }
 }
 
 /// Sizes, for gauges.
@@ -422,18 +487,23 @@ pub struct KasNode<C> {
 }
 
 impl<C: Clone> KasNode<C> {
-    /// A kas with no agents and no calls, running these machines.
-    pub fn new(
-        config: NodeConfig,
-        registry: TunnelRegistry,
-        tracker: Tracker,
-        router: Router,
-    ) -> Self {
+    /// A kas with no agents and no calls at `now`.
+    pub fn new(now: Time, config: NodeConfig) -> Self {
+        let c = &config;
+        let tracker = Tracker::new(
+            now,
+            c.tracker.clone(),
+            c.keys.clone(),
+            c.kas_id.clone(),
+            &c.instance,
+            c.seed,
+        );
+        let router = Router::new(c.router, c.kas_id.clone(), c.seed.rotate_left(17));
         let mut node = KasNode {
-            config,
-            registry,
+            registry: TunnelRegistry::new(c.registry),
             tracker,
             router,
+            config,
             calls: BTreeMap::new(),
             connections: BTreeMap::new(),
             tunnels: BTreeMap::new(),
@@ -444,7 +514,7 @@ impl<C: Clone> KasNode<C> {
             draining: false,
             outputs: VecDeque::new(),
         };
-        node.drain(Time(0));
+        node.drain(now);
         node
     }
 

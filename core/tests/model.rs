@@ -22,9 +22,9 @@ use kas_core::keys::Keys;
 use kas_core::node::{
     CallError, KasNode, NodeConfig, NodeInput, NodeOutput, Origin, Outcome, PubSubEvent, Wanted,
 };
-use kas_core::router::{Router, RouterConfig};
-use kas_core::tracker::{Tracker, TrackerConfig};
-use kas_core::tunnel_registry::{RegistryConfig, TunnelRegistry};
+use kas_core::router::RouterConfig;
+use kas_core::tracker::TrackerConfig;
+use kas_core::tunnel_registry::RegistryConfig;
 use kas_core::{AgentId, ConnectionId, KasId, ProjectId, RequestId, Time, TunnelId};
 use kas_proto::registry::{ConnectedAgentInfo, KasInstanceInfo, TunnelEvent};
 use proptest::prelude::*;
@@ -196,17 +196,10 @@ impl World {
         let nodes = (0..KAS)
             .map(|n| Kas {
                 node: KasNode::new(
+                    Time(0),
                     NodeConfig {
-                        kas_id: kas_id(n),
-                        keys: keys.clone(),
-                        wakeups: true,
-                    },
-                    TunnelRegistry::new(RegistryConfig {
-                        heartbeat_timeout: Duration::from_secs(3600),
-                    }),
-                    Tracker::new(
-                        Time(0),
-                        TrackerConfig {
+                        seed: seed ^ n as u64,
+                        tracker: TrackerConfig {
                             ttl: TTL,
                             refresh: REFRESH,
                             gc: GC,
@@ -218,13 +211,7 @@ impl World {
                             },
                             max_keys_per_batch: 4,
                         },
-                        keys.clone(),
-                        kas_id(n),
-                        &KasInstanceInfo::default(),
-                        seed ^ n as u64,
-                    ),
-                    Router::new(
-                        RouterConfig {
+                        router: RouterConfig {
                             poll_backoff: Backoff {
                                 initial: Duration::from_millis(50),
                                 max: Duration::from_millis(400),
@@ -234,9 +221,11 @@ impl World {
                             grace: GRACE,
                             linger: TTL / 2,
                         },
-                        kas_id(n),
-                        seed.wrapping_add(n as u64),
-                    ),
+                        registry: RegistryConfig {
+                            heartbeat_timeout: Duration::from_secs(3600),
+                        },
+                        ..NodeConfig::new(kas_id(n), keys.clone())
+                    },
                 ),
                 subscriptions: BTreeSet::new(),
                 pubsub_down: false,

@@ -5,7 +5,6 @@ use crate::backoff::Backoff;
 use crate::router::RouterConfig;
 use crate::tracker::TrackerConfig;
 use crate::tunnel_registry::RegistryConfig;
-use kas_proto::registry::KasInstanceInfo;
 
 const AGENT: AgentId = AgentId(7);
 const CONN: ConnectionId = ConnectionId(70);
@@ -13,40 +12,32 @@ const TUNNEL: TunnelId = TunnelId(1);
 const GRACE: Duration = Duration::from_secs(2);
 
 fn node() -> KasNode<&'static str> {
-    let keys = Keys::new("kas");
-    let kas = KasId("10.0.0.1:8155".into());
+    let defaults = NodeConfig::new(KasId("10.0.0.1:8155".into()), Keys::new("kas"));
     let backoff = Backoff {
         initial: Duration::from_millis(100),
         max: Duration::from_secs(1),
         factor: 2,
     };
-    let tracker = TrackerConfig {
-        ttl: Duration::from_secs(300),
-        refresh: Duration::from_secs(240),
-        gc: Duration::from_secs(600),
-        liveness: Duration::from_secs(300),
-        backoff,
-        max_keys_per_batch: 16,
-    };
-    let router = RouterConfig {
-        poll_backoff: backoff,
-        failure_memory: Duration::from_secs(30),
-        grace: GRACE,
-        linger: Duration::ZERO,
-    };
-    let info = KasInstanceInfo::default();
-    KasNode::new(
-        NodeConfig {
-            kas_id: kas.clone(),
-            keys: keys.clone(),
-            wakeups: true,
+    let config = NodeConfig {
+        seed: 1,
+        tracker: TrackerConfig {
+            liveness: Duration::from_secs(300),
+            backoff,
+            max_keys_per_batch: 16,
+            ..defaults.tracker.clone()
         },
-        TunnelRegistry::new(RegistryConfig {
+        router: RouterConfig {
+            poll_backoff: backoff,
+            grace: GRACE,
+            linger: Duration::ZERO,
+            ..defaults.router
+        },
+        registry: RegistryConfig {
             heartbeat_timeout: Duration::from_secs(3600),
-        }),
-        Tracker::new(Time(0), tracker, keys, kas.clone(), &info, 1),
-        Router::new(router, kas, 1),
-    )
+        },
+        ..defaults
+    };
+    KasNode::new(Time(0), config)
 }
 
 /// A node with one replica of `AGENT` and one idle tunnel of it; its outputs so far drained.

@@ -37,12 +37,11 @@ use crate::store::Store;
 use kas_auth::agent_auth::{AgentAuth, CachePolicy, GitLabClient, StaticTokens};
 use kas_auth::jwt::{self, Secret, Signer, Verifier};
 use kas_core::KasId;
-use kas_core::backoff::Backoff;
 use kas_core::keys::Keys;
 use kas_core::node::{KasNode, NodeConfig, NodeInput, NodeStats};
-use kas_core::router::{Router, RouterConfig};
-use kas_core::tracker::{Tracker, TrackerConfig};
-use kas_core::tunnel_registry::{RegistryConfig, TunnelRegistry};
+use kas_core::router::RouterConfig;
+use kas_core::tracker::TrackerConfig;
+use kas_core::tunnel_registry::RegistryConfig;
 use kas_proto::agent_api::agent_api_server::AgentApiServer;
 use kas_proto::private_api::kas_private_server::KasPrivateServer;
 use kas_proto::public_api::kas_api_server::KasApiServer;
@@ -364,45 +363,6 @@ impl Kas {
             }),
             incarnation: rand::random(),
         };
-        let tracker = Tracker::new(
-            now,
-            TrackerConfig {
-                ttl: a.redis_conn_info_ttl,
-                refresh: a.redis_conn_info_refresh,
-                gc: a.redis_conn_info_gc,
-                liveness: a.kas_liveness_ttl,
-                backoff: Backoff {
-                    initial: Duration::from_millis(100),
-                    max: Duration::from_secs(5),
-                    factor: 2,
-                },
-                max_keys_per_batch: 256,
-            },
-            keys.clone(),
-            kas_id.clone(),
-            &instance,
-            seed,
-        );
-        let router = Router::new(
-            RouterConfig {
-                poll_backoff: Backoff {
-                    initial: Duration::from_millis(500),
-                    max: Duration::from_secs(10),
-                    factor: 2,
-                },
-                failure_memory: Duration::from_secs(30),
-                grace: timing::ROUTE_GRACE,
-                linger: config
-                    .redis
-                    .as_ref()
-                    .map_or(Duration::ZERO, |r| r.subscription_linger),
-            },
-            kas_id.clone(),
-            seed.rotate_left(17),
-        );
-        let registry = TunnelRegistry::new(RegistryConfig {
-            heartbeat_timeout: a.heartbeat_timeout,
-        });
         let metrics = metrics::Metrics::default();
         #[cfg(not(madsim))]
         metrics
@@ -415,15 +375,33 @@ impl Kas {
         let (closing, closing_rx) = watch::channel(false);
         let (leaving, leaving_rx) = watch::channel(false);
         let signer = Signer::new(&private_secret, jwt::GITLAB_KAS, jwt::GITLAB_KAS);
+        let defaults = NodeConfig::new(kas_id.clone(), keys.clone());
         let node = KasNode::new(
+            now,
             NodeConfig {
-                kas_id: kas_id.clone(),
-                keys: keys.clone(),
                 wakeups: config.redis.as_ref().is_none_or(|r| r.pubsub_wakeups),
+                instance,
+                seed,
+                tracker: TrackerConfig {
+                    ttl: a.redis_conn_info_ttl,
+                    refresh: a.redis_conn_info_refresh,
+                    gc: a.redis_conn_info_gc,
+                    liveness: a.kas_liveness_ttl,
+                    ..defaults.tracker.clone()
+                },
+                router: RouterConfig {
+                    grace: timing::ROUTE_GRACE,
+                    linger: config
+                        .redis
+                        .as_ref()
+                        .map_or(Duration::ZERO, |r| r.subscription_linger),
+                    ..defaults.router
+                },
+                registry: RegistryConfig {
+                    heartbeat_timeout: a.heartbeat_timeout,
+                },
+                ..defaults
             },
-            registry,
-            tracker,
-            router,
         );
         let engine = engine::spawn(engine::EngineParts {
             node,
