@@ -614,6 +614,18 @@ impl Config {
 
     fn validate(&self) -> Result<(), Vec<String>> {
         let mut p = Vec::new();
+        self.check_nonzero(&mut p);
+        self.check_listeners(&mut p);
+        self.check_timings_and_secrets(&mut p);
+        self.check_kubernetes_api(&mut p);
+        self.check_sockets(&mut p);
+        self.check_agent_auth(&mut p);
+        self.check_redis(&mut p);
+        if p.is_empty() { Ok(()) } else { Err(p) }
+    }
+
+    /// Durations and counts that must not be zero.
+    fn check_nonzero(&self, p: &mut Vec<String>) {
         let a = &self.agent;
         for (key, d) in [
             ("agent.redis_conn_info_ttl", a.redis_conn_info_ttl),
@@ -659,6 +671,11 @@ impl Config {
                 p.push(format!("{key} must be greater than zero"));
             }
         }
+    }
+
+    /// Each listener's TLS files and settings.
+    fn check_listeners(&self, p: &mut Vec<String>) {
+        let a = &self.agent;
         let kube = a.kubernetes_api.as_ref();
         let kube_listen = kube.map(|k| ("agent.kubernetes_api.listen", &k.listen));
         for (key, c) in [
@@ -733,6 +750,11 @@ impl Config {
                 }
             }
         }
+    }
+
+    /// Timings that must be ordered, and the API secrets.
+    fn check_timings_and_secrets(&self, p: &mut Vec<String>) {
+        let a = &self.agent;
         if a.redis_conn_info_refresh >= a.redis_conn_info_ttl {
             p.push(format!(
                 "agent.redis_conn_info_refresh ({}) must be less than agent.redis_conn_info_ttl ({}), or records expire before they are refreshed",
@@ -756,6 +778,11 @@ impl Config {
                 }
             }
         }
+    }
+
+    /// The Kubernetes API proxy's section.
+    fn check_kubernetes_api(&self, p: &mut Vec<String>) {
+        let kube = self.agent.kubernetes_api.as_ref();
         if let Some(k) = kube {
             if !k.url_path_prefix.starts_with('/') {
                 p.push(format!(
@@ -789,6 +816,11 @@ impl Config {
             #[cfg(madsim)]
             p.push("agent.kubernetes_api: HTTP listeners are not simulated".into());
         }
+    }
+
+    /// Listener addresses, each its own, and the address other kas dial.
+    fn check_sockets(&self, p: &mut Vec<String>) {
+        let kube = self.agent.kubernetes_api.as_ref();
         let kube_address = kube.map(|k| ("agent.kubernetes_api.listen.address", k.listen.address));
         let listeners = [
             ("agent.listen.address", self.agent.listen.address),
@@ -836,6 +868,11 @@ impl Config {
                 self.private_api.listen.address
             ));
         }
+    }
+
+    /// How agents are authenticated: a tokens file, or GitLab.
+    fn check_agent_auth(&self, p: &mut Vec<String>) {
+        let a = &self.agent;
         match (&a.tokens_file, &self.gitlab) {
             (Some(f), _) => {
                 if let Err(e) = kas_auth::agent_auth::StaticTokens::load(f) {
@@ -857,6 +894,10 @@ impl Config {
                 }
             }
         }
+    }
+
+    /// The `redis` section: one topology, its files, its TLS.
+    fn check_redis(&self, p: &mut Vec<String>) {
         if let Some(r) = &self.redis {
             if r.key_prefix.is_empty() || r.key_prefix.contains(['{', '}', ' ']) {
                 p.push(format!(
@@ -929,7 +970,6 @@ impl Config {
                 p.push("redis.tls.certificate_file and redis.tls.key_file go together".into());
             }
         }
-        if p.is_empty() { Ok(()) } else { Err(p) }
     }
 }
 
