@@ -56,6 +56,7 @@ use tokio::sync::{oneshot, watch};
 use tokio::task::JoinHandle;
 use tonic::service::Interceptor;
 use tonic::transport::Server;
+use tonic::transport::server::Router;
 use tonic::{Request, Status};
 
 /// Why kas could not start.
@@ -290,6 +291,284 @@ pub fn configured_store(config: &Config) -> Result<Store, StartError> {
         .map_err(|e| StartError::Setup(format!("redis: {e}")))
 }
 
+/// What the listeners of one kas share while it starts.
+struct Shared<'a> {
+    config: &'a Config,
+    engine: &'a engine::EngineHandle,
+    metrics: &'a metrics::Metrics,
+    /// Turns true when kas starts stopping.
+    closing: watch::Receiver<bool>,
+}
+
+impl Shared<'_> {
+    /// How listener `what` accepts: `alpn` is what it speaks; an agent listener behind a
+    /// proxy that passes only HTTP/1.1 also takes WebSocket upgrades.
+    fn listening(
+        &self,
+        listen: &Listen,
+        what: &'static str,
+        alpn: &'static [&'static [u8]],
+    ) -> Result<Listening, StartError> {
+        let alpn = if listen.websocket {
+            ALPN_GRPC_OR_HTTP1
+        } else {
+            alpn
+        };
+        Ok(Listening {
+            #[cfg(not(madsim))]
+            handshake: listener::HandshakeLimits::of(listen),
+            what,
+            metrics: self.metrics.clone(),
+            tls: tls_config(listen, what, alpn)?,
+            websocket: listen.websocket,
+        })
+    }
+
+    /// Serves the calls' listeners (public, private, Kubernetes API) until kas starts
+    /// stopping: they stop together, so no call starts during shutdown and running ones
+    /// finish.
+    fn serve_calls(
+        &self,
+        public: Router,
+        private: Router,
+        api_l: TcpListener,
+        private_l: TcpListener,
+        kube_l: Option<TcpListener>,
+    ) -> Result<JoinHandle<()>, StartError> {
+        let config = self.config;
+        let stop_signal = |mut rx: watch::Receiver<bool>| async move {
+            let _ = rx.wait_for(|c| *c).await;
+        };
+        let api_listening = self.listening(&config.api.listen, "api", ALPN_GRPC)?;
+        let private_listening =
+            self.listening(&config.private_api.listen, "private_api", ALPN_GRPC)?;
+        let api_server = serve(
+            public,
+            api_l,
+            api_listening,
+            stop_signal(self.closing.clone()),
+        );
+        let private_server = serve(
+            private,
+            private_l,
+            private_listening,
+            stop_signal(self.closing.clone()),
+        );
+        let kube_server = kubernetes_api_server(
+            config,
+            kube_l,
+            self.engine,
+            self.metrics,
+            stop_signal(self.closing.clone()),
+        )?;
+        Ok(tokio::spawn(async move {
+            let (a, p, ()) = tokio::join!(api_server, private_server, kube_server);
+            for r in [a, p] {
+                if let Err(e) = r {
+                    tracing::error!(error = %e, "call listener failed");
+                }
+            }
+        }))
+    }
+
+    /// The public API (GitLab -> kas) behind GitLab's JWT.
+    fn public_router(&self, store: Store, keys: Keys, gitlab_secret: &Secret) -> Router {
+        let config = self.config;
+        let public = KasApiServer::with_interceptor(
+            public_api::PublicService {
+                engine: self.engine.clone(),
+                store,
+                keys,
+                default_timeout: config.api.default_timeout,
+                max_timeout: config.api.max_timeout,
+            },
+            JwtCheck {
+                verifier: Verifier::new(gitlab_secret, jwt::GITLAB, jwt::GITLAB_KAS)
+                    .with_max_lifetime(config.api.max_token_lifetime),
+                listener: "api",
+            },
+        );
+        server(&config.api.listen).add_service(public)
+    }
+
+    /// The private API (kas -> kas) behind the replicas' JWT.
+    fn private_router(&self, private_secret: &Secret) -> Router {
+        let config = self.config;
+        let private = KasPrivateServer::with_interceptor(
+            private_api::PrivateService {
+                engine: self.engine.clone(),
+                closing: self.closing.clone(),
+                default_timeout: config.api.default_timeout,
+                max_timeout: config.api.max_timeout,
+            },
+            JwtCheck {
+                verifier: Verifier::new(private_secret, jwt::GITLAB_KAS, jwt::GITLAB_KAS)
+                    .with_max_lifetime(config.private_api.max_token_lifetime),
+                listener: "private_api",
+            },
+        );
+        server(&config.private_api.listen).add_service(private)
+    }
+
+    /// The agent API (agentk -> kas), advertising `advertise` to agents.
+    fn agent_router(
+        &self,
+        auth: AgentAuth,
+        advertise: SocketAddr,
+        leaving: watch::Receiver<bool>,
+        live_kas: Arc<live_kas::LiveKas>,
+    ) -> Router {
+        let a = &self.config.agent;
+        let agents = AgentApiServer::new(agent_api::AgentService {
+            auth,
+            engine: self.engine.clone(),
+            kas_address: advertise,
+            draining: self.closing.clone(),
+            leaving,
+            max_connection_age: a.max_connection_age(),
+            live_kas,
+            activity_every: a.heartbeat_timeout / 4,
+            next_tunnel: Arc::default(),
+            replicas: replicas::Replicas::default(),
+            limits: limits::AgentLimits::new(
+                limits::AgentLimitsConfig {
+                    requests_per_minute: a.connections_per_token_per_minute(),
+                    connections_per_agent: a.max_connections_per_agent,
+                    tunnels_per_connection: a.max_tunnels_per_connection,
+                },
+                self.metrics.clone(),
+            ),
+        })
+        .max_decoding_message_size(a.max_message_size);
+
+        server(&a.listen).add_service(agents)
+    }
+}
+
+/// The forwards to other kas, signed with the replicas' secret.
+fn forwarder(
+    config: &Config,
+    private_secret: &Secret,
+    metrics: &metrics::Metrics,
+) -> forward::Forwarder {
+    let signer = Signer::new(private_secret, jwt::GITLAB_KAS, jwt::GITLAB_KAS);
+    let listen = &config.private_api.listen;
+    let peers = peers::Peers::new(
+        signer,
+        config.agent.max_message_size,
+        peers::PrivateTls {
+            tls: listen.tls().is_some(),
+            ca_file: listen.ca_certificate_file.clone(),
+        },
+        peers::connections(),
+    );
+    forward::Forwarder::new(peers, metrics.clone())
+}
+
+impl Addresses {
+    /// Logs where kas `kas` listens.
+    fn announce(&self, kas: &KasId) {
+        tracing::info!(
+            %kas,
+            agent = %self.agent,
+            api = %self.api,
+            private_api = %self.private_api,
+            observability = %self.observability,
+            kubernetes_api = %self.kubernetes_api.map_or("off".into(), |a| a.to_string()),
+            "kas started"
+        );
+    }
+}
+
+/// Every listener of one kas, bound, and their addresses.
+struct Bound {
+    agent: TcpListener,
+    api: TcpListener,
+    private: TcpListener,
+    observability: TcpListener,
+    kubernetes_api: Option<TcpListener>,
+    addresses: Addresses,
+}
+
+impl Bound {
+    /// Binds each listener `config` names, refusing with the key of the one that fails.
+    async fn new(config: &Config) -> Result<Bound, StartError> {
+        let agent = bind("agent.listen.address", config.agent.listen.address).await?;
+        let api = bind("api.listen.address", config.api.listen.address).await?;
+        let private = bind(
+            "private_api.listen.address",
+            config.private_api.listen.address,
+        )
+        .await?;
+        let observability = bind(
+            "observability.listen.address",
+            config.observability.listen.address,
+        )
+        .await?;
+        let kubernetes_api = match &config.agent.kubernetes_api {
+            Some(k) => Some(bind("agent.kubernetes_api.listen.address", k.listen.address).await?),
+            None => None,
+        };
+        let local = |l: &TcpListener| l.local_addr().map_err(|e| StartError::Setup(e.to_string()));
+        let addresses = Addresses {
+            agent: local(&agent)?,
+            api: local(&api)?,
+            private_api: local(&private)?,
+            observability: local(&observability)?,
+            kubernetes_api: kubernetes_api.as_ref().map(local).transpose()?,
+        };
+        Ok(Bound {
+            agent,
+            api,
+            private,
+            observability,
+            kubernetes_api,
+            addresses,
+        })
+    }
+}
+
+/// The node of kas `kas_id` as `config` sets it (advertised at `advertise`).
+fn node_config(config: &Config, kas_id: &KasId, keys: &Keys, advertise: SocketAddr) -> NodeConfig {
+    let a = &config.agent;
+    // Drawn before the incarnation, so that each simulation seed keeps its schedule.
+    let seed = rand::random();
+    let instance = KasInstanceInfo {
+        version: env!("CARGO_PKG_VERSION").into(),
+        commit: String::new(),
+        address: Some(KasAddress {
+            ip: advertise.ip().to_string(),
+            port: u32::from(advertise.port()),
+        }),
+        incarnation: rand::random(),
+    };
+    let defaults = NodeConfig::new(kas_id.clone(), keys.clone());
+    NodeConfig {
+        wakeups: config.redis.as_ref().is_none_or(|r| r.pubsub_wakeups),
+        instance,
+        seed,
+        tracker: TrackerConfig {
+            ttl: a.redis_conn_info_ttl,
+            refresh: a.redis_conn_info_refresh,
+            gc: a.redis_conn_info_gc,
+            liveness: a.kas_liveness_ttl,
+            ..defaults.tracker.clone()
+        },
+        router: RouterConfig {
+            grace: timing::ROUTE_GRACE,
+            linger: config
+                .redis
+                .as_ref()
+                .map_or(Duration::ZERO, |r| r.subscription_linger),
+            ..defaults.router
+        },
+        registry: RegistryConfig {
+            heartbeat_timeout: a.heartbeat_timeout,
+        },
+        ..defaults
+    }
+}
+
 impl Kas {
     /// [`Kas::start`] on the store the configuration names ([`configured_store`]).
     #[cfg(not(madsim))]
@@ -301,30 +580,14 @@ impl Kas {
     /// Binds all listeners and starts serving, with its registry in `store` (the
     /// simulation passes its own).
     pub async fn start(config: Config, store: Store) -> Result<Kas, StartError> {
-        let agent_l = bind("agent.listen.address", config.agent.listen.address).await?;
-        let api_l = bind("api.listen.address", config.api.listen.address).await?;
-        let private_l = bind(
-            "private_api.listen.address",
-            config.private_api.listen.address,
-        )
-        .await?;
-        let obs_l = bind(
-            "observability.listen.address",
-            config.observability.listen.address,
-        )
-        .await?;
-        let kube_l = match &config.agent.kubernetes_api {
-            Some(k) => Some(bind("agent.kubernetes_api.listen.address", k.listen.address).await?),
-            None => None,
-        };
-        let local = |l: &TcpListener| l.local_addr().map_err(|e| StartError::Setup(e.to_string()));
-        let addresses = Addresses {
-            agent: local(&agent_l)?,
-            api: local(&api_l)?,
-            private_api: local(&private_l)?,
-            observability: local(&obs_l)?,
-            kubernetes_api: kube_l.as_ref().map(local).transpose()?,
-        };
+        let Bound {
+            agent: agent_l,
+            api: api_l,
+            private: private_l,
+            observability: obs_l,
+            kubernetes_api: kube_l,
+            addresses,
+        } = Bound::new(&config).await?;
         let advertise = match config.private_api.advertise_address {
             Some(a) => a.addr,
             None => addresses.private_api,
@@ -351,18 +614,7 @@ impl Kas {
                 .map_or("gitlab-kas", |r| r.key_prefix.as_str()),
         );
 
-        let now = clock::now();
-        let seed: u64 = rand::random();
         let a = &config.agent;
-        let instance = KasInstanceInfo {
-            version: env!("CARGO_PKG_VERSION").into(),
-            commit: String::new(),
-            address: Some(KasAddress {
-                ip: advertise.ip().to_string(),
-                port: u32::from(advertise.port()),
-            }),
-            incarnation: rand::random(),
-        };
         let metrics = metrics::Metrics::default();
         #[cfg(not(madsim))]
         metrics
@@ -374,164 +626,37 @@ impl Kas {
         // calls are done and agents gone (or the grace is over): the rest is cut off.
         let (closing, closing_rx) = watch::channel(false);
         let (leaving, leaving_rx) = watch::channel(false);
-        let signer = Signer::new(&private_secret, jwt::GITLAB_KAS, jwt::GITLAB_KAS);
-        let defaults = NodeConfig::new(kas_id.clone(), keys.clone());
         let node = KasNode::new(
-            now,
-            NodeConfig {
-                wakeups: config.redis.as_ref().is_none_or(|r| r.pubsub_wakeups),
-                instance,
-                seed,
-                tracker: TrackerConfig {
-                    ttl: a.redis_conn_info_ttl,
-                    refresh: a.redis_conn_info_refresh,
-                    gc: a.redis_conn_info_gc,
-                    liveness: a.kas_liveness_ttl,
-                    ..defaults.tracker.clone()
-                },
-                router: RouterConfig {
-                    grace: timing::ROUTE_GRACE,
-                    linger: config
-                        .redis
-                        .as_ref()
-                        .map_or(Duration::ZERO, |r| r.subscription_linger),
-                    ..defaults.router
-                },
-                registry: RegistryConfig {
-                    heartbeat_timeout: a.heartbeat_timeout,
-                },
-                ..defaults
-            },
+            clock::now(),
+            node_config(&config, &kas_id, &keys, advertise),
         );
         let engine = engine::spawn(engine::EngineParts {
             node,
             store: store.clone(),
-            forwarder: forward::Forwarder::new(
-                peers::Peers::new(
-                    signer,
-                    a.max_message_size,
-                    peers::PrivateTls {
-                        tls: config.private_api.listen.tls().is_some(),
-                        ca_file: config.private_api.listen.ca_certificate_file.clone(),
-                    },
-                    peers::connections(),
-                ),
-                metrics.clone(),
-            ),
+            forwarder: forwarder(&config, &private_secret, &metrics),
             metrics: metrics.clone(),
             store_ready: store_ready_tx,
             stats: stats_tx,
         });
 
         let live_kas = Arc::new(live_kas::LiveKas::new(store.clone(), keys.kas_instances()));
-        let public = KasApiServer::with_interceptor(
-            public_api::PublicService {
-                engine: engine.clone(),
-                store,
-                keys,
-                default_timeout: config.api.default_timeout,
-                max_timeout: config.api.max_timeout,
-            },
-            JwtCheck {
-                verifier: Verifier::new(&gitlab_secret, jwt::GITLAB, jwt::GITLAB_KAS)
-                    .with_max_lifetime(config.api.max_token_lifetime),
-                listener: "api",
-            },
-        );
-        let private = KasPrivateServer::with_interceptor(
-            private_api::PrivateService {
-                engine: engine.clone(),
-                closing: closing_rx.clone(),
-                default_timeout: config.api.default_timeout,
-                max_timeout: config.api.max_timeout,
-            },
-            JwtCheck {
-                verifier: Verifier::new(&private_secret, jwt::GITLAB_KAS, jwt::GITLAB_KAS)
-                    .with_max_lifetime(config.private_api.max_token_lifetime),
-                listener: "private_api",
-            },
-        );
-        let agents = AgentApiServer::new(agent_api::AgentService {
-            auth,
-            engine: engine.clone(),
-            kas_address: advertise,
-            draining: closing_rx.clone(),
-            leaving: leaving_rx,
-            max_connection_age: a.max_connection_age(),
-            live_kas,
-            activity_every: a.heartbeat_timeout / 4,
-            next_tunnel: Arc::default(),
-            replicas: replicas::Replicas::default(),
-            limits: limits::AgentLimits::new(
-                limits::AgentLimitsConfig {
-                    requests_per_minute: a.connections_per_token_per_minute(),
-                    connections_per_agent: a.max_connections_per_agent,
-                    tunnels_per_connection: a.max_tunnels_per_connection,
-                },
-                metrics.clone(),
-            ),
-        })
-        .max_decoding_message_size(a.max_message_size);
-
+        let shared = Shared {
+            config: &config,
+            engine: &engine,
+            metrics: &metrics,
+            closing: closing_rx.clone(),
+        };
+        let public = shared.public_router(store, keys, &gitlab_secret);
+        let private = shared.private_router(&private_secret);
+        let agents = shared.agent_router(auth, advertise, leaving_rx, live_kas);
         let (stop_agents, agents_rx) = oneshot::channel::<()>();
         let (stop_obs, obs_rx) = oneshot::channel::<()>();
-        // The public and private listeners stop together, when `closing` turns true: no
-        // new calls during shutdown, running ones finish.
-        let stop_signal = |mut rx: watch::Receiver<bool>| async move {
-            let _ = rx.wait_for(|c| *c).await;
-        };
-        // `alpn`: what the listener speaks; an agent listener behind a proxy that passes
-        // only HTTP/1.1 also takes WebSocket upgrades.
-        let listening = |listen: &Listen, what, alpn| -> Result<Listening, StartError> {
-            let alpn = if listen.websocket {
-                ALPN_GRPC_OR_HTTP1
-            } else {
-                alpn
-            };
-            Ok(Listening {
-                #[cfg(not(madsim))]
-                handshake: listener::HandshakeLimits::of(listen),
-                what,
-                metrics: metrics.clone(),
-                tls: tls_config(listen, what, alpn)?,
-                websocket: listen.websocket,
-            })
-        };
-        let api_listening = listening(&config.api.listen, "api", ALPN_GRPC)?;
-        let private_listening = listening(&config.private_api.listen, "private_api", ALPN_GRPC)?;
-        let agent_listening = listening(&a.listen, "agent", ALPN_GRPC)?;
-        let obs_listening = listening(&config.observability.listen, "observability", ALPN_HTTP1)?;
-        let api_server = serve(
-            server(&config.api.listen).add_service(public),
-            api_l,
-            api_listening,
-            stop_signal(closing_rx.clone()),
-        );
-        let private_server = serve(
-            server(&config.private_api.listen).add_service(private),
-            private_l,
-            private_listening,
-            stop_signal(closing_rx.clone()),
-        );
-        let kube_server = kubernetes_api_server(
-            &config,
-            kube_l,
-            &engine,
-            &metrics,
-            stop_signal(closing_rx.clone()),
-        )?;
-        let agent_listen = a.listen.clone();
-        let calls_server = tokio::spawn(async move {
-            let (a, p, ()) = tokio::join!(api_server, private_server, kube_server);
-            for r in [a, p] {
-                if let Err(e) = r {
-                    tracing::error!(error = %e, "call listener failed");
-                }
-            }
-        });
+        let calls_server = shared.serve_calls(public, private, api_l, private_l, kube_l)?;
+        let agent_listening = shared.listening(&a.listen, "agent", ALPN_GRPC)?;
+        let obs_listening =
+            shared.listening(&config.observability.listen, "observability", ALPN_HTTP1)?;
         let agents_server = tokio::spawn(async move {
-            let router = server(&agent_listen).add_service(agents);
-            let r = serve(router, agent_l, agent_listening, async {
+            let r = serve(agents, agent_l, agent_listening, async {
                 let _ = agents_rx.await;
             })
             .await;
@@ -553,15 +678,7 @@ impl Kas {
                 let _ = obs_rx.await;
             },
         ));
-        tracing::info!(
-            kas = %kas_id,
-            agent = %addresses.agent,
-            api = %addresses.api,
-            private_api = %addresses.private_api,
-            observability = %addresses.observability,
-            kubernetes_api = %addresses.kubernetes_api.map_or("off".into(), |a| a.to_string()),
-            "kas started"
-        );
+        addresses.announce(&kas_id);
         Ok(Kas {
             addresses,
             engine,
