@@ -577,48 +577,12 @@ impl<C: Clone> KasNode<C> {
                 agent,
                 project,
                 connection,
-            } => {
-                let key = (agent, connection);
-                if let Some(c) = self.connections.get_mut(&key) {
-                    c.streams = c.streams.saturating_sub(1);
-                    if c.streams > 0 {
-                        return Ok(()); // another stream of the replica holds it here
-                    }
-                }
-                // Its tunnels go with it: the agent reconnects both.
-                let c = self.connections.remove(&key).unwrap_or_default();
-                for tunnel in c.tunnels {
-                    self.close(now, tunnel)?;
-                }
-                self.tracker.handle_input(
-                    now,
-                    TrackerInput::AgentDisconnected {
-                        agent,
-                        project,
-                        connection,
-                    },
-                );
-            }
+            } => self.agent_disconnected(now, agent, project, connection)?,
             NodeInput::TunnelOpened {
                 tunnel,
                 agent,
                 connection,
-            } => {
-                if self.tunnels.contains_key(&tunnel) || self.closing.contains(&tunnel) {
-                    return Err(mistake(format!("tunnel {tunnel} opened twice")));
-                }
-                let Some(c) = self.connections.get_mut(&(agent, connection)) else {
-                    return Err(NodeError::ConnectionNotOpen { agent, connection });
-                };
-                c.tunnels.insert(tunnel);
-                self.tunnels.insert(tunnel, (agent, connection));
-                let opened = RegistryInput::TunnelOpened {
-                    tunnel,
-                    agent,
-                    connection,
-                };
-                self.registry(now, opened)?;
-            }
+            } => self.tunnel_opened(now, tunnel, agent, connection)?,
             NodeInput::TunnelActivity(tunnel) => {
                 if self.tunnels.contains_key(&tunnel) {
                     self.registry(now, RegistryInput::TunnelActivity { tunnel })?;
@@ -626,17 +590,7 @@ impl<C: Clone> KasNode<C> {
                     return Err(mistake(format!("activity on unknown tunnel {tunnel}")));
                 }
             }
-            NodeInput::TunnelClosed(tunnel) => {
-                if self.closing.remove(&tunnel) {
-                    return Ok(()); // closed by the node; the registry knows
-                }
-                if !self.untable(tunnel) {
-                    return Err(mistake(format!(
-                        "tunnel {tunnel} closed twice or never opened"
-                    )));
-                }
-                self.registry(now, RegistryInput::TunnelClosed { tunnel })?;
-            }
+            NodeInput::TunnelClosed(tunnel) => self.tunnel_closed(now, tunnel)?,
             NodeInput::Route {
                 request,
                 wanted,
@@ -699,21 +653,7 @@ impl<C: Clone> KasNode<C> {
                 }
                 self.bounced(now, request);
             }
-            NodeInput::Cancel(request) => {
-                let Some(state) = self.calls.get(&request) else {
-                    return Ok(()); // ended first: the caller's guard fires after every end
-                };
-                if state.in_tunnel || state.delivered {
-                    // The tunnel, or the forward of a delivered streaming call, sees its
-                    // caller gone, drains the answer's end and ends the call: aborting a
-                    // forward there would reset its stream between the kas.
-                    return Ok(());
-                }
-                self.registry(now, RegistryInput::Release { request })?;
-                self.router
-                    .handle_input(now, RouterInput::Finished { request });
-                self.end(request, Outcome::Cancelled, None);
-            }
+            NodeInput::Cancel(request) => self.cancel(now, request)?,
             NodeInput::BatchDone { batch, ok } => {
                 if !ok {
                     self.set_store_health(now, false);
@@ -737,18 +677,110 @@ impl<C: Clone> KasNode<C> {
             NodeInput::StoreHealth(ok) => self.set_store_health(now, ok),
             NodeInput::PubSub(event) => return self.pubsub(now, event),
             NodeInput::Drain => self.drain_tunnels(now)?,
-            NodeInput::Shutdown => {
-                for (tunnel, _) in std::mem::take(&mut self.tunnels) {
-                    self.registry(now, RegistryInput::TunnelClosed { tunnel })?;
-                    self.closing.insert(tunnel);
-                    self.outputs.push_back(NodeOutput::CloseTunnel(tunnel));
-                }
-                for c in self.connections.values_mut() {
-                    c.tunnels.clear();
-                }
-                self.tracker.handle_input(now, TrackerInput::Shutdown);
+            NodeInput::Shutdown => self.shutdown(now)?,
+        }
+        Ok(())
+    }
+
+    /// A replica's stream ended: with its last stream here, its tunnels and records go.
+    fn agent_disconnected(
+        &mut self,
+        now: Time,
+        agent: AgentId,
+        project: ProjectId,
+        connection: ConnectionId,
+    ) -> Result<(), NodeError> {
+        let key = (agent, connection);
+        if let Some(c) = self.connections.get_mut(&key) {
+            c.streams = c.streams.saturating_sub(1);
+            if c.streams > 0 {
+                return Ok(()); // another stream of the replica holds it here
             }
         }
+        // Its tunnels go with it: the agent reconnects both.
+        let c = self.connections.remove(&key).unwrap_or_default();
+        for tunnel in c.tunnels {
+            self.close(now, tunnel)?;
+        }
+        self.tracker.handle_input(
+            now,
+            TrackerInput::AgentDisconnected {
+                agent,
+                project,
+                connection,
+            },
+        );
+        Ok(())
+    }
+
+    /// A tunnel of an open connection sent its descriptor.
+    fn tunnel_opened(
+        &mut self,
+        now: Time,
+        tunnel: TunnelId,
+        agent: AgentId,
+        connection: ConnectionId,
+    ) -> Result<(), NodeError> {
+        if self.tunnels.contains_key(&tunnel) || self.closing.contains(&tunnel) {
+            return Err(mistake(format!("tunnel {tunnel} opened twice")));
+        }
+        let Some(c) = self.connections.get_mut(&(agent, connection)) else {
+            return Err(NodeError::ConnectionNotOpen { agent, connection });
+        };
+        c.tunnels.insert(tunnel);
+        self.tunnels.insert(tunnel, (agent, connection));
+        let opened = RegistryInput::TunnelOpened {
+            tunnel,
+            agent,
+            connection,
+        };
+        self.registry(now, opened)?;
+        Ok(())
+    }
+
+    /// A tunnel's stream ended.
+    fn tunnel_closed(&mut self, now: Time, tunnel: TunnelId) -> Result<(), NodeError> {
+        if self.closing.remove(&tunnel) {
+            return Ok(()); // closed by the node; the registry knows
+        }
+        if !self.untable(tunnel) {
+            return Err(mistake(format!(
+                "tunnel {tunnel} closed twice or never opened"
+            )));
+        }
+        self.registry(now, RegistryInput::TunnelClosed { tunnel })?;
+        Ok(())
+    }
+
+    /// The caller went away.
+    fn cancel(&mut self, now: Time, request: RequestId) -> Result<(), NodeError> {
+        let Some(state) = self.calls.get(&request) else {
+            return Ok(()); // ended first: the caller's guard fires after every end
+        };
+        if state.in_tunnel || state.delivered {
+            // The tunnel, or the forward of a delivered streaming call, sees its
+            // caller gone, drains the answer's end and ends the call: aborting a
+            // forward there would reset its stream between the kas.
+            return Ok(());
+        }
+        self.registry(now, RegistryInput::Release { request })?;
+        self.router
+            .handle_input(now, RouterInput::Finished { request });
+        self.end(request, Outcome::Cancelled, None);
+        Ok(())
+    }
+
+    /// See [`NodeInput::Shutdown`].
+    fn shutdown(&mut self, now: Time) -> Result<(), NodeError> {
+        for (tunnel, _) in std::mem::take(&mut self.tunnels) {
+            self.registry(now, RegistryInput::TunnelClosed { tunnel })?;
+            self.closing.insert(tunnel);
+            self.outputs.push_back(NodeOutput::CloseTunnel(tunnel));
+        }
+        for c in self.connections.values_mut() {
+            c.tunnels.clear();
+        }
+        self.tracker.handle_input(now, TrackerInput::Shutdown);
         Ok(())
     }
 
