@@ -186,6 +186,112 @@ pub fn check_reachable(
         .collect()
 }
 
+/// Violations of invariant 5 by the calls made through every kas to every agent once the
+/// faults have healed: each must be answered.
+pub fn check_healed_calls(calls: &[Call]) -> Vec<String> {
+    calls
+        .iter()
+        .filter_map(|c| {
+            let (code, msg) = c.result.as_ref().err()?;
+            Some(format!(
+                "inv 5: after healing, kas{} could not reach agent {}: {code:?} {msg}",
+                c.kas, c.agent
+            ))
+        })
+        .collect()
+}
+
+/// What a kas listed for an agent after healing: (kas, agent, its replicas' pods).
+pub type Listed = (usize, i64, Result<Vec<String>, String>);
+
+/// Violations of invariant 7 by the listings after healing: each kas lists exactly the
+/// live replicas of each of `agents`.
+pub fn check_listed(listed: &[Listed], agents: &[AgentSpec]) -> Vec<String> {
+    let mut violations = Vec::new();
+    for (k, agent, pods) in listed {
+        let replicas = agents
+            .iter()
+            .find(|a| a.agent == *agent)
+            .map_or(0, |a| a.replicas.len());
+        let expected: Vec<String> = (0..replicas).map(|r| pod_name(*agent, r)).collect();
+        match pods {
+            Ok(p) if *p == expected => {}
+            other => violations.push(format!(
+                "inv 7: after healing, kas{k} lists agent {agent} as {other:?}, expected {expected:?}"
+            )),
+        }
+    }
+    violations
+}
+
+/// Invariant 7's wake-ups: every call in `waited` (one through each kas, for `agent`, which
+/// connected to `live_kas` meanwhile; its tunnel was announced at `registered`) must be
+/// delivered. Returns how long after the announcement each call through another kas
+/// reached the agent, and the violations.
+pub fn check_woken(
+    waited: &[Call],
+    truth: &[Delivery],
+    registered: Option<Instant>,
+    agent: i64,
+    live_kas: usize,
+) -> (Vec<Duration>, Vec<String>) {
+    let (mut wakeups, mut violations) = (Vec::new(), Vec::new());
+    for c in waited {
+        match (&c.result, registered) {
+            (Ok(_), Some(at)) if c.kas != live_kas => {
+                if let Some(d) = truth.iter().find(|d| d.marker == c.marker) {
+                    wakeups.push(d.at.saturating_duration_since(at));
+                }
+            }
+            (Ok(_), _) => {}
+            (Err((code, msg)), _) => violations.push(format!(
+                "inv 7: kas{}'s call waiting for agent {agent}, which connected to kas{live_kas} meanwhile, ended {code:?} {msg}",
+                c.kas
+            )),
+        }
+    }
+    (wakeups, violations)
+}
+
+/// The gauges that must read zero once every agent is gone: what a kas holds, and its
+/// driver's mistakes since its last start (the node's machines never disagreed, and the
+/// engine never fed it an input it refused).
+const ZERO_AT_THE_END: [&str; 7] = [
+    "kas_tunnels",
+    "kas_calls",
+    "kas_connected_agents",
+    "kas_routing_calls",
+    "kas_tunnel_waiters",
+    "kas_pubsub_subscriptions",
+    "kas_driver_mistakes_total",
+];
+
+/// Violations of invariant 6 by kas `kas`'s `metrics` at the end: nothing held.
+pub fn check_gauges_zero(kas: usize, metrics: &str) -> Vec<String> {
+    ZERO_AT_THE_END
+        .iter()
+        .filter_map(
+            |gauge| match kas_server::kas::observability::gauge(metrics, gauge) {
+                Some(0.0) => None,
+                other => Some(format!("inv 6: kas{kas} {gauge} = {other:?} at the end")),
+            },
+        )
+        .collect()
+}
+
+/// Violations of invariant 6 by what Redis holds at the end: no agent's or project's
+/// record.
+pub fn check_records_left(entries: &BTreeMap<String, Vec<(String, Vec<u8>)>>) -> Vec<String> {
+    entries
+        .iter()
+        .filter(|(key, _)| key.contains("agent:") || key.contains("project:"))
+        .map(|(key, fields)| {
+            let names: Vec<&String> = fields.iter().map(|(f, _)| f).collect();
+            format!("inv 6: Redis still holds {key} {names:?}")
+        })
+        .collect()
+}
+
 /// A time the world (`kas: None`: the clock jumped, as for a paused VM) or one kas (cut
 /// off from everything, callers included) stood still.
 #[derive(Clone, Copy, Debug)]

@@ -8,10 +8,9 @@ use crate::redis::{MAX_REPLICATION_LAG, SHARDS};
 use crate::workload::{self, Call};
 use kas_core::AgentId;
 use kas_core::keys::Keys;
-use kas_server::kas::observability;
 use madsim::net::NetSim;
 use madsim::rand::{Rng, thread_rng};
-use madsim::runtime::Handle;
+use madsim::runtime::{Handle, NodeHandle};
 use std::time::Duration;
 use tokio::time::Instant;
 
@@ -803,47 +802,14 @@ pub async fn run(scenario: Scenario) -> Report {
     });
     // And one that answers every call with an `Error` frame: its calls fail, once each.
     cluster.add_rogue_agent(ROGUE, thread_rng().gen_range(0..spec.kas));
-    let secret = cluster.gitlab_secret();
-    let mut targets: Vec<i64> = agents.iter().map(|a| a.agent).collect();
-    targets.push(ABSENT);
-    targets.push(ROGUE);
     let start = Instant::now();
-    let until = start + FAULTY;
+    // One caller node for every phase.
     let caller = cluster.caller();
-    let calls = caller.spawn(workload::run(
-        secret.clone(),
-        spec.kas,
-        targets,
-        every,
-        until,
-        "call",
-    ));
-    let mut log = FaultLog::default();
-    if scenario == Scenario::ReconnectStorm {
-        for _ in 0..3 {
-            tokio::time::sleep(random_ms(2_000, 5_000)).await;
-            Handle::current().kill(cluster.kas_nodes[0].id());
-            tokio::time::sleep(random_ms(500, 2_000)).await;
-            Handle::current().restart(cluster.kas_nodes[0].id());
-            log.count += 1;
-        }
-    } else if scenario == Scenario::RollingRestart {
-        log = rolling_restart(&cluster, &spec.agents, until).await;
-    } else {
-        log = faults(
-            &cluster,
-            &agents,
-            &spec.agents,
-            &fault_kinds(scenario),
-            until,
-        )
-        .await;
-    }
-    let mut calls: Vec<Call> = calls.await.expect("caller finished");
-    calls.append(&mut log.calls);
+    let (mut calls, log) =
+        faulty_phase(scenario, &cluster, &caller, &spec, &agents, every, start).await;
     // The fault points are faults too: off for the healed phase (timing points stay on).
     kas_server::buggify::heal();
-    let mut violations = std::mem::take(&mut log.violations);
+    let mut violations = log.violations.clone();
     if scenario.ha() {
         let ha: Vec<i64> = spec.agents.iter().map(|a| a.agent).collect();
         let from = start + Duration::from_secs(1);
@@ -869,17 +835,98 @@ pub async fn run(scenario: Scenario) -> Report {
             LIVE_TIMEOUT,
         ));
     }
+    calls.extend(healed_phase(&cluster, &caller, spec.kas, &agents, &mut violations).await);
+    violations.extend(expired_fields_left(&cluster));
+    let (waited, wakeups) = liveness_phase(&mut cluster, &caller, spec.kas, &mut violations).await;
+    calls.extend(waited);
+    let truth = cluster.truth.deliveries();
+    violations.extend(checker::check_calls(&calls, &truth, &[ABSENT], &log.stalls));
+    if !log.agents_cut_off {
+        let holds = cluster.truth.holds();
+        violations.extend(checker::check_holds(&calls, &holds, &log.stalls));
+    }
+    violations.extend(leaks_left(&cluster, calls.len()).await);
+    if !violations.is_empty() {
+        violations.push(format!("(buggify points on in this run: {points:?})"));
+        violations.push(format!(
+            "({} kas; replicas' kas by agent: {:?}; a call every {every:?} on average)",
+            spec.kas,
+            spec.agents
+                .iter()
+                .map(|a| (a.agent, &a.replicas))
+                .collect::<Vec<_>>()
+        ));
+    }
+    Report {
+        stats: Stats::of(&calls, wakeups.clone()),
+        wakeups,
+        faults: log.count,
+        violations,
+    }
+}
 
-    // Healed. Let agents reconnect (their backoff is capped) and records expire and be
-    // rewritten (and collected: see `expired_fields_left`); then everything must route.
+/// The faulty phase: GitLab's calls for `FAULTY` from `start` while the scenario's faults
+/// strike. Returns the calls (the probes' included) and what happened.
+async fn faulty_phase(
+    scenario: Scenario,
+    cluster: &Cluster,
+    caller: &NodeHandle,
+    spec: &ClusterSpec,
+    agents: &[AgentSpec],
+    every: Duration,
+    start: Instant,
+) -> (Vec<Call>, FaultLog) {
+    let mut targets: Vec<i64> = agents.iter().map(|a| a.agent).collect();
+    targets.push(ABSENT);
+    targets.push(ROGUE);
+    let until = start + FAULTY;
+    let calls = caller.spawn(workload::run(
+        cluster.gitlab_secret(),
+        spec.kas,
+        targets,
+        every,
+        until,
+        "call",
+    ));
+    let mut log = FaultLog::default();
+    if scenario == Scenario::ReconnectStorm {
+        for _ in 0..3 {
+            tokio::time::sleep(random_ms(2_000, 5_000)).await;
+            Handle::current().kill(cluster.kas_nodes[0].id());
+            tokio::time::sleep(random_ms(500, 2_000)).await;
+            Handle::current().restart(cluster.kas_nodes[0].id());
+            log.count += 1;
+        }
+    } else if scenario == Scenario::RollingRestart {
+        log = rolling_restart(cluster, &spec.agents, until).await;
+    } else {
+        let kinds = fault_kinds(scenario);
+        log = faults(cluster, agents, &spec.agents, &kinds, until).await;
+    }
+    let mut calls: Vec<Call> = calls.await.expect("caller finished");
+    calls.append(&mut log.calls);
+    (calls, log)
+}
+
+/// Healed: agents reconnect (their backoff is capped) and records expire and are
+/// rewritten (and collected: see `expired_fields_left`); then every kas must reach every
+/// agent (inv 5) and list exactly its replicas (inv 7). Returns the calls made.
+async fn healed_phase(
+    cluster: &Cluster,
+    caller: &NodeHandle,
+    kas: usize,
+    agents: &[AgentSpec],
+    violations: &mut Vec<String>,
+) -> Vec<Call> {
     tokio::time::sleep(TTL * 3 + crate::cluster::RECONNECT_MAX + Duration::from_secs(2)).await;
+    let secret = cluster.gitlab_secret();
     let final_calls = caller
         .spawn({
             let secret = secret.clone();
-            let agents = agents.clone();
+            let agents = agents.to_vec();
             async move {
                 let mut out = Vec::new();
-                for k in 0..spec.kas {
+                for k in 0..kas {
                     for a in &agents {
                         let marker = format!("final-kas{k}-agent{}", a.agent);
                         out.push(
@@ -893,20 +940,13 @@ pub async fn run(scenario: Scenario) -> Report {
         })
         .await
         .expect("final calls");
-    for c in &final_calls {
-        if let Err((code, msg)) = &c.result {
-            violations.push(format!(
-                "inv 5: after healing, kas{} could not reach agent {}: {code:?} {msg}",
-                c.kas, c.agent
-            ));
-        }
-    }
+    violations.extend(checker::check_healed_calls(&final_calls));
     let listed = caller
         .spawn({
-            let (secret, agents) = (secret.clone(), agents.clone());
+            let agents = agents.to_vec();
             async move {
                 let mut out = Vec::new();
-                for k in 0..spec.kas {
+                for k in 0..kas {
                     for a in &agents {
                         // A read may time out under the timing points' pauses (up to 1 s
                         // in all, as long as kas's Redis timeout): that is no wrong list.
@@ -925,29 +965,24 @@ pub async fn run(scenario: Scenario) -> Report {
         })
         .await
         .expect("listing");
-    for (k, agent, pods) in listed {
-        let replicas = agents
-            .iter()
-            .find(|a| a.agent == agent)
-            .map_or(0, |a| a.replicas.len());
-        let expected: Vec<String> = (0..replicas).map(|r| pod_name(agent, r)).collect();
-        match pods {
-            Ok(p) if p == expected => {}
-            other => violations.push(format!(
-                "inv 7: after healing, kas{k} lists agent {agent} as {other:?}, expected {expected:?}"
-            )),
-        }
-    }
-    calls.extend(final_calls);
-    violations.extend(expired_fields_left(&cluster));
+    violations.extend(checker::check_listed(&listed, agents));
+    final_calls
+}
 
-    // Liveness: a call waits on every kas for an agent that is not connected; it connects
-    // to one of them; every call must be delivered, woken by the tunnel's registration.
-    let live_kas = thread_rng().gen_range(0..spec.kas);
+/// Liveness: a call waits on every kas for an agent that is not connected; it connects to
+/// one of them; every call must be delivered, woken by the tunnel's registration (inv 7).
+/// Returns the calls and how long after the registration each was delivered.
+async fn liveness_phase(
+    cluster: &mut Cluster,
+    caller: &NodeHandle,
+    kas: usize,
+    violations: &mut Vec<String>,
+) -> (Vec<Call>, Vec<Duration>) {
+    let live_kas = thread_rng().gen_range(0..kas);
+    let secret = cluster.gitlab_secret();
     let waiting =
         caller.spawn({
-            let secret = secret.clone();
-            let targets = (0..spec.kas)
+            let targets = (0..kas)
                 .map(|k| (k, LIVENESS, format!("wait-kas{k}")))
                 .collect();
             async move {
@@ -960,35 +995,21 @@ pub async fn run(scenario: Scenario) -> Report {
     let channel = Keys::new("kas").tunnel_events(AgentId(LIVENESS));
     let registered = cluster.redis.with_db(|db| db.first_publication(&channel));
     let truth = cluster.truth.deliveries();
-    let mut wakeups = Vec::new();
-    for c in &waited {
-        match (&c.result, registered) {
-            (Ok(_), Some(at)) if c.kas != live_kas => {
-                if let Some(d) = truth.iter().find(|d| d.marker == c.marker) {
-                    wakeups.push(d.at.saturating_duration_since(at));
-                }
-            }
-            (Ok(_), _) => {}
-            (Err((code, msg)), _) => violations.push(format!(
-                "inv 7: kas{}'s call waiting for agent {LIVENESS}, which connected to kas{live_kas} meanwhile, ended {code:?} {msg}",
-                c.kas
-            )),
-        }
-    }
-    calls.extend(waited);
-    violations.extend(checker::check_calls(&calls, &truth, &[ABSENT], &log.stalls));
-    if !log.agents_cut_off {
-        let holds = cluster.truth.holds();
-        violations.extend(checker::check_holds(&calls, &holds, &log.stalls));
-    }
+    let (wakeups, woken) = checker::check_woken(&waited, &truth, registered, LIVENESS, live_kas);
+    violations.extend(woken);
+    (waited, wakeups)
+}
 
-    // Leaks: with every agent gone and records expired, nothing may remain.
+/// Leaks (inv 6), and hops (inv 4) over the `issued` calls: with every agent gone and
+/// records expired, no tunnel, call, subscription or Redis record may remain.
+async fn leaks_left(cluster: &Cluster, issued: usize) -> Vec<String> {
     for (_, _, node) in &cluster.agent_nodes {
         Handle::current().kill(node.id());
     }
     // Subscriptions outlive an agent's last call by the linger.
     let linger = kas_server::config::DEFAULT_SUBSCRIPTION_LINGER;
     tokio::time::sleep(TTL * 3 + Duration::from_secs(4) + linger).await;
+    let mut violations = Vec::new();
     let mut routed = 0.0;
     for (k, slot) in cluster.health.iter().enumerate() {
         let metrics = slot
@@ -999,47 +1020,11 @@ pub async fn run(scenario: Scenario) -> Report {
             .unwrap_or_default();
         violations.extend(checker::check_hops(k, &metrics));
         routed += checker::routed(&metrics);
-        for gauge in [
-            "kas_tunnels",
-            "kas_calls",
-            "kas_connected_agents",
-            "kas_routing_calls",
-            "kas_tunnel_waiters",
-            "kas_pubsub_subscriptions",
-            // Since its last start: the node's machines never disagreed, and the engine
-            // never fed it an input it refused.
-            "kas_driver_mistakes_total",
-        ] {
-            match observability::gauge(&metrics, gauge) {
-                Some(0.0) => {}
-                other => violations.push(format!("inv 6: kas{k} {gauge} = {other:?} at the end")),
-            }
-        }
+        violations.extend(checker::check_gauges_zero(k, &metrics));
     }
-    violations.extend(checker::check_routed(routed, calls.len()));
+    violations.extend(checker::check_routed(routed, issued));
     kas_server::buggify::disable();
     let entries = cluster.redis.with_db(|db| db.entries(Instant::now()));
-    for (key, fields) in entries {
-        if key.contains("agent:") || key.contains("project:") {
-            let names: Vec<&String> = fields.iter().map(|(f, _)| f).collect();
-            violations.push(format!("inv 6: Redis still holds {key} {names:?}"));
-        }
-    }
-    if !violations.is_empty() {
-        violations.push(format!("(buggify points on in this run: {points:?})"));
-        violations.push(format!(
-            "({} kas; replicas' kas by agent: {:?}; a call every {every:?} on average)",
-            spec.kas,
-            spec.agents
-                .iter()
-                .map(|a| (a.agent, &a.replicas))
-                .collect::<Vec<_>>()
-        ));
-    }
-    Report {
-        stats: Stats::of(&calls, wakeups.clone()),
-        wakeups,
-        faults: log.count,
-        violations,
-    }
+    violations.extend(checker::check_records_left(&entries));
+    violations
 }
