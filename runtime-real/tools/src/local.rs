@@ -85,6 +85,102 @@ pub struct Stopped {
     pub redis_keys_left: Option<Vec<String>>,
 }
 
+/// The files every kas of the deployment reads.
+struct KasFiles<'a> {
+    tokens: &'a Path,
+    user_tokens: &'a Path,
+    gitlab: &'a Path,
+    kas: &'a Path,
+}
+
+/// The TLS settings of each kind of listener, as YAML flow-map entries (empty: plaintext).
+struct ListenTls<'a> {
+    listen: &'a str,
+    private: &'a str,
+    kube: &'a str,
+}
+
+/// Starts three kas sharing `redis`, or one on its memory: each with a config file written
+/// by `write`.
+async fn start_kas(
+    write: impl Fn(&str, String) -> Result<PathBuf, String>,
+    redis: Option<&RedisServer>,
+    files: &KasFiles<'_>,
+    tls: &ListenTls<'_>,
+) -> Result<Vec<Kas>, String> {
+    let (listen_tls, private_tls, kube_tls) = (tls.listen, tls.private, tls.kube);
+    let kas_count = if redis.is_some() { 3 } else { 1 };
+    let mut kas = Vec::new();
+    for i in 0..kas_count {
+        let mut yaml = format!(
+            "agent:\n  listen: {{address: '127.0.0.1:0'{listen_tls}}}\n  tokens_file: '{}'\n  kubernetes_api:\n    listen: {{address: '127.0.0.1:0'{kube_tls}}}\n    tokens_file: '{}'\n    routing_timeout: {KUBE_ROUTING_TIMEOUT_SECS}s\napi:\n  listen: {{address: '127.0.0.1:0', authentication_secret_file: '{}'{listen_tls}}}\nprivate_api:\n  listen: {{address: '127.0.0.1:0', authentication_secret_file: '{}'{private_tls}}}\nobservability:\n  listen: {{address: '127.0.0.1:0'{listen_tls}}}\nshutdown_grace: 2s\n",
+            files.tokens.display(),
+            files.user_tokens.display(),
+            files.gitlab.display(),
+            files.kas.display(),
+        );
+        if let Some(r) = redis {
+            let _ = write!(
+                yaml,
+                "redis:\n  server: {{address: '{}'}}\n  key_prefix: kas\n",
+                r.address()
+            );
+        }
+        let path = write(&format!("kas{i}.yaml"), yaml)?;
+        let config = Config::load(&path, None).map_err(|e| e.to_string())?;
+        kas.push(
+            Kas::start_configured(config)
+                .await
+                .map_err(|e| format!("kas{i}: {e}"))?,
+        );
+    }
+    Ok(kas)
+}
+
+/// Starts the agent replicas, each on its kas only (the deployment's contexts name the
+/// route, local or remote, a call takes), until `shutdown` turns true.
+fn start_agents(
+    dir: &Path,
+    replicas: &[Replica],
+    tokens: &[String],
+    kas: &[Kas],
+    clusters: &[(i64, KubeServer)],
+    ca: Option<&PathBuf>,
+    shutdown: &watch::Receiver<bool>,
+) -> Result<JoinSet<()>, String> {
+    let mut agents = JoinSet::new();
+    for r in replicas {
+        let source = PodSource::fixture_file(&dir.join(format!("pods-agent{}.yaml", r.agent)))?;
+        let meta = AgentMeta {
+            version: env!("CARGO_PKG_VERSION").into(),
+            commit: String::new(),
+            pod_namespace: "gitlab-agent".into(),
+            pod_name: r.pod.clone(),
+        };
+        let token = tokens[usize::try_from(r.agent - 1).unwrap_or(0)].clone();
+        let url = url(ca.is_some(), kas[r.kas].addresses.agent);
+        let mut options = AgentOptions::new(url, token, meta);
+        options.ca_cert_file = ca.cloned();
+        options.seed = rand::random();
+        options.kas_connections = 1;
+        let cluster = clusters
+            .iter()
+            .find(|(n, _)| *n == r.agent)
+            .map(|(_, c)| c.url())
+            .ok_or_else(|| format!("no cluster for agent {}", r.agent))?;
+        let upstream = kube::Config::new(
+            cluster
+                .parse()
+                .map_err(|e| format!("cluster URL {cluster}: {e}"))?,
+        );
+        let modules = Modules::default()
+            .with_pods(source)
+            .with_kubernetes_api(Upstream::new(upstream)?);
+        agents.spawn(agent::run(options, Arc::new(modules), shutdown.clone()));
+    }
+    Ok(agents)
+}
+
 impl LocalDeployment {
     /// Starts the deployment with its files (secrets, tokens, configs, fixture pods) in
     /// `dir`, with Redis when `with_redis`, every listener and every connection over TLS
@@ -168,31 +264,23 @@ impl LocalDeployment {
         } else {
             None
         };
-        let kas_count = if redis.is_some() { 3 } else { 1 };
-        let mut kas = Vec::new();
-        for i in 0..kas_count {
-            let mut yaml = format!(
-                "agent:\n  listen: {{address: '127.0.0.1:0'{listen_tls}}}\n  tokens_file: '{}'\n  kubernetes_api:\n    listen: {{address: '127.0.0.1:0'{kube_tls}}}\n    tokens_file: '{}'\n    routing_timeout: {KUBE_ROUTING_TIMEOUT_SECS}s\napi:\n  listen: {{address: '127.0.0.1:0', authentication_secret_file: '{}'{listen_tls}}}\nprivate_api:\n  listen: {{address: '127.0.0.1:0', authentication_secret_file: '{}'{private_tls}}}\nobservability:\n  listen: {{address: '127.0.0.1:0'{listen_tls}}}\nshutdown_grace: 2s\n",
-                tokens_file.display(),
-                user_tokens_file.display(),
-                gitlab_file.display(),
-                kas_file.display(),
-            );
-            if let Some(r) = &redis {
-                let _ = write!(
-                    yaml,
-                    "redis:\n  server: {{address: '{}'}}\n  key_prefix: kas\n",
-                    r.address()
-                );
-            }
-            let path = write(&format!("kas{i}.yaml"), yaml)?;
-            let config = Config::load(&path, None).map_err(|e| e.to_string())?;
-            kas.push(
-                Kas::start_configured(config)
-                    .await
-                    .map_err(|e| format!("kas{i}: {e}"))?,
-            );
-        }
+        let kas = start_kas(
+            |name, text| write(name, text),
+            redis.as_ref(),
+            &KasFiles {
+                tokens: &tokens_file,
+                user_tokens: &user_tokens_file,
+                gitlab: &gitlab_file,
+                kas: &kas_file,
+            },
+            &ListenTls {
+                listen: &listen_tls,
+                private: &private_tls,
+                kube: &kube_tls,
+            },
+        )
+        .await?;
+        let kas_count = kas.len();
 
         let replicas = vec![
             Replica {
@@ -212,38 +300,15 @@ impl LocalDeployment {
             },
         ];
         let (stop_agents, shutdown) = watch::channel(false);
-        let mut agents = JoinSet::new();
-        for r in &replicas {
-            let source = PodSource::fixture_file(&dir.join(format!("pods-agent{}.yaml", r.agent)))?;
-            let meta = AgentMeta {
-                version: env!("CARGO_PKG_VERSION").into(),
-                commit: String::new(),
-                pod_namespace: "gitlab-agent".into(),
-                pod_name: r.pod.clone(),
-            };
-            let token = tokens[usize::try_from(r.agent - 1).unwrap_or(0)].clone();
-            let url = url(ca.is_some(), kas[r.kas].addresses.agent);
-            let mut options = AgentOptions::new(url, token, meta);
-            options.ca_cert_file = ca.clone();
-            options.seed = rand::random();
-            // Each replica on its kas only, as the deployment's contexts name the route
-            // (local or remote) a call takes.
-            options.kas_connections = 1;
-            let cluster = clusters
-                .iter()
-                .find(|(n, _)| *n == r.agent)
-                .map(|(_, c)| c.url())
-                .ok_or_else(|| format!("no cluster for agent {}", r.agent))?;
-            let upstream = kube::Config::new(
-                cluster
-                    .parse()
-                    .map_err(|e| format!("cluster URL {cluster}: {e}"))?,
-            );
-            let modules = Modules::default()
-                .with_pods(source)
-                .with_kubernetes_api(Upstream::new(upstream)?);
-            agents.spawn(agent::run(options, Arc::new(modules), shutdown.clone()));
-        }
+        let agents = start_agents(
+            dir,
+            &replicas,
+            &tokens,
+            &kas,
+            &clusters,
+            ca.as_ref(),
+            &shutdown,
+        )?;
         let deployment = LocalDeployment {
             dir: dir.to_path_buf(),
             redis,
