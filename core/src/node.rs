@@ -451,16 +451,38 @@ struct Connection {
     tunnels: BTreeSet<TunnelId>,
 }
 
+/// Where a call is.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+enum Place {
+    /// With the router, or waiting here for a tunnel: nothing reached an agent.
+    Routing,
+    /// In a local tunnel, which ends it. `delivered`: it reached the agent, or may have
+    /// ([`NodeInput::Delivered`]).
+    Tunnel { delivered: bool },
+    /// Forwarded to another kas, whose answer ends it. `delivered`: that kas handed it to
+    /// a tunnel.
+    Forward { delivered: bool },
+}
+
+impl Place {
+    /// It reached an agent, or may have: it is never offered again.
+    fn delivered(self) -> bool {
+        matches!(
+            self,
+            Place::Tunnel { delivered: true } | Place::Forward { delivered: true }
+        )
+    }
+
+    fn in_tunnel(self) -> bool {
+        matches!(self, Place::Tunnel { .. })
+    }
+}
+
 struct CallState<C> {
     call: C,
     wanted: Wanted,
     origin: Origin,
-    /// A local tunnel holds it: the tunnel ends it.
-    in_tunnel: bool,
-    /// A forward to another kas holds it.
-    forwarding: bool,
-    /// It reached an agent, or may have ([`NodeInput::Delivered`]).
-    delivered: bool,
+    place: Place,
     /// A kas holding the agent's tunnels refused it as all busy ([`NodeInput::BouncedBusy`]).
     found_busy: bool,
     started: Time,
@@ -637,12 +659,13 @@ impl<C: Clone> KasNode<C> {
                 let Some(state) = self.calls.get_mut(&request) else {
                     return Ok(()); // ended first (its caller went away)
                 };
-                if !(state.in_tunnel || state.forwarding) {
+                let (Place::Tunnel { delivered } | Place::Forward { delivered }) = &mut state.place
+                else {
                     return Err(mistake(format!(
                         "call {request} reported delivered while no tunnel or forward held it"
                     )));
-                }
-                state.delivered = true;
+                };
+                *delivered = true;
                 self.router
                     .handle_input(now, RouterInput::Finished { request });
             }
@@ -757,7 +780,7 @@ impl<C: Clone> KasNode<C> {
         let Some(state) = self.calls.get(&request) else {
             return Ok(()); // ended first: the caller's guard fires after every end
         };
-        if state.in_tunnel || state.delivered {
+        if state.place.in_tunnel() || state.place.delivered() {
             // The tunnel, or the forward of a delivered streaming call, sees its
             // caller gone, drains the answer's end and ends the call: aborting a
             // forward there would reset its stream between the kas.
@@ -796,7 +819,7 @@ impl<C: Clone> KasNode<C> {
         let waiting: Vec<RequestId> = self
             .calls
             .iter()
-            .filter(|(_, s)| !(s.in_tunnel || s.forwarding || s.delivered))
+            .filter(|(_, s)| s.place == Place::Routing)
             .map(|(request, _)| *request)
             .collect();
         for request in waiting {
@@ -829,9 +852,7 @@ impl<C: Clone> KasNode<C> {
             call,
             wanted,
             origin,
-            in_tunnel: false,
-            forwarding: false,
-            delivered: false,
+            place: Place::Routing,
             found_busy: false,
             started: now,
         };
@@ -967,7 +988,7 @@ impl<C: Clone> KasNode<C> {
                     self.registry_in_drain(now, RegistryInput::Release { request });
                     return;
                 };
-                state.in_tunnel = true;
+                state.place = Place::Tunnel { delivered: false };
                 self.outputs.push_back(NodeOutput::Deliver {
                     request,
                     tunnel,
@@ -1045,7 +1066,7 @@ impl<C: Clone> KasNode<C> {
                     }
                     Target::Kas(kas) => {
                         debug_assert_ne!(kas, self.config.kas_id, "the router never picks itself");
-                        state.forwarding = true;
+                        state.place = Place::Forward { delivered: false };
                         self.outputs.push_back(NodeOutput::Forward {
                             request,
                             kas,
@@ -1070,7 +1091,7 @@ impl<C: Clone> KasNode<C> {
                         (Outcome::DeadlineExceeded, CallError::Route(error))
                     }
                 };
-                if !state.in_tunnel {
+                if !state.place.in_tunnel() {
                     self.registry_in_drain(now, RegistryInput::Release { request });
                 }
                 self.end(request, outcome, Some(error));
@@ -1083,7 +1104,7 @@ impl<C: Clone> KasNode<C> {
         let Some(state) = self.calls.get_mut(&request) else {
             return;
         };
-        if state.delivered {
+        if state.place.delivered() {
             // At most once: whatever the driver says now, the call may have reached the
             // agent, so it is never offered again.
             self.outputs.push_back(NodeOutput::Inconsistent(format!(
@@ -1091,8 +1112,7 @@ impl<C: Clone> KasNode<C> {
             )));
             return;
         }
-        state.in_tunnel = false;
-        state.forwarding = false;
+        state.place = Place::Routing;
         match state.origin {
             Origin::Public => self
                 .router
@@ -1116,7 +1136,7 @@ impl<C: Clone> KasNode<C> {
             request,
             origin: state.origin,
             outcome,
-            hops: u32::from(state.forwarding),
+            hops: u32::from(matches!(state.place, Place::Forward { .. })),
             call: state.call,
             error,
         });
