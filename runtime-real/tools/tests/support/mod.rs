@@ -308,6 +308,15 @@ impl KasProc {
             .status()
             .expect("kill runs");
         assert!(status.success(), "kill {signal} {pid}");
+        if frozen {
+            // The signal is delivered after kill returns: wait (at most 5 s) until every
+            // thread shows stopped, or a request sent at once may still be answered.
+            let end = Instant::now() + Duration::from_secs(5);
+            while !all_threads_stopped(&pid) {
+                assert!(Instant::now() < end, "kas {pid} did not stop within 5 s");
+                std::thread::sleep(Duration::from_millis(5));
+            }
+        }
     }
 
     /// Its resident memory, in bytes.
@@ -797,4 +806,18 @@ pub async fn only_live_left(store: &kas_server::store::Store, keys: &[String]) {
             .collect();
         assert_eq!(fields, ["live"], "{key}");
     }
+}
+
+/// Whether every thread of process `pid` is stopped (state `T` in /proc).
+fn all_threads_stopped(pid: &str) -> bool {
+    let Ok(tasks) = std::fs::read_dir(format!("/proc/{pid}/task")) else {
+        return false;
+    };
+    tasks.flatten().all(|task| {
+        std::fs::read_to_string(task.path().join("stat")).is_ok_and(|stat| {
+            // The state follows the command name, which is in parentheses.
+            stat.rsplit_once(") ")
+                .is_some_and(|(_, rest)| rest.starts_with('T') || rest.starts_with('t'))
+        })
+    })
 }
