@@ -8,7 +8,7 @@ mod gitlab;
 mod static_tokens;
 
 pub use cache::{CachePolicy, CachedResolver, Fetch, TokenCache};
-pub use gitlab::{GitLabClient, KAS_API_REQUEST_HEADER, http_client};
+pub use gitlab::{GitLabApi, GitLabClient};
 pub use static_tokens::StaticTokens;
 
 use kas_core::{AgentId, ProjectId};

@@ -5,9 +5,7 @@
 //! [`TokenCache`]).
 
 use super::access::{AccessAs, Caller, Credential, Grant, TokenKind, impersonation};
-use kas_auth::agent_auth::{
-    AuthError, CachePolicy, Fetch, KAS_API_REQUEST_HEADER, TokenCache, http_client,
-};
+use kas_auth::agent_auth::{AuthError, CachePolicy, Fetch, GitLabApi, TokenCache};
 use kas_auth::jwt::Signer;
 use kas_core::AgentId;
 use serde::Deserialize;
@@ -73,18 +71,14 @@ struct AllowedAgents {
 
 /// A client of GitLab's user and CI job authorization.
 pub struct GitLabAccess {
-    http: reqwest::Client,
-    base: String,
-    signer: Signer,
+    api: GitLabApi,
 }
 
 impl GitLabAccess {
     /// A client of the GitLab at `base`, signing with `signer`.
     pub fn new(base: &str, signer: Signer, timeout: Duration) -> Result<Self, String> {
         Ok(GitLabAccess {
-            http: http_client(timeout)?,
-            base: base.trim_end_matches('/').to_string(),
-            signer,
+            api: GitLabApi::new(base, signer, timeout)?,
         })
     }
 
@@ -108,11 +102,11 @@ impl GitLabAccess {
         let agent = credential.agent;
         let request = match credential.kind {
             TokenKind::Pat => self
-                .http
-                .post(format!(
-                    "{}/api/v4/internal/kubernetes/authorize_proxy_user",
-                    self.base
-                ))
+                .api
+                .request(
+                    reqwest::Method::POST,
+                    "/api/v4/internal/kubernetes/authorize_proxy_user",
+                )
                 .json(&serde_json::json!({
                     "agent_id": agent.0,
                     "access_type": "personal_access_token",
@@ -120,15 +114,11 @@ impl GitLabAccess {
                     "csrf_token": "",
                 })),
             TokenKind::Ci => self
-                .http
-                .get(format!("{}/api/v4/job/allowed_agents", self.base))
+                .api
+                .request(reqwest::Method::GET, "/api/v4/job/allowed_agents")
                 .header("Job-Token", &credential.token),
         };
-        let resp = request
-            .header(KAS_API_REQUEST_HEADER, self.signer.token())
-            .send()
-            .await
-            .map_err(|e| AuthError::Unavailable(format!("GitLab request failed: {e}")))?;
+        let resp = self.api.send(request).await?;
         let status = resp.status();
         match status.as_u16() {
             200..=299 => {}
