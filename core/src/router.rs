@@ -223,19 +223,46 @@ struct Route {
 struct AgentRoutes {
     requests: BTreeSet<RequestId>,
     subscription: Subscription,
-    lookup_in_flight: bool,
-    /// An event arrived, or pub-sub went down, while the lookup was in flight: its result
-    /// may be stale, so it answers the waiting calls but is not kept.
-    lookup_raced: bool,
-    /// The subscription became active while the lookup was in flight (a poll sent while
-    /// pub-sub was down): it may have read the store before a record was announced that
-    /// the subscription missed, so the calls it leaves waiting look up again.
-    lookup_before_subscription: bool,
+    lookup: Lookup,
     /// The other kas holding tunnels of the agent: the last lookup with every event since.
     /// Only while the subscription stayed active and pub-sub up.
     known: Option<BTreeSet<KasId>>,
     /// Without calls since; unsubscribed once `linger` has passed.
     idle_since: Option<Time>,
+}
+
+/// An agent's lookup of its tunnel records.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+enum Lookup {
+    /// None in flight.
+    #[default]
+    Idle,
+    /// One in flight.
+    InFlight {
+        /// An event arrived, or pub-sub went down, since it was sent: its result may be
+        /// stale, so it answers the waiting calls but is not kept.
+        raced: bool,
+        /// The subscription became active since it was sent (a poll sent while pub-sub was
+        /// down): it may have read the store before a record was announced that the
+        /// subscription missed, so the calls it leaves waiting look up again.
+        early: bool,
+    },
+}
+
+impl Lookup {
+    /// An event arrived, or pub-sub went down: a lookup in flight may answer stale.
+    fn race(&mut self) {
+        if let Lookup::InFlight { raced, .. } = self {
+            *raced = true;
+        }
+    }
+
+    /// The subscription became active: a lookup in flight may have read too early.
+    fn subscribed_meanwhile(&mut self) {
+        if let Lookup::InFlight { early, .. } = self {
+            *early = true;
+        }
+    }
 }
 
 /// What a refusal says a kas lacks: a tunnel of the agent, or of one of its replicas.
@@ -310,7 +337,7 @@ impl Router {
             RouterInput::Subscribed { agent } => {
                 if let Some(a) = self.agents.get_mut(&agent) {
                     a.subscription = Subscription::Active;
-                    a.lookup_before_subscription |= a.lookup_in_flight;
+                    a.lookup.subscribed_meanwhile();
                     if self.any_in_phase(agent, Phase::NeedLookup) {
                         self.lookup(agent);
                     }
@@ -328,7 +355,7 @@ impl Router {
                     return;
                 }
                 if let Some(a) = self.agents.get_mut(&agent) {
-                    a.lookup_raced |= a.lookup_in_flight;
+                    a.lookup.race();
                     if connected {
                         if let Some(known) = &mut a.known {
                             known.insert(kas.clone());
@@ -354,7 +381,7 @@ impl Router {
                 self.pubsub_up = false;
                 for a in self.agents.values_mut() {
                     a.known = None;
-                    a.lookup_raced |= a.lookup_in_flight;
+                    a.lookup.race();
                     // Re-subscribed by the reconnection, but active again only once
                     // confirmed: a lookup before that could miss a record announced
                     // between its read and the subscription (a lingering subscription
@@ -553,9 +580,12 @@ impl Router {
 
     fn lookup(&mut self, agent: AgentId) {
         if let Some(a) = self.agents.get_mut(&agent)
-            && !a.lookup_in_flight
+            && a.lookup == Lookup::Idle
         {
-            a.lookup_in_flight = true;
+            a.lookup = Lookup::InFlight {
+                raced: false,
+                early: false,
+            };
             self.outputs.push_back(RouterOutput::Lookup(agent));
         }
     }
@@ -564,9 +594,10 @@ impl Router {
         let Some(a) = self.agents.get_mut(&agent) else {
             return;
         };
-        a.lookup_in_flight = false;
-        let early = std::mem::take(&mut a.lookup_before_subscription);
-        let raced = std::mem::take(&mut a.lookup_raced);
+        let (raced, early) = match std::mem::take(&mut a.lookup) {
+            Lookup::InFlight { raced, early } => (raced, early),
+            Lookup::Idle => (false, false),
+        };
         let keep = self.pubsub_up && a.subscription == Subscription::Active && !raced && !early;
         a.known = match &kas {
             Some(kas) if keep => Some(
