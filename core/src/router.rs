@@ -196,9 +196,35 @@ pub struct RouterConfig {
 
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 enum Phase {
+    /// An attempt at `Route::current` is under way.
     Attempting,
+    /// Waiting for the agent's lookup.
     NeedLookup,
+    /// Waiting for an event, or the safety-net poll at `poll_at` (no timer when that is
+    /// past the deadline).
     Waiting { poll_at: Time },
+    /// Waiting for an event alone: pub-sub is up, the subscription active, and the last
+    /// lookup told everything (the deadline timer ends it).
+    Listening,
+}
+
+impl Phase {
+    /// Waiting for something to happen: an event, a poll or the deadline.
+    fn waiting(self) -> bool {
+        matches!(self, Phase::Waiting { .. } | Phase::Listening)
+    }
+}
+
+/// What a call's lookups told of the agent's tunnels.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+enum Known {
+    /// No lookup has answered yet.
+    Nothing,
+    /// The last lookup failed, or a kas refused the call since.
+    Unsure,
+    /// The last lookup succeeded and no kas refused the call since: with pub-sub up, an
+    /// event is all it needs.
+    Everything,
 }
 
 #[derive(Debug)]
@@ -211,11 +237,7 @@ struct Route {
     current: Option<Target>,
     /// A tunnel event arrived since the last lookup was issued for this call.
     woken: bool,
-    /// A lookup has answered for this call at least once.
-    looked_up: bool,
-    /// The last lookup succeeded and no kas refused the call since: with pub-sub up, an
-    /// event is all it needs.
-    quiet: bool,
+    known: Known,
     polls: u32,
 }
 
@@ -392,7 +414,9 @@ impl Router {
                 }
                 for id in self.sorted_requests() {
                     let r = self.routes.get_mut(&id).expect("listed above");
-                    if matches!(r.phase, Phase::Waiting { poll_at } if poll_at >= r.deadline) {
+                    let past =
+                        matches!(r.phase, Phase::Waiting { poll_at } if poll_at >= r.deadline);
+                    if past || r.phase == Phase::Listening {
                         self.schedule_poll(now, id);
                     }
                 }
@@ -403,7 +427,7 @@ impl Router {
                 for id in ids {
                     if let Some(r) = self.routes.get_mut(&id) {
                         r.woken = true;
-                        if matches!(r.phase, Phase::Waiting { .. }) {
+                        if r.phase.waiting() {
                             self.discover(now, id);
                         }
                     }
@@ -416,7 +440,9 @@ impl Router {
                 if r.phase != Phase::Attempting {
                     return;
                 }
-                r.quiet = false;
+                if r.known == Known::Everything {
+                    r.known = Known::Unsure;
+                }
                 if let Some(Target::Kas(k)) = r.current.take() {
                     self.failed_at.insert((r.agent, r.connection, k), now);
                     // A replica missing there says nothing about the agent's other tunnels.
@@ -528,8 +554,7 @@ impl Router {
                 candidates: VecDeque::new(),
                 current: None,
                 woken: false,
-                looked_up: false,
-                quiet: false,
+                known: Known::Nothing,
                 polls: 0,
             },
         );
@@ -622,7 +647,7 @@ impl Router {
             // came: since pub-sub was back, or since the event that raced it (calls there
             // then were woken by it). They look up again.
             for id in waiting {
-                let waits = |r: &Route| matches!(r.phase, Phase::Waiting { .. });
+                let waits = |r: &Route| r.phase.waiting();
                 if self.routes.get(&id).is_some_and(waits) {
                     self.discover(now, id);
                 }
@@ -638,8 +663,11 @@ impl Router {
             None => Vec::new(),
         };
         let r = self.routes.get_mut(&id).expect("a live route");
-        r.looked_up = true;
-        r.quiet = kas.is_some();
+        r.known = if kas.is_some() {
+            Known::Everything
+        } else {
+            Known::Unsure
+        };
         for t in targets {
             if !r.candidates.contains(&t) {
                 r.candidates.push_back(t);
@@ -687,16 +715,13 @@ impl Router {
             r.current = Some(target.clone());
             self.outputs
                 .push_back(RouterOutput::Attempt { request, target });
-        } else if r.woken || !r.looked_up {
+        } else if r.woken || r.known == Known::Nothing {
             self.discover(now, request);
         } else if self.pubsub_up
-            && r.quiet
+            && r.known == Known::Everything
             && self.agents.get(&r.agent).map(|a| a.subscription) == Some(Subscription::Active)
         {
-            // Only an event wakes it (or the deadline timer ends it).
-            r.phase = Phase::Waiting {
-                poll_at: r.deadline,
-            };
+            r.phase = Phase::Listening;
         } else {
             self.schedule_poll(now, request);
         }
@@ -727,7 +752,7 @@ impl Router {
             if r.current.as_ref() != Some(&target) && !r.candidates.contains(&target) {
                 r.candidates.push_front(target.clone());
             }
-            if matches!(r.phase, Phase::Waiting { .. }) {
+            if r.phase.waiting() {
                 r.woken = false;
                 self.try_next(now, id);
             }
