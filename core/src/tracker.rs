@@ -265,9 +265,19 @@ pub struct Tracker {
     /// that loses the deletion revives them, so a rewrite-all deletes them again.
     deleted: Vec<(Time, String, String)>,
     next_heartbeat: Time,
-    shutting_down: bool,
-    shutdown_reported: bool,
+    stage: Stage,
     outputs: VecDeque<TrackerOutput>,
+}
+
+/// How far the tracker is from its end.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+enum Stage {
+    /// Writing, refreshing and collecting.
+    Running,
+    /// Deleting what it wrote ([`TrackerInput::Shutdown`]); nothing else.
+    Stopping,
+    /// Everything deleted, [`TrackerOutput::ShutdownComplete`] reported.
+    Stopped,
 }
 
 impl Tracker {
@@ -303,8 +313,7 @@ impl Tracker {
             next_batch_id: 0,
             failures: 0,
             retry_at: None,
-            shutting_down: false,
-            shutdown_reported: false,
+            stage: Stage::Running,
             outputs: VecDeque::new(),
         };
         let key = t.instances_key.clone();
@@ -349,7 +358,7 @@ impl Tracker {
                     .extend(keys.into_iter().map(|key| (now, key)));
             }
             TrackerInput::Shutdown => self.shutdown(),
-            _ if self.shutting_down => {}
+            _ if self.stage != Stage::Running => {}
             TrackerInput::AgentConnected(info) => {
                 let bytes = info.encode_to_vec();
                 let field = connection_field(ConnectionId(info.connection_id), &self.kas_id);
@@ -395,7 +404,7 @@ impl Tracker {
         if now >= self.next_heartbeat {
             self.next_heartbeat = Self::heartbeat_after(&self.config, now);
             let key = self.instances_key.clone();
-            if !self.shutting_down
+            if self.stage == Stage::Running
                 && let Some(st) = self.state.get_mut(&key)
             {
                 mark_dirty(&mut self.dirty_queue, key, st);
@@ -404,11 +413,11 @@ impl Tracker {
         if now >= self.next_refresh {
             self.next_refresh = now + self.config.refresh;
             self.deleted.retain(|(until, _, _)| *until > now);
-            if !self.shutting_down {
+            if self.stage == Stage::Running {
                 self.mark_refresh_dirty(now);
             }
         }
-        if now >= self.next_gc && !self.shutting_down {
+        if now >= self.next_gc && self.stage == Stage::Running {
             self.next_gc = now + self.config.gc;
             let key = self.instances_key.clone();
             self.outputs.push_back(TrackerOutput::ReadKas { key });
@@ -419,7 +428,7 @@ impl Tracker {
     /// Notes whether a kas went, restarted or appeared since the last read, then asks for the keys due to
     /// be collected (see the module docs).
     fn collect(&mut self, now: Time, live: Option<BTreeMap<String, u64>>) {
-        if self.shutting_down {
+        if self.stage != Stage::Running {
             return;
         }
         if let Some(live) = live {
@@ -479,7 +488,7 @@ impl Tracker {
     /// When to call [`Self::handle_timeout`] next.
     #[must_use]
     pub fn poll_timeout(&self) -> Option<Time> {
-        if self.shutting_down {
+        if self.stage != Stage::Running {
             return self.retry_at;
         }
         let periodic = Some(self.next_refresh.min(self.next_gc).min(self.next_heartbeat));
@@ -557,7 +566,9 @@ impl Tracker {
     }
 
     fn shutdown(&mut self) {
-        self.shutting_down = true;
+        if self.stage == Stage::Running {
+            self.stage = Stage::Stopping;
+        }
         let keys: Vec<String> = self.state.keys().cloned().collect();
         for key in keys {
             let st = self.state.get_mut(&key).expect("key listed above");
@@ -670,8 +681,8 @@ impl Tracker {
                     .push_back(TrackerOutput::Write(Batch { id, writes }));
             }
         }
-        if self.shutting_down && !self.shutdown_reported && self.is_settled() {
-            self.shutdown_reported = true;
+        if self.stage == Stage::Stopping && self.is_settled() {
+            self.stage = Stage::Stopped;
             self.outputs.push_back(TrackerOutput::ShutdownComplete);
         }
     }
