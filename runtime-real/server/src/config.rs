@@ -801,7 +801,7 @@ impl Config {
             match &k.tokens_file {
                 Some(f) => {
                     #[cfg(not(madsim))]
-                    if let Err(e) = crate::kas::kubernetes_api::StaticUserTokens::load(f) {
+                    if let Err(e) = kas_auth::user_tokens::StaticUserTokens::load(f) {
                         p.push(format!("agent.kubernetes_api.tokens_file: {e}"));
                     }
                     #[cfg(madsim)]

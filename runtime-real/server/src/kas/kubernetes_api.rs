@@ -15,11 +15,10 @@
     deny(clippy::unwrap_used, clippy::expect_used, clippy::indexing_slicing)
 )]
 
-mod access;
 mod gitlab;
 
-pub use access::{Credential, Grant, Refusal, StaticUserTokens};
 pub use gitlab::GitLabAccess;
+pub use kas_auth::user_tokens::{Credential, Grant, Refusal, StaticUserTokens};
 
 use super::call::{Call, Rest};
 use super::engine::{CancelOnDrop, EngineHandle};

@@ -4,9 +4,9 @@
 //! `Gitlab-Kas-Api-Request`. Answers are cached like agent tokens' (see
 //! [`TokenCache`]).
 
-use super::access::{AccessAs, Caller, Credential, Grant, TokenKind, impersonation};
 use kas_auth::agent_auth::{AuthError, CachePolicy, Fetch, GitLabApi, TokenCache};
 use kas_auth::jwt::Signer;
+use kas_auth::user_tokens::{AccessAs, Caller, Credential, Grant, TokenKind, impersonation};
 use kas_core::AgentId;
 use serde::Deserialize;
 use std::sync::Arc;

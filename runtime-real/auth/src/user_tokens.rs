@@ -16,7 +16,7 @@
 // output; a random seed keeps lookup cost unrelated to the tokens' content.
 #![allow(clippy::disallowed_types)]
 
-use kas_auth::token_file;
+use crate::token_file;
 use kas_core::AgentId;
 use kas_proto::frame::Values;
 use kas_proto::http::Impersonation;
