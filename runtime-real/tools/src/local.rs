@@ -265,7 +265,7 @@ impl LocalDeployment {
             None
         };
         let kas = start_kas(
-            |name, text| write(name, text),
+            &write,
             redis.as_ref(),
             &KasFiles {
                 tokens: &tokens_file,

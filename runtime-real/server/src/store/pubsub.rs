@@ -15,7 +15,7 @@ use tokio::sync::mpsc;
 use tokio::time::Instant;
 
 /// How often an idle pub-sub connection is checked with `PING`.
-pub const KEEPALIVE: Duration = Duration::from_secs(1);
+const KEEPALIVE: Duration = Duration::from_secs(1);
 
 /// Delays between attempts to (re)establish the connection.
 const RECONNECT: Backoff = Backoff {
