@@ -24,6 +24,11 @@ pub struct RequestId(pub u64);
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, PartialOrd, Ord)]
 pub struct TunnelId(pub u64);
 
+/// Whoever a call counts against in the sharing of an agent's tunnels: a digest of a
+/// Kubernetes API caller's token, the same on every kas. GitLab's own calls have none.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, PartialOrd, Ord)]
+pub struct Holder(pub u64);
+
 /// A kas instance, named by its private API address (`host:port`).
 #[derive(Clone, Debug, PartialEq, Eq, Hash, PartialOrd, Ord)]
 pub struct KasId(pub String);
@@ -37,4 +42,12 @@ macro_rules! display_inner {
         }
     )*};
 }
-display_inner!(AgentId, ProjectId, ConnectionId, RequestId, TunnelId, KasId);
+display_inner!(
+    AgentId,
+    ProjectId,
+    ConnectionId,
+    RequestId,
+    TunnelId,
+    KasId,
+    Holder
+);

@@ -29,7 +29,7 @@
 //! };
 //! let mut node: KasNode<&str> = KasNode::new(Time(0), config);
 //! // A call for an agent no kas holds, with a 1 s deadline.
-//! let wanted = Wanted { agent: AgentId(7), connection: None, deadline: Time(1_000) };
+//! let wanted = Wanted { agent: AgentId(7), connection: None, deadline: Time(1_000), holder: None };
 //! let mut inputs = vec![NodeInput::Route { request: RequestId(1), wanted, call: "payload" }];
 //! let mut now = Time(0);
 //! let mut failed = None;
@@ -78,5 +78,5 @@ pub mod tracker;
 pub mod tunnel_pool;
 pub mod tunnel_registry;
 
-pub use ids::{AgentId, ConnectionId, KasId, ProjectId, RequestId, TunnelId};
+pub use ids::{AgentId, ConnectionId, Holder, KasId, ProjectId, RequestId, TunnelId};
 pub use time::Time;

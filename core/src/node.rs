@@ -17,7 +17,7 @@
 //! stored once and handed out in the outputs that need it; the node never looks inside.
 
 use crate::backoff::Backoff;
-use crate::ids::{AgentId, ConnectionId, KasId, ProjectId, RequestId, TunnelId};
+use crate::ids::{AgentId, ConnectionId, Holder, KasId, ProjectId, RequestId, TunnelId};
 use crate::keys::Keys;
 use crate::router::{RouteError, Router, RouterConfig, RouterInput, RouterOutput, Target};
 use crate::time::{self, Time};
@@ -107,6 +107,8 @@ pub struct Wanted {
     pub connection: Option<ConnectionId>,
     /// The caller's deadline.
     pub deadline: Time,
+    /// Whom the call counts against in the sharing of the agent's tunnels, if anyone.
+    pub holder: Option<Holder>,
 }
 
 /// A message from the pub-sub connection.
@@ -1150,6 +1152,7 @@ fn wants_tunnel(request: RequestId, wanted: Wanted) -> RegistryInput {
         agent: wanted.agent,
         connection: wanted.connection,
         deadline: wanted.deadline,
+        holder: wanted.holder,
     }
 }
 

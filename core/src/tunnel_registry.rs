@@ -6,15 +6,25 @@
 //! here at all is refused at once ([`RegistryOutput::NoTunnel`]) so that the router can look
 //! elsewhere. Tunnels that miss their heartbeats are closed.
 //!
+//! Sharing: a call may name a [`Holder`] (a Kubernetes API caller). No holder may take
+//! more than three quarters of an agent's tunnels here ([`share`]), nor the last idle one
+//! while it holds any, so one caller cannot deny an agent to the others: a quarter of its
+//! tunnels (at least one) stays for them, and the last free tunnel goes to a caller that
+//! holds none. A holder's call beyond that waits like a call for a busy agent, until one of
+//! its own calls ends or tunnels open, or until its deadline. GitLab's calls (no holder)
+//! are not counted.
+//!
 //! Driving contract: feed [`TunnelRegistry::handle_input`], drain
 //! [`TunnelRegistry::poll_output`], and call [`TunnelRegistry::handle_timeout`] at
 //! [`TunnelRegistry::poll_timeout`].
 //!
 //! Cost: claiming and releasing are O(1) in the number of tunnels (hash maps and
-//! `IndexSet::swap_remove`); waiters of one agent are kept in a `BTreeMap` by arrival.
+//! `IndexSet::swap_remove`); waiters of one agent are kept in a `BTreeMap` by arrival, and a
+//! released tunnel passes over the waiters of holders at their share (each holder has at
+//! most `agent.kubernetes_api.max_requests_per_token_per_agent` calls per routing kas).
 
 use crate::fixed_hash::Map;
-use crate::ids::{AgentId, ConnectionId, RequestId, TunnelId};
+use crate::ids::{AgentId, ConnectionId, Holder, RequestId, TunnelId};
 use crate::time::{Time, earliest};
 use indexmap::IndexSet;
 use std::cmp::Reverse;
@@ -53,6 +63,8 @@ pub enum RegistryInput {
         connection: Option<ConnectionId>,
         /// When to give up waiting.
         deadline: Time,
+        /// Whom the call counts against in the sharing of the agent's tunnels.
+        holder: Option<Holder>,
     },
     /// The call is over (answered, failed or cancelled): a waiting call stops waiting, a
     /// claimed tunnel is idle again. Releasing an unknown call does nothing.
@@ -141,8 +153,22 @@ struct Tunnel {
 struct Waiter {
     agent: AgentId,
     connection: Option<ConnectionId>,
+    holder: Option<Holder>,
     seq: u64,
     deadline: Time,
+}
+
+/// A call's tunnel, and the share it counts against.
+#[derive(Debug)]
+struct Claim {
+    tunnel: TunnelId,
+    share: Option<(AgentId, Holder)>,
+}
+
+/// The most tunnels of an agent with `total` here that one holder may hold: all but a
+/// quarter, and at least one.
+fn share(total: usize) -> usize {
+    total.saturating_sub((total / 4).max(1)).max(1)
 }
 
 type ConnKey = (AgentId, ConnectionId);
@@ -157,7 +183,11 @@ pub struct TunnelRegistry {
     per_conn: Map<ConnKey, usize>,
     idle_by_agent: Map<AgentId, IndexSet<TunnelId>>,
     idle_by_conn: Map<ConnKey, IndexSet<TunnelId>>,
-    claims: Map<RequestId, TunnelId>,
+    claims: Map<RequestId, Claim>,
+    /// Tunnels each holder has claimed, per agent.
+    held: Map<(AgentId, Holder), usize>,
+    /// Waiters per agent, pinned or not.
+    waiting: Map<AgentId, usize>,
     waiters: Map<RequestId, Waiter>,
     /// Waiters for any connection of an agent, and for one connection, by arrival.
     queue_by_agent: Map<AgentId, BTreeMap<u64, RequestId>>,
@@ -180,6 +210,8 @@ impl TunnelRegistry {
             idle_by_agent: Map::default(),
             idle_by_conn: Map::default(),
             claims: Map::default(),
+            held: Map::default(),
+            waiting: Map::default(),
             waiters: Map::default(),
             queue_by_agent: Map::default(),
             queue_by_conn: Map::default(),
@@ -241,14 +273,22 @@ impl TunnelRegistry {
                 agent,
                 connection,
                 deadline,
+                holder,
             } => {
                 if self.waiters.contains_key(&request) || self.claims.contains_key(&request) {
                     return Err(RegistryError::DuplicateRequest(request));
                 }
-                self.request(now, request, agent, connection, deadline);
+                let waiter = Waiter {
+                    agent,
+                    connection,
+                    holder,
+                    seq: self.next_seq,
+                    deadline,
+                };
+                self.request(now, request, waiter);
             }
             RegistryInput::Release { request } => {
-                if let Some(tunnel) = self.claims.remove(&request) {
+                if let Some(tunnel) = self.unclaim(request) {
                     if let Some(t) = self.tunnels.get_mut(&tunnel) {
                         t.claimed_by = None;
                     }
@@ -348,7 +388,7 @@ impl TunnelRegistry {
                 .get(&(t.agent, t.connection))
                 .is_some_and(|s| s.contains(id));
             match t.claimed_by {
-                Some(r) if self.claims.get(&r) != Some(id) => {
+                Some(r) if self.claims.get(&r).map(|c| c.tunnel) != Some(*id) => {
                     return Err(format!("tunnel {id} claimed by {r} without a claim record"));
                 }
                 Some(_) if in_agent || in_conn => {
@@ -363,6 +403,13 @@ impl TunnelRegistry {
         }
         if per_agent != self.per_agent {
             return Err("per-agent tunnel counts disagree with the tunnels".into());
+        }
+        let mut held: Map<(AgentId, Holder), usize> = Map::default();
+        for share in self.claims.values().filter_map(|c| c.share) {
+            *held.entry(share).or_default() += 1;
+        }
+        if held != self.held {
+            return Err("holders' tunnel counts disagree with the claims".into());
         }
         let idle_sets: usize = self.idle_by_agent.values().map(IndexSet::len).sum();
         if idle_sets != idle || self.idle_by_agent.values().any(IndexSet::is_empty) {
@@ -392,12 +439,19 @@ impl TunnelRegistry {
                 None => self.idle_by_agent.contains_key(&w.agent),
                 Some(c) => self.idle_by_conn.contains_key(&(w.agent, c)),
             };
-            if idle_match {
+            if idle_match && self.may_take(w.agent, w.holder, self.idle_count(w.agent)) {
                 return Err(format!("request {r} waits while a matching tunnel is idle"));
             }
             if !self.waiter_deadlines.contains(&(w.deadline, *r)) {
                 return Err(format!("request {r} waits without a deadline timer"));
             }
+        }
+        let mut waiting: Map<AgentId, usize> = Map::default();
+        for w in self.waiters.values() {
+            *waiting.entry(w.agent).or_default() += 1;
+        }
+        if waiting != self.waiting {
+            return Err("per-agent waiter counts disagree with the waiters".into());
         }
         if self.waiter_deadlines.len() != self.waiters.len() {
             return Err(format!(
@@ -409,14 +463,8 @@ impl TunnelRegistry {
         Ok(())
     }
 
-    fn request(
-        &mut self,
-        now: Time,
-        request: RequestId,
-        agent: AgentId,
-        connection: Option<ConnectionId>,
-        deadline: Time,
-    ) {
+    fn request(&mut self, now: Time, request: RequestId, waiter: Waiter) {
+        let (agent, connection) = (waiter.agent, waiter.connection);
         if !self.has_tunnels(agent, connection) {
             self.outputs.push_back(RegistryOutput::NoTunnel { request });
             return;
@@ -431,32 +479,58 @@ impl TunnelRegistry {
                 .get(&(agent, c))
                 .and_then(|s| s.last().copied()),
         };
-        if let Some(tunnel) = idle {
-            self.claim(tunnel, request);
+        if let Some(tunnel) =
+            idle.filter(|_| self.may_take(agent, waiter.holder, self.idle_count(agent)))
+        {
+            self.claim(tunnel, request, waiter.holder);
             return;
         }
-        if deadline <= now {
+        if waiter.deadline <= now {
             self.outputs
                 .push_back(RegistryOutput::WaitExpired { request });
             return;
         }
-        let seq = self.next_seq;
         self.next_seq += 1;
-        self.waiters.insert(
-            request,
-            Waiter {
-                agent,
-                connection,
-                seq,
-                deadline,
-            },
-        );
         match connection {
             None => self.queue_by_agent.entry(agent).or_default(),
             Some(c) => self.queue_by_conn.entry((agent, c)).or_default(),
         }
-        .insert(seq, request);
-        self.waiter_deadlines.insert((deadline, request));
+        .insert(waiter.seq, request);
+        self.waiter_deadlines.insert((waiter.deadline, request));
+        *self.waiting.entry(agent).or_default() += 1;
+        self.waiters.insert(request, waiter);
+    }
+
+    /// Idle tunnels of the agent here.
+    fn idle_count(&self, agent: AgentId) -> usize {
+        self.idle_by_agent.get(&agent).map_or(0, IndexSet::len)
+    }
+
+    /// Whether `holder` may take one of the agent's `idle` tunnels (see the module docs).
+    fn may_take(&self, agent: AgentId, holder: Option<Holder>, idle: usize) -> bool {
+        let Some(holder) = holder else {
+            return true;
+        };
+        let total = self.per_agent.get(&agent).copied().unwrap_or(0);
+        let held = self.held.get(&(agent, holder)).copied().unwrap_or(0);
+        held < share(total) && (held == 0 || idle > 1)
+    }
+
+    /// The oldest waiter in `queue` that may take one of the agent's `idle` tunnels.
+    fn first_served(
+        &self,
+        agent: AgentId,
+        queue: Option<&BTreeMap<u64, RequestId>>,
+        idle: usize,
+    ) -> Option<(u64, RequestId)> {
+        queue?
+            .iter()
+            .find(|(_, r)| {
+                self.waiters
+                    .get(r)
+                    .is_some_and(|w| self.may_take(agent, w.holder, idle))
+            })
+            .map(|(&seq, &r)| (seq, r))
     }
 
     /// Hands an idle (or newly released) tunnel to the oldest matching waiter, or files it
@@ -466,21 +540,18 @@ impl TunnelRegistry {
             return;
         };
         let (agent, conn) = (t.agent, t.connection);
-        let any = self
-            .queue_by_agent
-            .get(&agent)
-            .and_then(|q| q.first_key_value());
-        let this_conn = self
-            .queue_by_conn
-            .get(&(agent, conn))
-            .and_then(|q| q.first_key_value());
+        // The tunnel itself is idle, though not filed yet.
+        let idle = self.idle_count(agent) + 1;
+        let any = self.first_served(agent, self.queue_by_agent.get(&agent), idle);
+        let this_conn = self.first_served(agent, self.queue_by_conn.get(&(agent, conn)), idle);
         let oldest = match (any, this_conn) {
             (Some(a), Some(c)) => Some(if a.0 < c.0 { a } else { c }),
             (a, c) => a.or(c),
         };
-        if let Some((_, &request)) = oldest {
+        if let Some((_, request)) = oldest {
+            let holder = self.waiters.get(&request).and_then(|w| w.holder);
             self.remove_waiter(request);
-            self.claim(tunnel, request);
+            self.claim(tunnel, request, holder);
         } else {
             self.idle_by_agent.entry(agent).or_default().insert(tunnel);
             self.idle_by_conn
@@ -488,14 +559,55 @@ impl TunnelRegistry {
                 .or_default()
                 .insert(tunnel);
         }
+        self.serve(agent);
+    }
+
+    /// Hands the agent's idle tunnels, oldest waiter first, to the waiters that may take
+    /// one now: a holder's count fell, or more of the agent's tunnels are idle.
+    fn serve(&mut self, agent: AgentId) {
+        while self.waiting.contains_key(&agent) {
+            let Some(idle) = self.idle_by_agent.get(&agent) else {
+                return;
+            };
+            let count = idle.len();
+            let mut best = self
+                .first_served(agent, self.queue_by_agent.get(&agent), count)
+                .zip(idle.last().copied());
+            let mut connections = Vec::new();
+            for &tunnel in idle.iter().rev() {
+                let Some(conn) = self.tunnels.get(&tunnel).map(|t| t.connection) else {
+                    continue;
+                };
+                if connections.contains(&conn) {
+                    continue;
+                }
+                connections.push(conn);
+                let queue = self.queue_by_conn.get(&(agent, conn));
+                if let Some(w) = self.first_served(agent, queue, count)
+                    && best.is_none_or(|(b, _)| w.0 < b.0)
+                {
+                    best = Some((w, tunnel));
+                }
+            }
+            let Some(((_, request), tunnel)) = best else {
+                return;
+            };
+            let holder = self.waiters.get(&request).and_then(|w| w.holder);
+            self.remove_waiter(request);
+            self.claim(tunnel, request, holder);
+        }
     }
 
     /// Claims `tunnel` for `request`, taking it out of the idle sets if it was there.
-    fn claim(&mut self, tunnel: TunnelId, request: RequestId) {
+    fn claim(&mut self, tunnel: TunnelId, request: RequestId, holder: Option<Holder>) {
         self.unfile_idle(tunnel);
         if let Some(t) = self.tunnels.get_mut(&tunnel) {
             t.claimed_by = Some(request);
-            self.claims.insert(request, tunnel);
+            let share = holder.map(|h| (t.agent, h));
+            if let Some(share) = share {
+                *self.held.entry(share).or_default() += 1;
+            }
+            self.claims.insert(request, Claim { tunnel, share });
             self.outputs
                 .push_back(RegistryOutput::Matched { request, tunnel });
         }
@@ -516,7 +628,7 @@ impl TunnelRegistry {
             return;
         };
         if let Some(r) = t.claimed_by {
-            self.claims.remove(&r);
+            self.unclaim(r);
         }
         decrement(&mut self.per_conn, (t.agent, t.connection));
         if decrement(&mut self.per_agent, t.agent) {
@@ -543,6 +655,17 @@ impl TunnelRegistry {
             self.remove_waiter(request);
             self.outputs.push_back(RegistryOutput::NoTunnel { request });
         }
+        // A holder's claim on it, or an idle tunnel of a holder's own, is gone.
+        self.serve(t.agent);
+    }
+
+    /// Forgets `request`'s claim, and its holder's count of it; returns its tunnel.
+    fn unclaim(&mut self, request: RequestId) -> Option<TunnelId> {
+        let claim = self.claims.remove(&request)?;
+        if let Some(share) = claim.share {
+            decrement(&mut self.held, share);
+        }
+        Some(claim.tunnel)
     }
 
     fn remove_waiter(&mut self, request: RequestId) {
@@ -550,6 +673,7 @@ impl TunnelRegistry {
             return;
         };
         self.waiter_deadlines.remove(&(w.deadline, request));
+        decrement(&mut self.waiting, w.agent);
         match w.connection {
             None => remove_from_queue(&mut self.queue_by_agent, w.agent, w.seq),
             Some(c) => remove_from_queue(&mut self.queue_by_conn, (w.agent, c), w.seq),

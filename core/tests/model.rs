@@ -25,7 +25,7 @@ use kas_core::node::{
 use kas_core::router::RouterConfig;
 use kas_core::tracker::TrackerConfig;
 use kas_core::tunnel_registry::RegistryConfig;
-use kas_core::{AgentId, ConnectionId, KasId, ProjectId, RequestId, Time, TunnelId};
+use kas_core::{AgentId, ConnectionId, Holder, KasId, ProjectId, RequestId, Time, TunnelId};
 use kas_proto::registry::{ConnectedAgentInfo, KasInstanceInfo, TunnelEvent};
 use proptest::prelude::*;
 use prost::Message;
@@ -157,6 +157,8 @@ struct Call {
     connection: Option<ConnectionId>,
     origin: usize,
     deadline: Time,
+    /// Drawn from the request id: GitLab's (none) or one of two Kubernetes API callers.
+    holder: Option<Holder>,
     streaming: bool,
     delivered_to: Option<TunnelId>,
     outcome: Option<(Time, Result<(), CallError>)>,
@@ -360,11 +362,13 @@ impl World {
         deadline: Time,
     ) -> RequestId {
         let request = RequestId(self.id());
+        let holder = [None, Some(Holder(1)), Some(Holder(2))][(request.0 % 3) as usize];
         let call = Call {
             agent,
             connection,
             origin: via,
             deadline,
+            holder,
             streaming: false,
             delivered_to: None,
             outcome: None,
@@ -374,6 +378,7 @@ impl World {
             agent,
             connection,
             deadline,
+            holder,
         };
         let route = NodeInput::Route {
             request,
@@ -651,6 +656,7 @@ impl World {
                     agent: call.agent,
                     connection: call.connection,
                     deadline: call.deadline,
+                    holder: call.holder,
                 };
                 let at = (holder, RequestId(self.id()));
                 self.served.insert(at, request);

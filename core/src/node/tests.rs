@@ -70,6 +70,7 @@ fn wanted(deadline: u64) -> Wanted {
         agent: AGENT,
         connection: None,
         deadline: Time(deadline),
+        holder: None,
     }
 }
 

@@ -29,6 +29,17 @@ fn open(r: &mut TunnelRegistry, now: u64, t: u64, agent: AgentId, c: ConnectionI
 }
 
 fn request(r: &mut TunnelRegistry, now: u64, id: u64, agent: AgentId, c: Option<ConnectionId>) {
+    held_request(r, now, id, agent, c, None);
+}
+
+fn held_request(
+    r: &mut TunnelRegistry,
+    now: u64,
+    id: u64,
+    agent: AgentId,
+    c: Option<ConnectionId>,
+    holder: Option<Holder>,
+) {
     r.handle_input(
         Time(now),
         RegistryInput::Request {
@@ -36,6 +47,7 @@ fn request(r: &mut TunnelRegistry, now: u64, id: u64, agent: AgentId, c: Option<
             agent,
             connection: c,
             deadline: Time(now + 50),
+            holder,
         },
     )
     .unwrap();
@@ -251,6 +263,7 @@ fn driver_mistakes_are_errors_not_panics() {
         agent: A,
         connection: None,
         deadline: Time(9),
+        holder: None,
     };
     assert_eq!(
         r.handle_input(Time(0), again),
@@ -283,4 +296,90 @@ fn holds_a_hundred_thousand_tunnels() {
     }
     assert_eq!((r.claimed_count(), r.tunnel_count()), (0, 100_000));
     r.check_invariants().unwrap();
+}
+
+#[test]
+fn a_holder_keeps_a_quarter_of_the_tunnels_and_the_last_free_one_for_others() {
+    let (alice, bob, carol) = (Some(Holder(1)), Some(Holder(2)), Some(Holder(3)));
+    let mut r = registry();
+    for t in 1..=8 {
+        open(&mut r, 0, t, A, C1);
+    }
+    drain(&mut r);
+    // Alice takes six of eight (all but a quarter); her seventh call waits.
+    for id in 1..=7 {
+        held_request(&mut r, 0, id, A, None, alice);
+    }
+    let out = drain(&mut r);
+    assert_eq!(out.len(), 6, "{out:?}");
+    assert_eq!(r.waiter_count(), 1);
+    // Bob takes one; with one idle left, he holds some, so he waits for it...
+    held_request(&mut r, 0, 20, A, None, bob);
+    held_request(&mut r, 0, 21, A, None, bob);
+    assert_eq!(drain(&mut r).len(), 1);
+    // ...which goes to Carol, who holds none, or to GitLab, whose calls are not counted.
+    held_request(&mut r, 0, 30, A, None, carol);
+    assert!(matches!(
+        drain(&mut r)[..],
+        [RegistryOutput::Matched {
+            request: RequestId(30),
+            ..
+        }]
+    ));
+    request(&mut r, 0, 40, A, None);
+    assert_eq!(drain(&mut r), []);
+    // Alice ends a call: the last free tunnel goes to GitLab's call, not to Alice's or
+    // Bob's waiters (both hold some).
+    release(&mut r, 1, 1);
+    assert!(matches!(
+        drain(&mut r)[..],
+        [RegistryOutput::Matched {
+            request: RequestId(40),
+            ..
+        }]
+    ));
+    release(&mut r, 1, 40);
+    assert_eq!(drain(&mut r), []);
+    // With two free, the oldest waiter that may take one does: Alice's, under her share.
+    release(&mut r, 1, 30);
+    assert!(matches!(
+        drain(&mut r)[..],
+        [RegistryOutput::Matched {
+            request: RequestId(7),
+            ..
+        }]
+    ));
+    // Bob's last call ends: holding none now, his waiter takes the tunnel back.
+    release(&mut r, 1, 20);
+    assert!(matches!(
+        drain(&mut r)[..],
+        [RegistryOutput::Matched {
+            request: RequestId(21),
+            ..
+        }]
+    ));
+    // Waiters over their share expire at their deadline as any busy call does.
+    held_request(&mut r, 2, 8, A, None, alice);
+    r.handle_timeout(Time(60));
+    let expired: Vec<_> = drain(&mut r);
+    assert!(
+        expired.contains(&RegistryOutput::WaitExpired {
+            request: RequestId(8)
+        }),
+        "{expired:?}"
+    );
+}
+
+#[test]
+fn the_share_is_all_but_a_quarter_and_at_least_one() {
+    let shares: Vec<usize> = [1, 2, 3, 4, 8, 100].into_iter().map(share).collect();
+    assert_eq!(shares, [1, 1, 2, 3, 6, 75]);
+    // An agent with a single tunnel here still serves a holder.
+    let mut r = registry();
+    open(&mut r, 0, 1, A, C1);
+    held_request(&mut r, 0, 1, A, Some(C1), Some(Holder(1)));
+    assert!(matches!(
+        drain(&mut r)[..],
+        [_, RegistryOutput::Matched { .. }]
+    ));
 }

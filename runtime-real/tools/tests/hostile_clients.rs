@@ -313,19 +313,11 @@ async fn idle_sockets_from_one_address_leave_handshakes_to_others() {
     assert!(refused.is_some_and(|n| n >= 1900.0), "{refused:?}");
 }
 
-/// Item 3: one user cannot take every tunnel of an agent. A token holds at most
-/// `max_requests_per_token_per_agent` requests to one agent on a kas (then 429 naming the
-/// key) while another user still gets through, and silent upgraded sessions end after
-/// `streaming_idle_timeout`, giving their places and tunnels back.
-#[tokio::test(flavor = "multi_thread")]
-async fn one_user_cannot_hold_every_tunnel_of_an_agent() {
+/// An agent's modules whose API server switches every request to a stream that stays
+/// silent, as an `exec` session nobody types into.
+fn silent_exec() -> kas_agent::Modules {
     use kas_proto::http::{HttpResponse, ResponseHead, http_response};
     use prost::Message;
-    let s = Secrets::new();
-    let (alice, bob) = ("alice-user-token-0001", "bob-user-token-000001");
-    let lines = "    max_requests_per_token_per_agent: 2\n    streaming_idle_timeout: 2s\n";
-    let kas = KasProc::with_kubernetes_api(&s, &[alice, bob], "", lines).await;
-    // An agent whose API server switches every request to a stream that stays silent.
     let mut modules = kas_agent::Modules::default();
     modules.streaming(kas_proto::http::KUBERNETES_API_METHOD, |_| {
         let head = HttpResponse {
@@ -343,17 +335,34 @@ async fn one_user_cannot_hold_every_tunnel_of_an_agent() {
         let head = futures::stream::once(async move { Ok(head.encode_to_vec().into()) });
         futures::StreamExt::boxed(futures::StreamExt::chain(head, futures::stream::pending()))
     });
-    let _agent = TestAgent::connect_with(kas.agent, 1, "exec", 8, modules).await;
+    modules
+}
+
+/// Sends a `kubectl exec` upgrade as `token` whose routing may wait `wait`, and reads the
+/// answer's head.
+async fn exec_as(addr: SocketAddr, token: &str, wait: &str) -> (String, TcpStream) {
+    let mut c = TcpStream::connect(addr).await.unwrap();
+    let request = format!(
+        "POST /api/v1/namespaces/default/pods/web-1/exec?command=sh&timeout={wait} HTTP/1.1\r\nHost: kas\r\nAuthorization: Bearer pat:1:{token}\r\nConnection: Upgrade\r\nUpgrade: SPDY/3.1\r\n\r\n"
+    );
+    c.write_all(request.as_bytes()).await.unwrap();
+    let head = read_head(&mut c, Duration::from_secs(10)).await;
+    (head, c)
+}
+
+/// Item 3: one user cannot take every tunnel of an agent. A token holds at most
+/// `max_requests_per_token_per_agent` requests to one agent on a kas (then 429 naming the
+/// key) while another user still gets through, and silent upgraded sessions end after
+/// `streaming_idle_timeout`, giving their places and tunnels back.
+#[tokio::test(flavor = "multi_thread")]
+async fn one_user_cannot_hold_every_tunnel_of_an_agent() {
+    let s = Secrets::new();
+    let (alice, bob) = ("alice-user-token-0001", "bob-user-token-000001");
+    let lines = "    max_requests_per_token_per_agent: 2\n    streaming_idle_timeout: 2s\n";
+    let kas = KasProc::with_kubernetes_api(&s, &[alice, bob], "", lines).await;
+    let _agent = TestAgent::connect_with(kas.agent, 1, "exec", 8, silent_exec()).await;
     let addr = kas.kubernetes_api.expect("a Kubernetes API listener");
-    let exec = |token: &'static str| async move {
-        let mut c = TcpStream::connect(addr).await.unwrap();
-        let request = format!(
-            "POST /api/v1/namespaces/default/pods/web-1/exec?command=sh HTTP/1.1\r\nHost: kas\r\nAuthorization: Bearer pat:1:{token}\r\nConnection: Upgrade\r\nUpgrade: SPDY/3.1\r\n\r\n"
-        );
-        c.write_all(request.as_bytes()).await.unwrap();
-        let head = read_head(&mut c, Duration::from_secs(10)).await;
-        (head, c)
-    };
+    let exec = |token: &'static str| exec_as(addr, token, "10s");
     let first = eventually(Duration::from_secs(20), "the agent to switch", || async {
         let (head, c) = exec(alice).await;
         head.starts_with("HTTP/1.1 101").then_some(c)
@@ -385,6 +394,69 @@ async fn one_user_cannot_hold_every_tunnel_of_an_agent() {
     }
     let (head, _again) = exec(alice).await;
     assert!(head.starts_with("HTTP/1.1 101"), "{head}");
+}
+
+/// Item 3, fair sharing: through either of two kas, one user takes at most three quarters
+/// of an agent's tunnels (6 of 8; their share is counted where the tunnels are, so the kas
+/// in between passes the caller's digest on), and the last free tunnel is kept for a
+/// caller that holds none: Alice's seventh session waits and is refused 504, Bob gets one
+/// but not a second, Carol the last.
+#[tokio::test(flavor = "multi_thread")]
+async fn one_user_leaves_a_quarter_of_an_agents_tunnels_to_others_through_every_kas() {
+    let redis = Redis::start().expect("redis-server starts (scripts/test installs it)");
+    let s = Secrets::new();
+    let (alice, bob, carol) = (
+        "alice-user-token-0001",
+        "bob-user-token-000001",
+        "carol-user-token-0001",
+    );
+    let lines = "    max_requests_per_token_per_agent: 100\n";
+    let users = [alice, bob, carol];
+    let mut kas = Vec::new();
+    for name in ["kas0", "kas1"] {
+        kas.push(KasProc::with_kubernetes_api_on(&s, name, Some(&redis), &users, "", lines).await);
+    }
+    let _agent = TestAgent::connect_with(kas[0].agent, 1, "exec", 8, silent_exec()).await;
+    let [near, far] = [0, 1].map(|k| kas[k].kubernetes_api.expect("a Kubernetes API listener"));
+    let mut open = vec![
+        eventually(
+            Duration::from_secs(20),
+            "kas1 to reach the agent",
+            || async {
+                let (head, c) = exec_as(far, alice, "5s").await;
+                head.starts_with("HTTP/1.1 101").then_some(c)
+            },
+        )
+        .await,
+    ];
+    for i in 1..6 {
+        let (head, c) = exec_as([near, far][i % 2], alice, "5s").await;
+        assert!(
+            head.starts_with("HTTP/1.1 101"),
+            "Alice's session {i}: {head}"
+        );
+        open.push(c);
+    }
+    for (via, name) in [(near, "kas0"), (far, "kas1")] {
+        let (head, _) = exec_as(via, alice, "1s").await;
+        assert!(
+            head.starts_with("HTTP/1.1 504"),
+            "Alice's seventh session through {name} waits for her own to end: {head}"
+        );
+    }
+    let (head, _bob) = exec_as(far, bob, "5s").await;
+    assert!(head.starts_with("HTTP/1.1 101"), "Bob's first: {head}");
+    let (head, _) = exec_as(near, bob, "1s").await;
+    assert!(
+        head.starts_with("HTTP/1.1 504"),
+        "Bob, holding one, does not take the last free tunnel: {head}"
+    );
+    let (head, _carol) = exec_as(far, carol, "5s").await;
+    assert!(
+        head.starts_with("HTTP/1.1 101"),
+        "Carol gets the last: {head}"
+    );
+    drop(open);
 }
 
 /// Item 6: another holder of the agent's token proposing a live replica's connection id is

@@ -1,7 +1,7 @@
 //! A routed call as the kas runtime carries it between its tasks.
 
 use kas_core::node::Wanted;
-use kas_core::{AgentId, ConnectionId, Time};
+use kas_core::{AgentId, ConnectionId, Holder, Time};
 use kas_proto::frame::{Frame, RequestStart, frame::Kind};
 use kas_transport::frames;
 use std::sync::{Arc, Mutex};
@@ -49,7 +49,7 @@ pub struct Call {
     pub deadline: Time,
     /// Method, metadata, hop count and whether it streams (its `request_id` is set per
     /// hop).
-    pub start: RequestStart,
+    pub start: Arc<RequestStart>,
     /// The request frames known when the call started (all of them, close-send included,
     /// unless it streams), buffered so that a call refused by one kas can be offered to
     /// the next.
@@ -67,6 +67,7 @@ impl Call {
             agent: self.agent,
             connection: self.connection,
             deadline: self.deadline,
+            holder: self.start.holder.map(Holder),
         }
     }
 
@@ -75,12 +76,24 @@ impl Call {
         self.start.streaming
     }
 
-    /// The call's frames for one hop: its start (numbered `id`, with `hops`) and its
-    /// buffered request frames, renumbered.
-    pub fn frames(&self, id: u64, hops: u32) -> Vec<Frame> {
-        let mut start = self.start.clone();
+    /// The call's frames for the kas that serves it (its second and last hop): its start,
+    /// numbered `id`, and its buffered request frames, renumbered.
+    pub fn frames_to_kas(&self, id: u64) -> Vec<Frame> {
+        let mut start = RequestStart::clone(&self.start);
+        start.hops = 1;
+        self.frames(id, start)
+    }
+
+    /// The call's frames for an agent's tunnel: as to a kas, less what only kas reads (the
+    /// caller's holder digest).
+    pub fn frames_to_agent(&self, id: u64) -> Vec<Frame> {
+        let mut start = RequestStart::clone(&self.start);
+        start.holder = None;
+        self.frames(id, start)
+    }
+
+    fn frames(&self, id: u64, mut start: RequestStart) -> Vec<Frame> {
         start.request_id = id;
-        start.hops = hops;
         std::iter::once(frames::frame(Kind::RequestStart(start)))
             .chain(
                 self.requests

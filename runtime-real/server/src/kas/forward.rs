@@ -82,7 +82,7 @@ impl Forwarder {
     ) -> Forwarded {
         let id = request.0;
         let mut sequence = FrameSequence::new(StreamKind::Forward);
-        let up = call.frames(id, 1);
+        let up = call.frames_to_kas(id);
         for f in &up {
             if let Err(e) = sequence.check(Direction::ToAgent, f) {
                 let _ = call
@@ -234,7 +234,7 @@ impl Forwarder {
             if was_ahead && refused {
                 tokio::spawn(peers::drain(inbound));
                 ahead = false;
-                up = call.frames(id, 1);
+                up = call.frames_to_kas(id);
                 continue;
             }
             return Ok(Sent {

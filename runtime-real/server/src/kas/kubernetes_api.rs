@@ -116,6 +116,9 @@ pub struct OpenRequests {
 /// A request's places under both limits, held until dropped: with the response's body or
 /// upgraded stream.
 pub struct Open {
+    /// Whom the request counts against in the sharing of the agent's tunnels: its token's
+    /// digest, the same on every kas.
+    holder: u64,
     _token: Place<TokenKey>,
     _agent: Place<(TokenKey, AgentId)>,
 }
@@ -157,6 +160,7 @@ impl OpenRequests {
             refuse(MAX_REQUESTS_PER_TOKEN, what)
         })?;
         Ok(Open {
+            holder: key.first_chunk().map_or(0, |b| u64::from_le_bytes(*b)),
             _token: token,
             _agent: agent,
         })
@@ -242,7 +246,7 @@ impl KubernetesApiService {
             agent,
             connection: None,
             deadline,
-            start: RequestStart {
+            start: Arc::new(RequestStart {
                 request_id: 0,
                 agent_id: agent.0,
                 connection_id: None,
@@ -251,7 +255,8 @@ impl KubernetesApiService {
                 hops: 0,
                 streaming: true,
                 deadline_millis: None,
-            },
+                holder: Some(open.holder),
+            }),
             requests: Arc::new(requests),
             rest,
             responses: tx,

@@ -97,7 +97,7 @@ impl KasPrivate for PrivateService {
                 agent: AgentId(start.agent_id),
                 connection: start.connection_id.map(ConnectionId),
                 deadline,
-                start,
+                start: Arc::new(start),
                 requests: Arc::new(requests),
                 rest,
                 responses: tx,

@@ -104,7 +104,7 @@ impl PublicService {
             agent,
             connection,
             deadline,
-            start: RequestStart {
+            start: Arc::new(RequestStart {
                 request_id: 0,
                 agent_id: agent.0,
                 connection_id: connection.map(|c| c.0),
@@ -113,7 +113,9 @@ impl PublicService {
                 hops: 0,
                 streaming,
                 deadline_millis: None,
-            },
+                // GitLab's calls are not counted in the sharing of an agent's tunnels.
+                holder: None,
+            }),
             requests: Arc::new(requests),
             rest,
             responses: tx,

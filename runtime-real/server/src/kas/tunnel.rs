@@ -204,7 +204,7 @@ impl Tunnel {
             },
             None => None,
         };
-        for frame in call.frames(id, call.start.hops) {
+        for frame in call.frames_to_agent(id) {
             self.send_down(frame, &responses, give_up).await?;
         }
         let outbound = self.outbound.clone();

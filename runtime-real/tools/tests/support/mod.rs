@@ -280,6 +280,18 @@ impl KasProc {
         listen: &str,
         lines: &str,
     ) -> KasProc {
+        Self::with_kubernetes_api_on(secrets, "kas", None, tokens, listen, lines).await
+    }
+
+    /// Like `with_kubernetes_api`, named `name`, with `redis` (or the in-memory registry).
+    pub async fn with_kubernetes_api_on(
+        secrets: &Secrets,
+        name: &str,
+        redis: Option<&Redis>,
+        tokens: &[&str],
+        listen: &str,
+        lines: &str,
+    ) -> KasProc {
         let users = secrets.path("users.yaml");
         let mut text = "tokens:\n".to_string();
         for token in tokens {
@@ -296,7 +308,7 @@ impl KasProc {
             agent: &agent_lines,
             ..Extra::default()
         };
-        KasProc::start_extra(secrets, "kas", None, 10_000, extra, None).await
+        KasProc::start_extra(secrets, name, redis, 10_000, extra, None).await
     }
 
     /// Freezes the process (SIGSTOP: a kas cut off, its connections open), or thaws it.
