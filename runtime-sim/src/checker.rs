@@ -22,27 +22,14 @@
 //!    (GitLab's to retry: nothing was delivered), or that was under way when a kas was
 //!    killed (it may have been on that kas), may fail.
 
-use crate::cluster::{AgentSpec, pod_name};
-use crate::truth::{Delivery, Hold};
+use crate::bounds::{OUTCOME_BOUND, SLACK, STREAM_BOUND};
+use crate::cluster::AgentSpec;
+use crate::truth::{Delivery, Hold, pod_name};
 use crate::workload::Call;
 use kas_server::kas::timing::TUNNEL_GRACE;
 use std::collections::BTreeMap;
 use std::time::Duration;
 use tokio::time::Instant;
-
-/// Slack for the network and timers on top of kas's own graces.
-pub const SLACK: Duration = Duration::from_secs(1);
-
-/// How much later than its timeout a call may end: kas's API handler answers before the
-/// caller's timeout (`timing::answer_slack`); a tunnel's answer may still be under way
-/// [`TUNNEL_GRACE`] past kas's deadline (longer than the router's `ROUTE_GRACE`), plus
-/// [`SLACK`].
-pub const OUTCOME_BOUND: Duration = TUNNEL_GRACE.saturating_add(SLACK);
-
-/// How much later than its timeout a two-way call may end: its ends finish within a
-/// second, and a kas -> kas link that dies under a delivered one is found by HTTP/2
-/// keepalive (`keepalive_interval` 30 s + `keepalive_timeout` 20 s).
-pub const STREAM_BOUND: Duration = Duration::from_secs(51).saturating_add(OUTCOME_BOUND);
 
 /// Violations of invariants 1, 2, 3 and 8 by `calls`, given `truth`; `absent` agents never
 /// connect; `stalls` are the times the world or one kas stood still.

@@ -6,7 +6,7 @@
 
 use crate::redis::RedisState;
 use crate::sim_store::SimStore;
-use crate::truth::Truth;
+use crate::truth::{Truth, pod_name};
 use kas_agent::AgentOptions;
 use kas_auth::jwt::Secret;
 use kas_proto::registry::AgentMeta;
@@ -70,11 +70,6 @@ pub struct ClusterSpec {
     /// balancer in front of them all); a replica's kas in `agents` is then only the first
     /// it is likely to reach. Without, each replica connects to its kas only.
     pub ha: bool,
-}
-
-/// The name of the one pod replica `replica` of `agent` serves: who answered a call.
-pub fn pod_name(agent: i64, replica: usize) -> String {
-    format!("agent{agent}-replica{replica}")
 }
 
 /// The token of `agent`.

@@ -10,7 +10,7 @@
 //! It speaks the tunnel protocol frame by frame, reopening each tunnel kas closes for the
 //! violation, and heartbeats like agentk.
 
-use crate::cluster::pod_name;
+use crate::truth::pod_name;
 use crate::truth::{Delivery, Truth};
 use kas_agent::{AgentClient, PODS_LIST, PODS_LOGS};
 use kas_proto::agent_api::agent_api_client::AgentApiClient;

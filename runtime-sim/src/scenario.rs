@@ -3,8 +3,9 @@
 //! that connects are delivered, and how fast) and leaks.
 
 use crate::checker::{self, Outage, Stall, Stats};
-use crate::cluster::{AgentSpec, Cluster, ClusterSpec, pod_name};
+use crate::cluster::{AgentSpec, Cluster, ClusterSpec};
 use crate::redis::{MAX_REPLICATION_LAG, SHARDS};
+use crate::truth::pod_name;
 use crate::workload::{self, Call};
 use kas_core::AgentId;
 use kas_core::keys::Keys;

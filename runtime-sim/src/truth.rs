@@ -12,6 +12,11 @@ use std::time::Duration;
 use tokio::time::Instant;
 use tokio_stream::wrappers::ReceiverStream;
 
+/// The name of the one pod replica `replica` of `agent` serves: who answered a call.
+pub fn pod_name(agent: i64, replica: usize) -> String {
+    format!("agent{agent}-replica{replica}")
+}
+
 /// One call served by an agent replica.
 #[derive(Clone, Debug)]
 pub struct Delivery {

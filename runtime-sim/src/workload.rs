@@ -90,7 +90,7 @@ pub async fn pinned(
                 Kind::Exchange => {
                     // Past this the checker reports it (inv 2); a hung exchange must not
                     // hang the run.
-                    let limit = timeout + crate::checker::STREAM_BOUND + Duration::from_secs(10);
+                    let limit = timeout + crate::bounds::STREAM_BOUND + Duration::from_secs(10);
                     let two_way =
                         exchange(&api, routed_to, connection, &marker, &mut echo_mismatch);
                     tokio::time::timeout(limit, two_way)

@@ -11,6 +11,7 @@ mod call;
 mod deadline;
 mod engine;
 mod forward;
+mod handle;
 #[cfg(not(madsim))]
 pub mod kubernetes_api;
 mod limits;
@@ -96,7 +97,7 @@ pub struct Addresses {
 pub struct Kas {
     /// Where it listens.
     pub addresses: Addresses,
-    engine: engine::EngineHandle,
+    engine: handle::EngineHandle,
     /// The node's sizes.
     stats: watch::Receiver<NodeStats>,
     closing: watch::Sender<bool>,
@@ -294,7 +295,7 @@ pub fn configured_store(config: &Config) -> Result<Store, StartError> {
 /// What the listeners of one kas share while it starts.
 struct Shared<'a> {
     config: &'a Config,
-    engine: &'a engine::EngineHandle,
+    engine: &'a handle::EngineHandle,
     metrics: &'a metrics::Metrics,
     /// Turns true when kas starts stopping.
     closing: watch::Receiver<bool>,
@@ -728,7 +729,7 @@ impl Kas {
         }
         let _ = self.leaving.send(true);
         let (done_tx, done) = oneshot::channel();
-        self.engine.send(engine::Command::Shutdown(done_tx));
+        self.engine.send(handle::Command::Shutdown(done_tx));
         let cleaned = tokio::time::timeout(timing::STOP_CLEANUP, done)
             .await
             .is_ok_and(|r| r.is_ok());
@@ -769,7 +770,7 @@ impl Kas {
 fn kubernetes_api_server(
     config: &Config,
     listener: Option<TcpListener>,
-    engine: &engine::EngineHandle,
+    engine: &handle::EngineHandle,
     metrics: &metrics::Metrics,
     signal: impl Future<Output = ()> + Send + 'static,
 ) -> Result<impl Future<Output = ()> + Send + 'static, StartError> {
@@ -831,7 +832,7 @@ fn kubernetes_api_server(
 fn kubernetes_api_server(
     _: &Config,
     _: Option<TcpListener>,
-    _: &engine::EngineHandle,
+    _: &handle::EngineHandle,
     _: &metrics::Metrics,
     signal: impl Future<Output = ()> + Send + 'static,
 ) -> Result<impl Future<Output = ()> + Send + 'static, StartError> {

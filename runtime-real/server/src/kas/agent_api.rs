@@ -1,7 +1,7 @@
 //! The agent listener (agentk -> kas): `GetConfiguration`, one open stream per agent
 //! replica, and `OpenTunnel`, the reverse tunnels calls travel down.
 
-use super::engine::{Command, EngineHandle};
+use super::handle::{Command, EngineHandle};
 use super::limits::AgentLimits;
 use super::live_kas::LiveKas;
 use super::replicas::Replicas;

@@ -5,7 +5,7 @@
 //! after the first answer frame is relayed to the caller and the call is never retried.
 
 use super::call::{Call, REST_FRAMES};
-use super::engine::EngineHandle;
+use super::handle::EngineHandle;
 use super::metrics::Metrics;
 use super::peers::{self, Peers, Request};
 use crate::buggify::{self, Point};

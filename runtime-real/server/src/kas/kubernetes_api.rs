@@ -21,7 +21,7 @@ pub use gitlab::GitLabAccess;
 pub use kas_auth::user_tokens::{Credential, Grant, Refusal, StaticUserTokens};
 
 use super::call::{Call, Rest};
-use super::engine::{CancelOnDrop, EngineHandle};
+use super::handle::{CancelOnDrop, EngineHandle};
 use super::limits::{Place, Places};
 use super::listener::Busy;
 use super::metrics::Metrics;

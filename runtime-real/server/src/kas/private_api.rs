@@ -3,7 +3,7 @@
 
 use super::call::{Call, Rest};
 use super::deadline::{deadline, deadline_after};
-use super::engine::{CancelOnDrop, EngineHandle};
+use super::handle::{CancelOnDrop, EngineHandle};
 use kas_core::frame_sequence::{Direction, FrameSequence, StreamKind};
 use kas_core::node::Origin;
 use kas_core::{AgentId, ConnectionId, Time};

@@ -3,7 +3,7 @@
 
 use super::call::{Call, Rest};
 use super::deadline::deadline;
-use super::engine::{CancelOnDrop, EngineHandle};
+use super::handle::{CancelOnDrop, EngineHandle};
 use super::reply::Reply;
 use crate::store::Store;
 use bytes::Bytes;

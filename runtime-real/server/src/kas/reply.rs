@@ -1,6 +1,6 @@
 //! The answer of a call routed for a caller of this kas, as its handler reads it.
 
-use super::engine::CancelOnDrop;
+use super::handle::CancelOnDrop;
 use super::timing::answer_slack;
 use bytes::Bytes;
 use futures::stream::{self, StreamExt};

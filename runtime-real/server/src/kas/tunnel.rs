@@ -2,8 +2,8 @@
 //! idle, carries one call at a time when the engine hands it one, and ends it when the
 //! agent asks (`Closing`) and no call is on it.
 
-use super::call::{Call, Responses};
-use super::engine::EngineHandle;
+use super::call::Responses;
+use super::handle::{EngineHandle, TunnelOrder};
 use super::limits::Place;
 use super::timing::TUNNEL_GRACE;
 use crate::buggify::{self, Point};
@@ -22,10 +22,6 @@ use tokio_stream::adapters::Map;
 use tokio_stream::wrappers::ReceiverStream;
 use tonic::{Status, Streaming};
 
-/// Where the engine sends a tunnel its calls. Boxed, like the frames to the agent (see
-/// [`outbound`]).
-pub type Orders = mpsc::Sender<Box<TunnelOrder>>;
-
 /// One message (or the closing status) of a response stream to the agent, boxed.
 pub type Outgoing<T> = Box<Result<T, Status>>;
 
@@ -40,14 +36,6 @@ pub fn outbound<T>(n: usize) -> (mpsc::Sender<Outgoing<T>>, OutboundStream<T>) {
     let (tx, rx) = mpsc::channel(n);
     let unbox: fn(Outgoing<T>) -> Result<T, Status> = |b| *b;
     (tx, ReceiverStream::new(rx).map(unbox))
-}
-
-/// A call for the tunnel to carry.
-pub struct TunnelOrder {
-    /// The call's id at this kas.
-    pub request: RequestId,
-    /// The call.
-    pub call: Call,
 }
 
 /// Everything the tunnel task needs.
