@@ -25,6 +25,7 @@ mod private_api;
 mod public_api;
 mod replicas;
 mod reply;
+mod stopping;
 pub mod timing;
 mod tunnel;
 
@@ -52,6 +53,7 @@ use kas_transport::tls::{ALPN_GRPC, ALPN_GRPC_OR_HTTP1, ALPN_HTTP1};
 use std::net::SocketAddr;
 use std::sync::Arc;
 use std::time::Duration;
+use stopping::{Phase, Stop, Stopping};
 use tokio::net::TcpListener;
 use tokio::sync::{oneshot, watch};
 use tokio::task::JoinHandle;
@@ -100,10 +102,7 @@ pub struct Kas {
     engine: handle::EngineHandle,
     /// The node's sizes.
     stats: watch::Receiver<NodeStats>,
-    closing: watch::Sender<bool>,
-    leaving: watch::Sender<bool>,
-    stop_agents: Option<oneshot::Sender<()>>,
-    stop_observability: Option<oneshot::Sender<()>>,
+    stopping: Stopping,
     calls_server: JoinHandle<()>,
     agents_server: JoinHandle<()>,
     observability_server: JoinHandle<()>,
@@ -297,8 +296,8 @@ struct Shared<'a> {
     config: &'a Config,
     engine: &'a handle::EngineHandle,
     metrics: &'a metrics::Metrics,
-    /// Turns true when kas starts stopping.
-    closing: watch::Receiver<bool>,
+    /// The kas's stop.
+    stop: Stop,
 }
 
 impl Shared<'_> {
@@ -337,31 +336,17 @@ impl Shared<'_> {
         kube_l: Option<TcpListener>,
     ) -> Result<JoinHandle<()>, StartError> {
         let config = self.config;
-        let stop_signal = |mut rx: watch::Receiver<bool>| async move {
-            let _ = rx.wait_for(|c| *c).await;
+        let closing = || {
+            let mut stop = self.stop.clone();
+            async move { stop.until(Phase::Closing).await }
         };
         let api_listening = self.listening(&config.api.listen, "api", ALPN_GRPC)?;
         let private_listening =
             self.listening(&config.private_api.listen, "private_api", ALPN_GRPC)?;
-        let api_server = serve(
-            public,
-            api_l,
-            api_listening,
-            stop_signal(self.closing.clone()),
-        );
-        let private_server = serve(
-            private,
-            private_l,
-            private_listening,
-            stop_signal(self.closing.clone()),
-        );
-        let kube_server = kubernetes_api_server(
-            config,
-            kube_l,
-            self.engine,
-            self.metrics,
-            stop_signal(self.closing.clone()),
-        )?;
+        let api_server = serve(public, api_l, api_listening, closing());
+        let private_server = serve(private, private_l, private_listening, closing());
+        let kube_server =
+            kubernetes_api_server(config, kube_l, self.engine, self.metrics, closing())?;
         Ok(tokio::spawn(async move {
             let (a, p, ()) = tokio::join!(api_server, private_server, kube_server);
             for r in [a, p] {
@@ -398,7 +383,7 @@ impl Shared<'_> {
         let private = KasPrivateServer::with_interceptor(
             private_api::PrivateService {
                 engine: self.engine.clone(),
-                closing: self.closing.clone(),
+                stop: self.stop.clone(),
                 default_timeout: config.api.default_timeout,
                 max_timeout: config.api.max_timeout,
             },
@@ -416,7 +401,6 @@ impl Shared<'_> {
         &self,
         auth: AgentAuth,
         advertise: SocketAddr,
-        leaving: watch::Receiver<bool>,
         live_kas: Arc<live_kas::LiveKas>,
     ) -> Router {
         let a = &self.config.agent;
@@ -424,8 +408,7 @@ impl Shared<'_> {
             auth,
             engine: self.engine.clone(),
             kas_address: advertise,
-            draining: self.closing.clone(),
-            leaving,
+            stop: self.stop.clone(),
             max_connection_age: a.max_connection_age(),
             live_kas,
             activity_every: a.heartbeat_timeout / 4,
@@ -623,10 +606,7 @@ impl Kas {
             .set(i64::try_from(listener::raise_open_files_limit()).unwrap_or(i64::MAX));
         let (store_ready_tx, store_ready) = watch::channel(true);
         let (stats_tx, stats) = watch::channel(NodeStats::default());
-        // `closing`: not ready, no new calls, agents asked to move. `leaving`, once running
-        // calls are done and agents gone (or the grace is over): the rest is cut off.
-        let (closing, closing_rx) = watch::channel(false);
-        let (leaving, leaving_rx) = watch::channel(false);
+        let (stopping, stop) = Stopping::new();
         let node = KasNode::new(
             clock::now(),
             node_config(&config, &kas_id, &keys, advertise),
@@ -645,20 +625,19 @@ impl Kas {
             config: &config,
             engine: &engine,
             metrics: &metrics,
-            closing: closing_rx.clone(),
+            stop: stop.clone(),
         };
         let public = shared.public_router(store, keys, &gitlab_secret);
         let private = shared.private_router(&private_secret);
-        let agents = shared.agent_router(auth, advertise, leaving_rx, live_kas);
-        let (stop_agents, agents_rx) = oneshot::channel::<()>();
-        let (stop_obs, obs_rx) = oneshot::channel::<()>();
+        let agents = shared.agent_router(auth, advertise, live_kas);
         let calls_server = shared.serve_calls(public, private, api_l, private_l, kube_l)?;
         let agent_listening = shared.listening(&a.listen, "agent", ALPN_GRPC)?;
         let obs_listening =
             shared.listening(&config.observability.listen, "observability", ALPN_HTTP1)?;
+        let mut closed = stop.clone();
         let agents_server = tokio::spawn(async move {
-            let r = serve(agents, agent_l, agent_listening, async {
-                let _ = agents_rx.await;
+            let r = serve(agents, agent_l, agent_listening, async move {
+                closed.until(Phase::Closed).await;
             })
             .await;
             if let Err(e) = r {
@@ -668,26 +647,22 @@ impl Kas {
         let health = observability::Health {
             metrics,
             store_ready,
-            closing: closing_rx,
+            stop: stop.clone(),
         };
+        let mut stopped = stop;
         let observability_server = tokio::spawn(observability::serve(
             obs_l,
             config.observability.listen.clone(),
             obs_listening.tls,
             health.clone(),
-            async {
-                let _ = obs_rx.await;
-            },
+            async move { stopped.until(Phase::Stopped).await },
         ));
         addresses.announce(&kas_id);
         Ok(Kas {
             addresses,
             engine,
             stats,
-            closing,
-            leaving,
-            stop_agents: Some(stop_agents),
-            stop_observability: Some(stop_obs),
+            stopping,
             calls_server,
             agents_server,
             observability_server,
@@ -706,7 +681,7 @@ impl Kas {
     pub async fn stop(mut self) -> bool {
         tracing::info!("shutting down: asking agents to move, letting running calls finish");
         let until = tokio::time::Instant::now() + self.grace;
-        let _ = self.closing.send(true);
+        self.stopping.enter(Phase::Closing);
         self.engine.input(NodeInput::Drain);
         let left = || until.saturating_duration_since(tokio::time::Instant::now());
         if tokio::time::timeout(left(), &mut self.calls_server)
@@ -727,7 +702,7 @@ impl Kas {
                 "still here after the shutdown grace period: cut off"
             );
         }
-        let _ = self.leaving.send(true);
+        self.stopping.enter(Phase::Leaving);
         let (done_tx, done) = oneshot::channel();
         self.engine.send(handle::Command::Shutdown(done_tx));
         let cleaned = tokio::time::timeout(timing::STOP_CLEANUP, done)
@@ -741,18 +716,14 @@ impl Kas {
         }
         // What is left is connection teardown: bounded, so that a stop always ends
         // within the grace and a little more.
-        if let Some(s) = self.stop_agents.take() {
-            let _ = s.send(());
-        }
+        self.stopping.enter(Phase::Closed);
         if tokio::time::timeout(timing::STOP_LISTENER, &mut self.agents_server)
             .await
             .is_err()
         {
             self.agents_server.abort();
         }
-        if let Some(s) = self.stop_observability.take() {
-            let _ = s.send(());
-        }
+        self.stopping.enter(Phase::Stopped);
         if tokio::time::timeout(timing::STOP_LISTENER, &mut self.observability_server)
             .await
             .is_err()

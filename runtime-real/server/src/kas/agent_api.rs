@@ -5,6 +5,7 @@ use super::handle::{Command, EngineHandle};
 use super::limits::AgentLimits;
 use super::live_kas::LiveKas;
 use super::replicas::Replicas;
+use super::stopping::{Phase, Stop};
 use super::tunnel::{self, OutboundStream, Outgoing, Tunnel};
 use kas_auth::agent_auth::{AgentAuth, AgentIdentity, AuthError};
 use kas_core::frame_sequence::{Direction, FrameSequence, StreamKind};
@@ -19,7 +20,7 @@ use std::net::SocketAddr;
 use std::sync::Arc;
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::time::{Duration, SystemTime};
-use tokio::sync::{mpsc, oneshot, watch};
+use tokio::sync::{mpsc, oneshot};
 use tonic::metadata::MetadataMap;
 use tonic::{Request, Response, Status, Streaming};
 
@@ -34,11 +35,9 @@ pub struct AgentService {
     pub engine: EngineHandle,
     /// This kas's private API address (recorded with each connection), its id.
     pub kas_address: SocketAddr,
-    /// Turns true when kas starts stopping: agents are asked to move, new connections and
-    /// tunnels are refused.
-    pub draining: watch::Receiver<bool>,
-    /// Turns true when kas cuts its agents off (shutdown, after running calls).
-    pub leaving: watch::Receiver<bool>,
+    /// The kas's stop: once `Closing`, agents are asked to move and new connections and
+    /// tunnels are refused; once `Leaving`, they are cut off.
+    pub stop: Stop,
     /// `agent.listen.max_connection_age`.
     pub max_connection_age: Duration,
     /// How many kas are live, told to agents.
@@ -141,8 +140,7 @@ impl AgentApi for AgentService {
         let _ = tx.send(Box::new(Ok(first))).await;
         let engine = self.engine.clone();
         let ends = Ends {
-            draining: self.draining.clone(),
-            leaving: self.leaving.clone(),
+            stop: self.stop.clone(),
             age: jittered(self.max_connection_age),
         };
         tokio::spawn(async move {
@@ -215,7 +213,7 @@ impl AgentApi for AgentService {
             sequence,
             engine: self.engine.clone(),
             activity_every: self.activity_every,
-            leaving: self.leaving.clone(),
+            stop: self.stop.clone(),
             _slot: slot,
         };
         tokio::spawn(task.run());
@@ -226,7 +224,7 @@ impl AgentApi for AgentService {
 impl AgentService {
     /// Refuses a new connection or tunnel while kas stops: the agent is moving away.
     fn refuse_while_draining(&self) -> Result<(), Status> {
-        if *self.draining.borrow() {
+        if self.stop.reached(Phase::Closing) {
             return Err(Status::unavailable(format!(
                 "kas {} is shutting down: connect to another kas",
                 self.kas_address
@@ -238,8 +236,7 @@ impl AgentService {
 
 /// What ends a replica's `GetConfiguration` stream besides the agent.
 struct Ends {
-    draining: watch::Receiver<bool>,
-    leaving: watch::Receiver<bool>,
+    stop: Stop,
     /// The connection's age limit, jittered.
     age: Duration,
 }
@@ -257,12 +254,13 @@ impl Ends {
         let old = tokio::time::sleep(self.age);
         tokio::pin!(old);
         let mut asked = false;
+        let mut closing = self.stop.clone();
         loop {
             let why = tokio::select! {
                 biased;
                 () = tx.closed() => return false,
-                _ = self.leaving.wait_for(|l| *l) => return true,
-                _ = self.draining.wait_for(|d| *d), if !asked => "kas is shutting down",
+                () = self.stop.until(Phase::Leaving) => return true,
+                () = closing.until(Phase::Closing), if !asked => "kas is shutting down",
                 () = &mut old, if !asked => "the connection reached agent.listen.max_connection_age",
             };
             asked = true;

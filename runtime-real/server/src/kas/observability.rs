@@ -1,6 +1,7 @@
 //! The observability listener: `/metrics`, `/liveness`, `/readiness`.
 
 use super::metrics::Metrics;
+use super::stopping::{Phase, Stop};
 use tokio::sync::watch;
 
 /// What readiness depends on, and the metrics.
@@ -11,13 +12,13 @@ pub struct Health {
     /// The registry store answers.
     pub store_ready: watch::Receiver<bool>,
     /// kas is shutting down.
-    pub closing: watch::Receiver<bool>,
+    pub stop: Stop,
 }
 
 impl Health {
     /// `Ok` when ready for calls; otherwise why not.
     pub fn readiness(&self) -> Result<(), &'static str> {
-        if *self.closing.borrow() {
+        if self.stop.reached(Phase::Closing) {
             Err("shutting down")
         } else if !*self.store_ready.borrow() {
             Err("registry store unreachable")

@@ -4,6 +4,7 @@
 use super::call::{Call, Rest};
 use super::deadline::{deadline, deadline_after};
 use super::handle::{CancelOnDrop, EngineHandle};
+use super::stopping::{Phase, Stop};
 use kas_core::frame_sequence::{Direction, FrameSequence, StreamKind};
 use kas_core::node::Origin;
 use kas_core::{AgentId, ConnectionId, Time};
@@ -31,7 +32,7 @@ pub struct PrivateService {
     /// Longest deadline honoured.
     pub max_timeout: Duration,
     /// True once this kas is stopping: streams still waiting for a call are refused.
-    pub closing: tokio::sync::watch::Receiver<bool>,
+    pub stop: Stop,
 }
 
 /// The answer stream of a forwarded call; dropping it (the routing kas went away) cancels
@@ -63,14 +64,14 @@ impl KasPrivate for PrivateService {
         let id = self.engine.next_request_id();
         let (tx, rx) = mpsc::channel(16);
         let engine = self.engine.clone();
-        let (closing, max_timeout) = (self.closing.clone(), self.max_timeout);
+        let (stop, max_timeout) = (self.stop.clone(), self.max_timeout);
         tokio::spawn(async move {
             let mut sequence = FrameSequence::new(StreamKind::Forward);
             let waiting = Waiting {
                 opened,
                 wait,
                 max_timeout,
-                closing,
+                stop,
             };
             let (start, requests, deadline) =
                 match receive(&mut inbound, &mut sequence, waiting).await {
@@ -128,7 +129,7 @@ struct Waiting {
     wait: Time,
     max_timeout: Duration,
     /// True once this kas is stopping.
-    closing: tokio::sync::watch::Receiver<bool>,
+    stop: Stop,
 }
 
 /// Why a forward stream carries no call to deliver.
@@ -152,7 +153,7 @@ async fn receive(
 ) -> Result<(RequestStart, Vec<Frame>, Time), Unread> {
     let first = tokio::select! {
         first = tokio::time::timeout(kas_transport::clock::until(waiting.wait), next(inbound, sequence)) => first,
-        _ = async { waiting.closing.wait_for(|c| *c).await.is_ok() } => {
+        () = waiting.stop.until(Phase::Closing) => {
             return Err(Unread::Refused(Status::unavailable("kas is stopping")));
         }
     };

@@ -5,6 +5,7 @@
 use super::call::Responses;
 use super::handle::{EngineHandle, TunnelOrder};
 use super::limits::Place;
+use super::stopping::{Phase, Stop};
 use super::timing::TUNNEL_GRACE;
 use crate::buggify::{self, Point};
 use kas_core::frame_sequence::{Direction, FrameSequence, Progress};
@@ -15,7 +16,7 @@ use kas_transport::channel_ends::recv;
 use kas_transport::clock;
 use kas_transport::frames;
 use std::time::Duration;
-use tokio::sync::{mpsc, watch};
+use tokio::sync::mpsc;
 use tokio::time::Instant;
 use tokio_stream::StreamExt;
 use tokio_stream::adapters::Map;
@@ -55,7 +56,7 @@ pub struct Tunnel {
     /// Report activity to the engine at most this often.
     pub activity_every: Duration,
     /// Turns true when kas sends its agents away.
-    pub leaving: watch::Receiver<bool>,
+    pub stop: Stop,
     /// Its place under `agent.max_tunnels_per_connection`, held while it runs.
     pub _slot: Place<(AgentId, ConnectionId)>,
 }
@@ -91,7 +92,7 @@ impl Tunnel {
                 tracing::debug!(tunnel = %self.id, "the agent closed its tunnel");
                 return;
             }
-            End::Dropped if *self.leaving.borrow() => {
+            End::Dropped if self.stop.reached(Phase::Leaving) => {
                 Status::unavailable("kas is shutting down: reconnect to another kas")
             }
             End::Dropped => Status::unavailable("tunnel closed by kas: reconnect"),
@@ -137,7 +138,7 @@ impl Tunnel {
                     let _ = self.outbound.try_send(Box::new(Ok(frames::heartbeat(hb.sequence))));
                     self.report_activity(&mut last_report, true);
                 },
-                _ = self.leaving.changed() => return (End::Dropped, None),
+                () = self.stop.until(Phase::Leaving) => return (End::Dropped, None),
             }
         }
     }
