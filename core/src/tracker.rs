@@ -226,10 +226,20 @@ struct KeyState {
     /// When the fields of the last committed write expire: a write after that revives
     /// them (the key may still hold them, so the `set` creates nothing).
     fields_expire: Time,
-    /// The write in flight: its fields' expiry, and its renewal's `key_expires`.
-    writing: Option<(Time, Option<Time>)>,
-    dirty: bool,
-    in_flight: bool,
+    /// What the write in flight records when it succeeds; none when no write is in flight,
+    /// or when a failover made what it did unknown.
+    writing: Option<Writing>,
+    /// In the queue for the next batch (whether or not a write is in flight).
+    queued: bool,
+}
+
+/// What a key's write in flight records when it succeeds.
+#[derive(Debug, Clone, Copy)]
+struct Writing {
+    /// Its fields' expiry.
+    fields_expire: Time,
+    /// Its renewal's `key_expires`, if it renews the key.
+    key_expires: Option<Time>,
 }
 
 #[derive(Debug)]
@@ -589,11 +599,10 @@ impl Tracker {
             let Some(st) = self.state.get_mut(&w.key) else {
                 continue;
             };
-            st.in_flight = false;
             let written = st.writing.take();
-            if ok && let Some((fields, key)) = written {
-                st.fields_expire = fields;
-                st.key_expires = key.unwrap_or(st.key_expires);
+            if ok && let Some(w) = written {
+                st.fields_expire = w.fields_expire;
+                st.key_expires = w.key_expires.unwrap_or(st.key_expires);
             }
             if !ok {
                 for field in w.delete {
@@ -604,7 +613,7 @@ impl Tracker {
                 let newer = std::mem::replace(&mut st.pending_publish, w.publish);
                 st.pending_publish.extend(newer);
                 mark_dirty(&mut self.dirty_queue, w.key, st);
-            } else if st.dirty {
+            } else if st.queued {
                 // Changed while in flight: it is queued already.
             } else if st.fields.is_empty() && st.pending_delete.is_empty() {
                 self.state.remove(&w.key);
@@ -631,8 +640,7 @@ impl Tracker {
                 let Some(st) = self.state.get_mut(&key) else {
                     continue;
                 };
-                st.dirty = false;
-                st.in_flight = true;
+                st.queued = false;
                 let (ttl, every) = self.config.life(key == self.instances_key, st.listing);
                 let expires_at = now + ttl;
                 // Half a period to spare for batches that run late.
@@ -645,7 +653,10 @@ impl Tracker {
                 } else {
                     KeyExpiry::IfCreated(key_ttl)
                 };
-                st.writing = Some((expires_at, renew.then_some(now + key_ttl)));
+                st.writing = Some(Writing {
+                    fields_expire: expires_at,
+                    key_expires: renew.then_some(now + key_ttl),
+                });
                 let mut publish = std::mem::take(&mut st.pending_publish);
                 // An explicit event already says what is true now.
                 let mut announce = match &st.announce {
@@ -697,8 +708,8 @@ fn connection_field(connection: ConnectionId, kas: &KasId) -> String {
 /// Queues `key` for the next batch unless it is queued already. A key in flight is queued
 /// too: its next write follows the current one.
 fn mark_dirty(queue: &mut VecDeque<String>, key: String, st: &mut KeyState) {
-    if !st.dirty {
-        st.dirty = true;
+    if !st.queued {
+        st.queued = true;
         queue.push_back(key);
     }
 }
