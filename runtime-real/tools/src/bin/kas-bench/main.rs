@@ -175,6 +175,18 @@ enum Part {
     Rehome,
 }
 
+/// The value of the first `key: value` line of `file` (a /proc file), or "?".
+fn machine_fact(file: &str, key: &str) -> String {
+    std::fs::read_to_string(file)
+        .unwrap_or_default()
+        .lines()
+        .find_map(|l| {
+            let (k, v) = l.split_once(':')?;
+            (k.trim() == key).then(|| v.trim().to_string())
+        })
+        .unwrap_or_else(|| "?".into())
+}
+
 fn main() -> ExitCode {
     let args = Args::parse();
     let runtime = match tokio::runtime::Builder::new_multi_thread()
@@ -310,7 +322,18 @@ async fn run(args: &Args) -> Result<Value, String> {
         grace: Duration::from_secs(1),
         listen: None,
     };
-    let mut results = json!({"machine": {"cores": cores, "open_file_limit": files}});
+    let mut results = json!({
+        "command": std::env::args().collect::<Vec<_>>().join(" "),
+        "kas_version": env!("CARGO_PKG_VERSION"),
+        "build": if cfg!(debug_assertions) { "debug" } else { "release" },
+        "machine": {
+            "cores": cores,
+            "cpu": machine_fact("/proc/cpuinfo", "model name"),
+            "memory": machine_fact("/proc/meminfo", "MemTotal"),
+            "kernel": std::fs::read_to_string("/proc/sys/kernel/osrelease").unwrap_or_default().trim(),
+            "open_file_limit": files,
+        },
+    });
     if args.parts.contains(&Part::Unary) || args.parts.contains(&Part::Streaming) {
         routed_parts(&mut world, pubsub, args, &mut results).await?;
     }
