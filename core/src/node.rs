@@ -423,6 +423,8 @@ impl NodeConfig {
             },
             registry: RegistryConfig {
                 heartbeat_timeout: Duration::from_secs(60),
+                // kas's default `agent.max_tunnels_per_connection`.
+                tunnels_per_connection: 200,
             },
         }
     }

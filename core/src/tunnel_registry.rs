@@ -7,7 +7,8 @@
 //! elsewhere. Tunnels that miss their heartbeats are closed.
 //!
 //! Sharing: a call may name a [`Holder`] (a Kubernetes API caller). No holder may take
-//! more than three quarters of an agent's tunnels here ([`share`]), nor the last idle one
+//! more than three quarters of the tunnels the agent may open here ([`share`] of its
+//! connections' [`RegistryConfig::tunnels_per_connection`]), nor the last idle one
 //! while it holds any, so one caller cannot deny an agent to the others: a quarter of its
 //! tunnels (at least one) stays for them, and the last free tunnel goes to a caller that
 //! holds none. A holder's call beyond that waits like a call for a busy agent, until one of
@@ -139,6 +140,10 @@ impl std::error::Error for RegistryError {}
 pub struct RegistryConfig {
     /// A tunnel silent for this long is closed.
     pub heartbeat_timeout: Duration,
+    /// The most tunnels kas takes on one agent connection: what an agent may open here is
+    /// this for each of its connections, and the sharing divides that, not the tunnels open
+    /// now (agentk keeps a couple idle and opens more as they are taken).
+    pub tunnels_per_connection: usize,
 }
 
 #[derive(Debug)]
@@ -165,8 +170,8 @@ struct Claim {
     share: Option<(AgentId, Holder)>,
 }
 
-/// The most tunnels of an agent with `total` here that one holder may hold: all but a
-/// quarter, and at least one.
+/// The most tunnels of an agent that may open `total` here that one holder may hold: all
+/// but a quarter, and at least one.
 fn share(total: usize) -> usize {
     total.saturating_sub((total / 4).max(1)).max(1)
 }
@@ -188,6 +193,8 @@ pub struct TunnelRegistry {
     held: Map<(AgentId, Holder), usize>,
     /// Waiters per agent, pinned or not.
     waiting: Map<AgentId, usize>,
+    /// Connections with tunnels here, per agent.
+    connections: Map<AgentId, usize>,
     waiters: Map<RequestId, Waiter>,
     /// Waiters for any connection of an agent, and for one connection, by arrival.
     queue_by_agent: Map<AgentId, BTreeMap<u64, RequestId>>,
@@ -212,6 +219,7 @@ impl TunnelRegistry {
             claims: Map::default(),
             held: Map::default(),
             waiting: Map::default(),
+            connections: Map::default(),
             waiters: Map::default(),
             queue_by_agent: Map::default(),
             queue_by_conn: Map::default(),
@@ -242,7 +250,11 @@ impl TunnelRegistry {
                         last_seen: now,
                     },
                 );
-                *self.per_conn.entry((agent, connection)).or_default() += 1;
+                let tunnels = self.per_conn.entry((agent, connection)).or_default();
+                *tunnels += 1;
+                if *tunnels == 1 {
+                    *self.connections.entry(agent).or_default() += 1;
+                }
                 let count = self.per_agent.entry(agent).or_default();
                 *count += 1;
                 if *count == 1 {
@@ -404,6 +416,13 @@ impl TunnelRegistry {
         if per_agent != self.per_agent {
             return Err("per-agent tunnel counts disagree with the tunnels".into());
         }
+        let mut connections: Map<AgentId, usize> = Map::default();
+        for (agent, _) in self.per_conn.keys() {
+            *connections.entry(*agent).or_default() += 1;
+        }
+        if connections != self.connections {
+            return Err("per-agent connection counts disagree with the tunnels".into());
+        }
         let mut held: Map<(AgentId, Holder), usize> = Map::default();
         for share in self.claims.values().filter_map(|c| c.share) {
             *held.entry(share).or_default() += 1;
@@ -511,9 +530,10 @@ impl TunnelRegistry {
         let Some(holder) = holder else {
             return true;
         };
-        let total = self.per_agent.get(&agent).copied().unwrap_or(0);
+        let connections = self.connections.get(&agent).copied().unwrap_or(0);
+        let may_open = connections.saturating_mul(self.config.tunnels_per_connection);
         let held = self.held.get(&(agent, holder)).copied().unwrap_or(0);
-        held < share(total) && (held == 0 || idle > 1)
+        held < share(may_open) && (held == 0 || idle > 1)
     }
 
     /// The oldest waiter in `queue` that may take one of the agent's `idle` tunnels.
@@ -630,7 +650,9 @@ impl TunnelRegistry {
         if let Some(r) = t.claimed_by {
             self.unclaim(r);
         }
-        decrement(&mut self.per_conn, (t.agent, t.connection));
+        if decrement(&mut self.per_conn, (t.agent, t.connection)) {
+            decrement(&mut self.connections, t.agent);
+        }
         if decrement(&mut self.per_agent, t.agent) {
             self.outputs.push_back(RegistryOutput::AgentPresence {
                 agent: t.agent,

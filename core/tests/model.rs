@@ -225,6 +225,7 @@ impl World {
                         },
                         registry: RegistryConfig {
                             heartbeat_timeout: Duration::from_secs(3600),
+                            tunnels_per_connection: 2,
                         },
                         ..NodeConfig::new(kas_id(n), keys.clone())
                     },

@@ -34,6 +34,7 @@ fn node() -> KasNode<&'static str> {
         },
         registry: RegistryConfig {
             heartbeat_timeout: Duration::from_secs(3600),
+            ..defaults.registry
         },
         ..defaults
     };

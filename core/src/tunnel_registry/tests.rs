@@ -8,6 +8,7 @@ const C2: ConnectionId = ConnectionId(12);
 fn registry() -> TunnelRegistry {
     TunnelRegistry::new(RegistryConfig {
         heartbeat_timeout: Duration::from_millis(100),
+        tunnels_per_connection: 8,
     })
 }
 
@@ -382,4 +383,25 @@ fn the_share_is_all_but_a_quarter_and_at_least_one() {
         drain(&mut r)[..],
         [_, RegistryOutput::Matched { .. }]
     ));
+}
+
+#[test]
+fn a_holder_is_not_held_back_while_the_agent_can_open_more_tunnels() {
+    // agentk keeps two tunnels idle and opens one as each is taken: the share counts what
+    // the connection may open (100 here), not the few open now.
+    let mut r = TunnelRegistry::new(RegistryConfig {
+        heartbeat_timeout: Duration::from_secs(3600),
+        tunnels_per_connection: 100,
+    });
+    open(&mut r, 0, 1, A, C1);
+    open(&mut r, 0, 2, A, C1);
+    drain(&mut r);
+    for id in 1..=20 {
+        held_request(&mut r, 0, id, A, None, Some(Holder(1)));
+        assert!(
+            matches!(drain(&mut r)[..], [RegistryOutput::Matched { .. }]),
+            "call {id}"
+        );
+        open(&mut r, 0, 100 + id, A, C1);
+    }
 }

@@ -548,6 +548,7 @@ fn node_config(config: &Config, kas_id: &KasId, keys: &Keys, advertise: SocketAd
         },
         registry: RegistryConfig {
             heartbeat_timeout: a.heartbeat_timeout,
+            tunnels_per_connection: a.max_tunnels_per_connection,
         },
         ..defaults
     }

@@ -397,7 +397,7 @@ async fn one_user_cannot_hold_every_tunnel_of_an_agent() {
 }
 
 /// Item 3, fair sharing: through either of two kas, one user takes at most three quarters
-/// of an agent's tunnels (6 of 8; their share is counted where the tunnels are, so the kas
+/// of the tunnels an agent may open (6 of 8; their share is counted where the tunnels are, so the kas
 /// in between passes the caller's digest on), and the last free tunnel is kept for a
 /// caller that holds none: Alice's seventh session waits and is refused 504, Bob gets one
 /// but not a second, Carol the last.
@@ -410,7 +410,8 @@ async fn one_user_leaves_a_quarter_of_an_agents_tunnels_to_others_through_every_
         "bob-user-token-000001",
         "carol-user-token-0001",
     );
-    let lines = "    max_requests_per_token_per_agent: 100\n";
+    // The share is of what the agent may open here: 8 tunnels per connection.
+    let lines = "    max_requests_per_token_per_agent: 100\n  max_tunnels_per_connection: 8\n";
     let users = [alice, bob, carol];
     let mut kas = Vec::new();
     for name in ["kas0", "kas1"] {

@@ -273,7 +273,8 @@ impl KasProc {
 
     /// A kas (in-memory registry) with a plaintext Kubernetes API listener taking each of
     /// `tokens` for agents 1 and 2 (`pat:<agent>:<token>`); `listen` lines go under its
-    /// `listen:` (six spaces in), `lines` under `agent.kubernetes_api:` (four).
+    /// `listen:` (six spaces in), `lines` under `agent.kubernetes_api:` (four; lines two
+    /// in, after them, are `agent:` keys).
     pub async fn with_kubernetes_api(
         secrets: &Secrets,
         tokens: &[&str],
@@ -301,7 +302,7 @@ impl KasProc {
         }
         std::fs::write(&users, text).unwrap();
         let agent_lines = format!(
-            "  kubernetes_api:\n    listen:\n      address: 127.0.0.1:0\n{listen}{lines}    tokens_file: {}\n",
+            "  kubernetes_api:\n    listen:\n      address: 127.0.0.1:0\n{listen}    tokens_file: {}\n{lines}",
             users.display()
         );
         let extra = Extra {
