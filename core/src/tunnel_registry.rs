@@ -553,32 +553,18 @@ impl TunnelRegistry {
             .map(|(&seq, &r)| (seq, r))
     }
 
-    /// Hands an idle (or newly released) tunnel to the oldest matching waiter, or files it
-    /// as idle.
+    /// Files a newly opened or released tunnel as idle, and hands it (or another idle one)
+    /// to the oldest waiter that may take it.
     fn become_idle(&mut self, tunnel: TunnelId) {
         let Some(t) = self.tunnels.get(&tunnel) else {
             return;
         };
         let (agent, conn) = (t.agent, t.connection);
-        // The tunnel itself is idle, though not filed yet.
-        let idle = self.idle_count(agent) + 1;
-        let any = self.first_served(agent, self.queue_by_agent.get(&agent), idle);
-        let this_conn = self.first_served(agent, self.queue_by_conn.get(&(agent, conn)), idle);
-        let oldest = match (any, this_conn) {
-            (Some(a), Some(c)) => Some(if a.0 < c.0 { a } else { c }),
-            (a, c) => a.or(c),
-        };
-        if let Some((_, request)) = oldest {
-            let holder = self.waiters.get(&request).and_then(|w| w.holder);
-            self.remove_waiter(request);
-            self.claim(tunnel, request, holder);
-        } else {
-            self.idle_by_agent.entry(agent).or_default().insert(tunnel);
-            self.idle_by_conn
-                .entry((agent, conn))
-                .or_default()
-                .insert(tunnel);
-        }
+        self.idle_by_agent.entry(agent).or_default().insert(tunnel);
+        self.idle_by_conn
+            .entry((agent, conn))
+            .or_default()
+            .insert(tunnel);
         self.serve(agent);
     }
 
