@@ -336,13 +336,10 @@ impl Shared<'_> {
         kube_l: Option<TcpListener>,
     ) -> Result<JoinHandle<()>, StartError> {
         let config = self.config;
-        let closing = || {
-            let mut stop = self.stop.clone();
-            async move { stop.until(Phase::Closing).await }
-        };
         let api_listening = self.listening(&config.api.listen, "api", ALPN_GRPC)?;
         let private_listening =
             self.listening(&config.private_api.listen, "private_api", ALPN_GRPC)?;
+        let closing = || self.stop.reaches(Phase::Closing);
         let api_server = serve(public, api_l, api_listening, closing());
         let private_server = serve(private, private_l, private_listening, closing());
         let kube_server =
@@ -635,12 +632,9 @@ impl Kas {
         let agent_listening = shared.listening(&a.listen, "agent", ALPN_GRPC)?;
         let obs_listening =
             shared.listening(&config.observability.listen, "observability", ALPN_HTTP1)?;
-        let mut closed = stop.clone();
+        let closed = stop.reaches(Phase::Closed);
         let agents_server = tokio::spawn(async move {
-            let r = serve(agents, agent_l, agent_listening, async move {
-                closed.until(Phase::Closed).await;
-            })
-            .await;
+            let r = serve(agents, agent_l, agent_listening, closed).await;
             if let Err(e) = r {
                 tracing::error!(error = %e, "agent listener failed");
             }
@@ -650,13 +644,12 @@ impl Kas {
             store_ready,
             stop: stop.clone(),
         };
-        let mut stopped = stop;
         let observability_server = tokio::spawn(observability::serve(
             obs_l,
             config.observability.listen.clone(),
             obs_listening.tls,
             health.clone(),
-            async move { stopped.until(Phase::Stopped).await },
+            stop.reaches(Phase::Stopped),
         ));
         addresses.announce(&kas_id);
         Ok(Kas {

@@ -54,6 +54,13 @@ impl Stop {
     pub async fn until(&mut self, phase: Phase) {
         let _ = self.0.wait_for(|p| *p >= phase).await;
     }
+
+    /// A future of its own that resolves once the stop reaches `phase`: a server's
+    /// shutdown signal.
+    pub fn reaches(&self, phase: Phase) -> impl Future<Output = ()> + Send + 'static {
+        let mut stop = self.clone();
+        async move { stop.until(phase).await }
+    }
 }
 
 #[cfg(all(test, not(madsim)))]
