@@ -370,6 +370,11 @@ pub const POLL_BACKOFF: Backoff = Backoff {
     factor: 2,
 };
 
+/// How long a call waits for this kas's busy tunnels while another kas holds the agent,
+/// in production: agentk opens a tunnel as each is taken, so a healthy agent's pool refills
+/// well within it.
+pub const LOCAL_PATIENCE: Duration = Duration::from_millis(500);
+
 /// How long a kas that refused a call is tried last for its agent, in production.
 pub const FAILURE_MEMORY: Duration = Duration::from_secs(30);
 
@@ -418,6 +423,7 @@ impl NodeConfig {
             router: RouterConfig {
                 poll_backoff: POLL_BACKOFF,
                 failure_memory: FAILURE_MEMORY,
+                local_patience: LOCAL_PATIENCE,
                 grace: Duration::from_secs(2),
                 linger: Duration::from_secs(60),
             },
@@ -1002,11 +1008,16 @@ impl<C: Clone> KasNode<C> {
             }
             RegistryOutput::NoTunnel { request } => self.bounced(now, request),
             RegistryOutput::WaitExpired { request } => {
-                // Nothing reached an agent, and the deadline has passed: no kas could do
-                // better, so the call ends here with the reason, whichever API it came on.
                 let Some(state) = self.calls.get(&request) else {
                     return;
                 };
+                if now < state.wanted.deadline {
+                    // The patience with this kas's busy tunnels ran out: the others next.
+                    self.bounced(now, request);
+                    return;
+                }
+                // Nothing reached an agent, and the deadline has passed: no kas could do
+                // better, so the call ends here with the reason, whichever API it came on.
                 let error = CallError::TunnelsBusy {
                     agent: state.wanted.agent,
                 };
@@ -1063,7 +1074,10 @@ impl<C: Clone> KasNode<C> {
                 match target {
                     Target::Local if self.draining => self.bounced(now, request),
                     Target::Local => {
-                        let wanted = state.wanted;
+                        let mut wanted = state.wanted;
+                        if let Some(until) = self.router.local_wait_until(now, request) {
+                            wanted.deadline = wanted.deadline.min(until);
+                        }
                         // A request id is fresh in the registry whenever the router
                         // attempts: the last attempt ended with a refusal.
                         self.registry_in_drain(now, wants_tunnel(request, wanted));

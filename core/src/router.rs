@@ -192,6 +192,9 @@ pub struct RouterConfig {
     /// How long an agent's subscription, and what it tells, outlives the agent's last
     /// call; zero unsubscribes at once.
     pub linger: Duration,
+    /// How long a call waits for a free tunnel among this kas's busy ones while another
+    /// kas is known to hold the agent; then the others are tried.
+    pub local_patience: Duration,
 }
 
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -350,6 +353,8 @@ impl Router {
             RouterInput::LocalPresence { agent, present } => {
                 if present {
                     self.local.insert(agent);
+                    let me = &self.self_id;
+                    self.failed_at.retain(|(a, _, k), _| (*a, k) != (agent, me));
                     self.wake(now, agent, Target::Local);
                 } else {
                     self.local.remove(&agent);
@@ -443,7 +448,13 @@ impl Router {
                 if r.known == Known::Everything {
                     r.known = Known::Unsure;
                 }
-                if let Some(Target::Kas(k)) = r.current.take() {
+                let refused = r.current.take();
+                if refused == Some(Target::Local) {
+                    // This kas's tunnels stayed busy past the patience: the others first.
+                    let me = self.self_id.clone();
+                    self.failed_at.insert((r.agent, r.connection, me), now);
+                }
+                if let Some(Target::Kas(k)) = refused {
                     self.failed_at.insert((r.agent, r.connection, k), now);
                     // A replica missing there says nothing about the agent's other tunnels.
                     if r.connection.is_none()
@@ -694,16 +705,48 @@ impl Router {
         others.dedup();
         self.rng.shuffle(&mut others);
         let memory = self.config.failure_memory;
-        others.sort_by_key(|k| {
-            self.failed_at
-                .get(&(agent, connection, (*k).clone()))
-                .is_some_and(|at| *at + memory > now)
-        });
         let local = self.local.contains(&agent).then_some(Target::Local);
-        local
+        let mut targets: Vec<Target> = local
             .into_iter()
             .chain(others.into_iter().map(|k| Target::Kas(k.clone())))
-            .collect()
+            .collect();
+        // This kas first, unless its tunnels stayed busy past the patience lately.
+        targets.sort_by_key(|t| {
+            let k = match t {
+                Target::Local => &self.self_id,
+                Target::Kas(k) => k,
+            };
+            self.failed_at
+                .get(&(agent, connection, k.clone()))
+                .is_some_and(|at| *at + memory > now)
+        });
+        targets
+    }
+
+    /// Until when a call may wait for this kas's busy tunnels: the patience, until a lookup
+    /// has told where else the agent is, and while another kas is a candidate, is known to
+    /// hold the agent, or refused the call lately (it may have a tunnel free by now); else
+    /// its deadline.
+    pub fn local_wait_until(&self, now: Time, request: RequestId) -> Option<Time> {
+        let r = self.routes.get(&request)?;
+        let unlooked = r.known == Known::Nothing;
+        let candidate = r.candidates.iter().any(|t| matches!(t, Target::Kas(_)));
+        let known = self
+            .agents
+            .get(&r.agent)
+            .and_then(|a| a.known.as_ref())
+            .is_some_and(|k| !k.is_empty());
+        let refused = self
+            .failed_at
+            .range((r.agent, r.connection, KasId(String::new()))..)
+            .take_while(|((a, c, _), _)| (*a, *c) == (r.agent, r.connection))
+            .any(|((_, _, k), at)| *k != self.self_id && *at + self.config.failure_memory > now);
+        let elsewhere = unlooked || candidate || known || refused;
+        Some(if elsewhere {
+            r.deadline.min(now + self.config.local_patience)
+        } else {
+            r.deadline
+        })
     }
 
     fn try_next(&mut self, now: Time, request: RequestId) {

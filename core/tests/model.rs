@@ -220,6 +220,7 @@ impl World {
                                 factor: 2,
                             },
                             failure_memory: Duration::from_secs(1),
+                            local_patience: Duration::from_millis(300),
                             grace: GRACE,
                             linger: TTL / 2,
                         },

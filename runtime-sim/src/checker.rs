@@ -113,8 +113,8 @@ pub fn check_fault_free(calls: &[Call], agents: &[AgentSpec], timeout: Duration)
         .filter_map(|c| {
             let (code, msg) = c.result.as_ref().err()?;
             Some(format!(
-                "inv 5: in a run without faults, {} (timeout {:?}) for connected agent {} failed: {code:?} {msg}",
-                c.marker, c.timeout, c.agent
+                "inv 5: in a run without faults, {} (timeout {:?}) for connected agent {} through kas{} failed after {:?}: {code:?} {msg}",
+                c.marker, c.timeout, c.agent, c.kas, c.took
             ))
         })
         .collect()

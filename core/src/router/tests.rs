@@ -20,6 +20,7 @@ fn router_lingering(linger: Duration) -> Router {
                 factor: 2,
             },
             failure_memory: Duration::from_secs(10),
+            local_patience: Duration::from_millis(500),
             grace: Duration::from_millis(50),
             linger,
         },
@@ -646,4 +647,63 @@ fn without_pubsub_nothing_is_kept() {
     finish(&mut r, 10, 1);
     start(&mut r, 20, 2, 500);
     assert_eq!(drain(&mut r), vec![RouterOutput::Lookup(A)]);
+}
+
+#[test]
+fn a_call_waits_for_local_busy_tunnels_only_the_patience_while_another_kas_holds_the_agent() {
+    let mut r = router();
+    local(&mut r, 0, true);
+    start(&mut r, 0, 1, 5000);
+    assert_eq!(drain(&mut r), vec![attempt(1, Target::Local)]);
+    assert_eq!(
+        r.local_wait_until(Time(0), RequestId(1)),
+        Some(Time(500)),
+        "before a lookup tells where else the agent is, the call waits here the patience"
+    );
+    // The local tunnels stay busy: the call looks for another kas, which refuses.
+    r.handle_input(
+        Time(10),
+        RouterInput::AttemptRefused {
+            request: RequestId(1),
+        },
+    );
+    assert_eq!(drain(&mut r), vec![RouterOutput::Subscribe(A)]);
+    r.handle_input(Time(10), RouterInput::Subscribed { agent: A });
+    assert_eq!(drain(&mut r), vec![RouterOutput::Lookup(A)]);
+    answer_lookup(&mut r, 20, vec![kas(0), kas(1)]);
+    assert_eq!(
+        drain(&mut r),
+        vec![attempt(1, Target::Kas(kas(1)))],
+        "this kas's tunnels stayed busy past the patience lately: the other kas first"
+    );
+    r.handle_input(
+        Time(30),
+        RouterInput::AttemptRefused {
+            request: RequestId(1),
+        },
+    );
+    assert_eq!(drain(&mut r), vec![attempt(1, Target::Local)]);
+    assert_eq!(
+        r.local_wait_until(Time(30), RequestId(1)),
+        Some(Time(530)),
+        "kas1 holds the agent (it may have a tunnel free soon): wait here only the patience"
+    );
+    // Once a lookup says this kas alone holds the agent, a call waits here to its deadline.
+    // (Past the memory of kas1's refusal.)
+    finish(&mut r, 40, 1);
+    start(&mut r, 20_000, 2, 25_000);
+    drain(&mut r);
+    r.handle_input(
+        Time(20_010),
+        RouterInput::AttemptRefused {
+            request: RequestId(2),
+        },
+    );
+    drain(&mut r);
+    answer_lookup(&mut r, 20_020, vec![kas(0)]);
+    assert_eq!(drain(&mut r), vec![attempt(2, Target::Local)]);
+    assert_eq!(
+        r.local_wait_until(Time(20_020), RequestId(2)),
+        Some(Time(25_000))
+    );
 }

@@ -106,14 +106,25 @@ impl Engine {
         self.carry_outputs();
         let mut health = tokio::time::interval(HEALTH_CHECK_EVERY);
         health.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
+        let timer = tokio::time::sleep(Duration::ZERO);
+        tokio::pin!(timer);
+        // The node's next deadline the timer is set for; None when it is not set.
+        let mut armed = None;
         loop {
             let due = self.node.poll_timeout();
-            let sleep = tokio::time::sleep(due.map_or(Duration::from_secs(3600), clock::until));
+            if due != armed {
+                if let Some(at) = due {
+                    timer
+                        .as_mut()
+                        .reset(tokio::time::Instant::now() + clock::until(at));
+                }
+                armed = due;
+            }
             tokio::select! {
                 biased;
-                () = sleep => {
+                () = &mut timer, if armed.is_some() => {
                     let now = clock::now();
-                    if let Some(due) = due {
+                    if let Some(due) = armed.take() {
                         self.metrics.timer_lag.observe((now - due).as_secs_f64());
                     }
                     self.node.handle_timeout(now);
