@@ -10,7 +10,7 @@ use crate::truth::{Truth, pod_name};
 use kas_agent::AgentOptions;
 use kas_auth::jwt::Secret;
 use kas_proto::registry::AgentMeta;
-use kas_server::config::Config;
+use kas_server::config::{Config, ConfigWriter};
 use kas_server::kas::Kas;
 use kas_server::kas::observability::Health;
 use kas_server::store::Store;
@@ -161,19 +161,38 @@ fn sim_store(config: &Config) -> Store {
 }
 
 fn kas_config(i: usize, dir: &std::path::Path, spec: &ClusterSpec) -> Config {
-    let ttl = spec.ttl.as_millis();
-    let yaml = format!(
-        "agent:\n  listen: {{address: '{}'}}\n  tokens_file: '{d}/tokens.yaml'\n  redis_conn_info_ttl: {ttl}ms\n  redis_conn_info_refresh: {}ms\n  redis_conn_info_gc: {ttl}ms\n  heartbeat_timeout: 3s\napi:\n  listen: {{address: '{}', authentication_secret_file: '{d}/gitlab.secret'}}\nprivate_api:\n  listen: {{address: '{}', authentication_secret_file: '{d}/kas.secret'}}\nobservability:\n  listen: {{address: '{}'}}\nredis:\n  server: {{address: '{REDIS}'}}\n  key_prefix: kas\n  timeout: 1s\n  pubsub_wakeups: {}\nshutdown_grace: {}ms\n",
-        kas_addr(i, 8150),
-        ttl / 2,
-        kas_addr(i, 8153),
-        kas_addr(i, 8155),
-        kas_addr(i, 8151),
-        spec.pubsub_wakeups,
-        spec.grace.as_millis(),
-        d = dir.display(),
-    );
-    Config::parse(&yaml, &format!("kas{i}.yaml")).unwrap_or_else(|e| panic!("{e}"))
+    let ttl = format!("{}ms", spec.ttl.as_millis());
+    let text = ConfigWriter::new()
+        .set("agent.listen.address", kas_addr(i, 8150).to_string())
+        .path("agent.tokens_file", &dir.join("tokens.yaml"))
+        .set("agent.redis_conn_info_ttl", ttl.as_str())
+        .set(
+            "agent.redis_conn_info_refresh",
+            format!("{}ms", spec.ttl.as_millis() / 2),
+        )
+        .set("agent.redis_conn_info_gc", ttl.as_str())
+        .set("agent.heartbeat_timeout", "3s")
+        .set("api.listen.address", kas_addr(i, 8153).to_string())
+        .path(
+            "api.listen.authentication_secret_file",
+            &dir.join("gitlab.secret"),
+        )
+        .set("private_api.listen.address", kas_addr(i, 8155).to_string())
+        .path(
+            "private_api.listen.authentication_secret_file",
+            &dir.join("kas.secret"),
+        )
+        .set(
+            "observability.listen.address",
+            kas_addr(i, 8151).to_string(),
+        )
+        .set("redis.server.address", REDIS.to_string())
+        .set("redis.key_prefix", "kas")
+        .set("redis.timeout", "1s")
+        .set("redis.pubsub_wakeups", spec.pubsub_wakeups)
+        .set("shutdown_grace", format!("{}ms", spec.grace.as_millis()))
+        .text();
+    Config::parse(&text, &format!("kas{i}.yaml")).unwrap_or_else(|e| panic!("{e}"))
 }
 
 impl Cluster {

@@ -4,6 +4,10 @@
 //! Every problem found is reported with the dotted path of the key at fault, and all of
 //! them at once, so one edit fixes a file.
 
+mod writer;
+
+pub use writer::ConfigWriter;
+
 use serde::Deserialize;
 use std::net::SocketAddr;
 use std::path::{Path, PathBuf};

@@ -15,7 +15,7 @@ use kas_agent::{AgentOptions, Modules, PodSource};
 use kas_auth::jwt::Secret;
 use kas_client::api_client::ApiClient;
 use kas_proto::registry::AgentMeta;
-use kas_server::config::Config;
+use kas_server::config::{Config, ConfigWriter};
 use kas_server::kas::Kas;
 use kas_transport::local_ca::LocalCa;
 use kube_server::KubeServer;
@@ -93,11 +93,38 @@ struct KasFiles<'a> {
     kas: &'a Path,
 }
 
-/// The TLS settings of each kind of listener, as YAML flow-map entries (empty: plaintext).
+/// The certificate every TLS listener serves: the Kubernetes API listener always, the
+/// others when `all` (the private one also trusting the CA).
 struct ListenTls<'a> {
-    listen: &'a str,
-    private: &'a str,
-    kube: &'a str,
+    cert: &'a Path,
+    key: &'a Path,
+    ca: &'a Path,
+    all: bool,
+}
+
+impl ListenTls<'_> {
+    /// Sets listener `listen` (a dotted key) to serve TLS, trusting the CA when `trust`.
+    fn on(&self, c: ConfigWriter, listen: &str, trust: bool) -> ConfigWriter {
+        let c = c
+            .path(&format!("{listen}.certificate_file"), self.cert)
+            .path(&format!("{listen}.key_file"), self.key);
+        if trust {
+            c.path(&format!("{listen}.ca_certificate_file"), self.ca)
+        } else {
+            c
+        }
+    }
+
+    fn apply(&self, c: ConfigWriter) -> ConfigWriter {
+        let c = self.on(c, "agent.kubernetes_api.listen", false);
+        if !self.all {
+            return c;
+        }
+        let c = ["agent.listen", "api.listen", "observability.listen"]
+            .into_iter()
+            .fold(c, |c, listen| self.on(c, listen, false));
+        self.on(c, "private_api.listen", true)
+    }
 }
 
 /// Starts three kas sharing `redis`, or one on its memory: each with a config file written
@@ -108,25 +135,31 @@ async fn start_kas(
     files: &KasFiles<'_>,
     tls: &ListenTls<'_>,
 ) -> Result<Vec<Kas>, String> {
-    let (listen_tls, private_tls, kube_tls) = (tls.listen, tls.private, tls.kube);
     let kas_count = if redis.is_some() { 3 } else { 1 };
     let mut kas = Vec::new();
     for i in 0..kas_count {
-        let mut yaml = format!(
-            "agent:\n  listen: {{address: '127.0.0.1:0'{listen_tls}}}\n  tokens_file: '{}'\n  kubernetes_api:\n    listen: {{address: '127.0.0.1:0'{kube_tls}}}\n    tokens_file: '{}'\n    routing_timeout: {KUBE_ROUTING_TIMEOUT_SECS}s\napi:\n  listen: {{address: '127.0.0.1:0', authentication_secret_file: '{}'{listen_tls}}}\nprivate_api:\n  listen: {{address: '127.0.0.1:0', authentication_secret_file: '{}'{private_tls}}}\nobservability:\n  listen: {{address: '127.0.0.1:0'{listen_tls}}}\nshutdown_grace: 2s\n",
-            files.tokens.display(),
-            files.user_tokens.display(),
-            files.gitlab.display(),
-            files.kas.display(),
-        );
+        let mut config = ConfigWriter::new()
+            .set("agent.listen.address", "127.0.0.1:0")
+            .path("agent.tokens_file", files.tokens)
+            .set("agent.kubernetes_api.listen.address", "127.0.0.1:0")
+            .path("agent.kubernetes_api.tokens_file", files.user_tokens)
+            .set(
+                "agent.kubernetes_api.routing_timeout",
+                format!("{KUBE_ROUTING_TIMEOUT_SECS}s"),
+            )
+            .set("api.listen.address", "127.0.0.1:0")
+            .path("api.listen.authentication_secret_file", files.gitlab)
+            .set("private_api.listen.address", "127.0.0.1:0")
+            .path("private_api.listen.authentication_secret_file", files.kas)
+            .set("observability.listen.address", "127.0.0.1:0")
+            .set("shutdown_grace", "2s");
+        config = tls.apply(config);
         if let Some(r) = redis {
-            let _ = write!(
-                yaml,
-                "redis:\n  server: {{address: '{}'}}\n  key_prefix: kas\n",
-                r.address()
-            );
+            config = config
+                .set("redis.server.address", r.address())
+                .set("redis.key_prefix", "kas");
         }
-        let path = write(&format!("kas{i}.yaml"), yaml)?;
+        let path = write(&format!("kas{i}.yaml"), config.text())?;
         let config = Config::load(&path, None).map_err(|e| e.to_string())?;
         kas.push(
             Kas::start_configured(config)
@@ -247,17 +280,7 @@ impl LocalDeployment {
         let (cert, key) = local_ca.issue()?;
         let ca_file = write("ca.pem", local_ca.pem.clone())?;
         let (cert, key) = (write("kas.crt", cert)?, write("kas.key", key)?);
-        let kube_tls = format!(
-            ", certificate_file: '{}', key_file: '{}'",
-            cert.display(),
-            key.display()
-        );
-        let (ca, listen_tls, private_tls) = if tls {
-            let private = format!("{kube_tls}, ca_certificate_file: '{}'", ca_file.display());
-            (Some(ca_file.clone()), kube_tls.clone(), private)
-        } else {
-            (None, String::new(), String::new())
-        };
+        let ca = tls.then(|| ca_file.clone());
 
         let redis = if with_redis {
             Some(RedisServer::start()?)
@@ -274,9 +297,10 @@ impl LocalDeployment {
                 kas: &kas_file,
             },
             &ListenTls {
-                listen: &listen_tls,
-                private: &private_tls,
-                kube: &kube_tls,
+                cert: &cert,
+                key: &key,
+                ca: &ca_file,
+                all: tls,
             },
         )
         .await?;

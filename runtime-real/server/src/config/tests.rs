@@ -294,3 +294,36 @@ fn the_kubernetes_api_listener_is_off_unless_set_and_its_keys_are_checked() {
         "{p:?}"
     );
 }
+
+#[test]
+fn what_the_writer_writes_parses_to_the_keys_it_was_given() {
+    let f = Files::new();
+    let text = ConfigWriter::new()
+        .merge(&f.yaml(""))
+        .unwrap()
+        .set("agent.listen.address", "127.0.0.1:0")
+        .set("agent.max_tunnels_per_connection", 8)
+        .set("agent.listen.websocket", true)
+        .set("shutdown_grace", "250ms")
+        .set("redis.server.address", "127.0.0.1:6379")
+        .merge("agent:\n  listen:\n    max_connection_age: 2s\nredis:\n  key_prefix: p\n")
+        .unwrap()
+        .text();
+    let c = Config::parse(&text, "written.yaml").unwrap_or_else(|e| panic!("{e}\n{text}"));
+    assert_eq!(c.agent.listen.address.to_string(), "127.0.0.1:0");
+    assert_eq!(c.agent.max_tunnels_per_connection, 8);
+    assert!(c.agent.listen.websocket);
+    assert_eq!(
+        c.agent.listen.max_connection_age,
+        Some(Duration::from_secs(2))
+    );
+    assert_eq!(c.shutdown_grace, Duration::from_millis(250));
+    assert_eq!(
+        c.api.listen.address.to_string(),
+        "127.0.0.1:8153",
+        "merged first"
+    );
+    let r = c.redis.expect("a redis section");
+    assert_eq!(r.key_prefix, "p", "a merged key wins");
+    assert_eq!(r.server.expect("a server").address, "127.0.0.1:6379");
+}

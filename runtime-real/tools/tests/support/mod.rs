@@ -8,6 +8,7 @@ use kas_client::api_client::ApiClient;
 use kas_core::ConnectionId;
 use kas_proto::pods::{ListRequest, ListResponse, LogsRequest, Pod};
 use kas_proto::registry::AgentMeta;
+use kas_server::config::ConfigWriter;
 use std::net::SocketAddr;
 use std::path::{Path, PathBuf};
 use std::process::{Child, Command, Stdio};
@@ -106,13 +107,19 @@ impl Secrets {
     }
 }
 
-/// Registry timings for tests: records live `ttl`, refreshed every `ttl / 2`.
-pub fn agent_section(ttl_ms: u64) -> String {
-    format!(
-        "  redis_conn_info_ttl: {ttl_ms}ms\n  redis_conn_info_refresh: {}ms\n  redis_conn_info_gc: {}ms\n  heartbeat_timeout: 3s\n",
-        ttl_ms / 2,
-        ttl_ms / 2
-    )
+/// `config` with `lines` (indented as in the file) set under the dotted `section`.
+fn merge(config: ConfigWriter, section: &str, lines: &str) -> ConfigWriter {
+    if lines.trim().is_empty() {
+        return config;
+    }
+    let mut text = String::new();
+    for (depth, name) in section.split('.').enumerate() {
+        text += &format!("{}{name}:\n", "  ".repeat(depth));
+    }
+    text += lines;
+    config
+        .merge(&text)
+        .unwrap_or_else(|e| panic!("the test's lines under {section}: {e}\n{text}"))
 }
 
 /// Extra configuration lines, each section's keys indented as in the file.
@@ -206,31 +213,52 @@ impl KasProc {
     ) -> KasProc {
         let [agent, api, private, observability] =
             listen.unwrap_or_else(|| ["127.0.0.1:0".parse().unwrap(); 4]);
-        let extra_redis = extra.redis;
-        let mut config = format!(
-            "agent:\n  listen:\n    address: {agent}\n{}  tokens_file: {}\n{}{}api:\n  listen:\n    address: {api}\n{}    authentication_secret_file: {}\nprivate_api:\n  listen:\n    address: {private}\n{}    authentication_secret_file: {}\nobservability:\n  listen:\n    address: {observability}\n{}shutdown_grace: 2s\n",
-            extra.agent_listen,
-            secrets.path("tokens.yaml").display(),
-            agent_section(ttl_ms),
-            extra.agent,
-            extra.api_listen,
-            secrets.path("gitlab.secret").display(),
-            extra.private_listen,
-            secrets.path("kas.secret").display(),
-            extra.observability_listen,
-        );
+        // Registry records live `ttl_ms`, refreshed every half of it.
+        let half = format!("{}ms", ttl_ms / 2);
+        let mut config = ConfigWriter::new()
+            .set("agent.listen.address", agent.to_string())
+            .path("agent.tokens_file", &secrets.path("tokens.yaml"))
+            .set("agent.redis_conn_info_ttl", format!("{ttl_ms}ms"))
+            .set("agent.redis_conn_info_refresh", half.as_str())
+            .set("agent.redis_conn_info_gc", half.as_str())
+            .set("agent.heartbeat_timeout", "3s")
+            .set("api.listen.address", api.to_string())
+            .path(
+                "api.listen.authentication_secret_file",
+                &secrets.path("gitlab.secret"),
+            )
+            .set("private_api.listen.address", private.to_string())
+            .path(
+                "private_api.listen.authentication_secret_file",
+                &secrets.path("kas.secret"),
+            )
+            .set("observability.listen.address", observability.to_string())
+            .set("shutdown_grace", "2s");
         let redis_address = extra
             .redis_at
             .map(str::to_string)
             .or(redis.map(Redis::address));
-        let topology = match (extra.redis_topology, redis_address) {
-            (Some(lines), _) => Some(lines.to_string()),
-            (None, Some(address)) => Some(format!("  server:\n    address: {address}\n")),
-            (None, None) => None,
-        };
-        if let Some(topology) = topology {
-            config += &format!("redis:\n{topology}  key_prefix: kas\n  timeout: 1s\n{extra_redis}");
+        if extra.redis_topology.is_some() || redis_address.is_some() {
+            config = config
+                .set("redis.key_prefix", "kas")
+                .set("redis.timeout", "1s");
         }
+        config = match (extra.redis_topology, redis_address) {
+            (Some(lines), _) => merge(config, "redis", lines),
+            (None, Some(address)) => config.set("redis.server.address", address),
+            (None, None) => config,
+        };
+        for (section, lines) in [
+            ("agent", extra.agent),
+            ("agent.listen", extra.agent_listen),
+            ("api.listen", extra.api_listen),
+            ("private_api.listen", extra.private_listen),
+            ("observability.listen", extra.observability_listen),
+            ("redis", extra.redis),
+        ] {
+            config = merge(config, section, lines);
+        }
+        let config = config.text();
         let path = secrets.path(&format!("{name}.yaml"));
         std::fs::write(&path, config).unwrap();
         let log = secrets.path(&format!("{name}.log"));

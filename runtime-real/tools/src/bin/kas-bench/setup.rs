@@ -5,6 +5,7 @@ use kas_agent::pods::{LogStream, chunks};
 use kas_agent::{Modules, PODS_LIST, PODS_LOGS};
 use kas_auth::jwt::Secret;
 use kas_proto::pods::{ListRequest, ListResponse, LogsRequest, Pod};
+use kas_server::config::ConfigWriter;
 use kas_tools::local::kas_process::KasProcess;
 use kas_tools::local::redis_server::RedisServer;
 use std::fmt::Write as _;
@@ -116,36 +117,61 @@ impl World {
     pub async fn kas(&mut self, options: KasOptions) -> Result<KasProcess, String> {
         self.started += 1;
         let name = format!("kas{}", self.started);
-        let ttl = options.ttl.as_millis();
-        let d = self.dir.display();
-        let (tls, private_tls) = if options.tls {
-            let files = format!(", certificate_file: '{d}/kas.crt', key_file: '{d}/kas.key'");
-            let private = format!("{files}, ca_certificate_file: '{d}/ca.pem'");
-            (files, private)
-        } else {
-            (String::new(), String::new())
-        };
-        // Each open watch holds a tunnel of the agent: a stream on its connection, and
-        // on the connection between the two kas.
-        let (kube, streams) = if options.kubernetes_api {
-            let kube = format!(
-                "  kubernetes_api:\n    listen: {{address: '127.0.0.1:0'}}\n    tokens_file: '{d}/user-tokens.yaml'\n  max_tunnels_per_connection: 10000\n"
-            );
-            (kube, ", max_concurrent_streams: 10000")
-        } else {
-            (String::new(), "")
-        };
+        let d = &self.dir;
+        let ms = |d: Duration| format!("{}ms", d.as_millis());
         let [agent, api, private, observability] = options
             .listen
             .unwrap_or_else(|| [SocketAddr::from(([127, 0, 0, 1], 0)); 4]);
-        let config = format!(
-            "agent:\n  listen: {{address: '{agent}'{tls}{streams}}}\n  tokens_file: '{d}/tokens.yaml'\n{kube}  redis_conn_info_ttl: {ttl}ms\n  redis_conn_info_refresh: {}ms\n  redis_conn_info_gc: {ttl}ms\napi:\n  listen: {{address: '{api}', authentication_secret_file: '{d}/gitlab.secret'{tls}}}\n  max_timeout: 120s\nprivate_api:\n  listen: {{address: '{private}', authentication_secret_file: '{d}/kas.secret'{private_tls}{streams}}}\nobservability:\n  listen: {{address: '{observability}'}}\nredis:\n{}  key_prefix: kas\n  pubsub_wakeups: {}\nshutdown_grace: {}ms\n",
-            ttl / 2,
-            self.redis_lines(),
-            options.pubsub,
-            options.grace.as_millis(),
-        );
-        let path = write(&self.dir, &format!("{name}.yaml"), &config)?;
+        let mut config = ConfigWriter::new()
+            .set("agent.listen.address", agent.to_string())
+            .path("agent.tokens_file", &d.join("tokens.yaml"))
+            .set("agent.redis_conn_info_ttl", ms(options.ttl))
+            .set("agent.redis_conn_info_refresh", ms(options.ttl / 2))
+            .set("agent.redis_conn_info_gc", ms(options.ttl))
+            .set("api.listen.address", api.to_string())
+            .path(
+                "api.listen.authentication_secret_file",
+                &d.join("gitlab.secret"),
+            )
+            .set("api.max_timeout", "120s")
+            .set("private_api.listen.address", private.to_string())
+            .path(
+                "private_api.listen.authentication_secret_file",
+                &d.join("kas.secret"),
+            )
+            .set("observability.listen.address", observability.to_string())
+            .set("redis.key_prefix", "kas")
+            .set("redis.pubsub_wakeups", options.pubsub)
+            .set("shutdown_grace", ms(options.grace));
+        config = match &self.cluster {
+            Some(c) => {
+                let nodes: Vec<String> = c.nodes.iter().map(RedisServer::address).collect();
+                config.set("redis.cluster.addresses", nodes)
+            }
+            None => config.set("redis.server.address", self.redis.address()),
+        };
+        if options.tls {
+            for listen in ["agent.listen", "api.listen", "private_api.listen"] {
+                config = config
+                    .path(&format!("{listen}.certificate_file"), &d.join("kas.crt"))
+                    .path(&format!("{listen}.key_file"), &d.join("kas.key"));
+            }
+            config = config.path("private_api.listen.ca_certificate_file", &d.join("ca.pem"));
+        }
+        // Each open watch holds a tunnel of the agent: a stream on its connection, and
+        // on the connection between the two kas.
+        if options.kubernetes_api {
+            config = config
+                .set("agent.kubernetes_api.listen.address", "127.0.0.1:0")
+                .path(
+                    "agent.kubernetes_api.tokens_file",
+                    &d.join("user-tokens.yaml"),
+                )
+                .set("agent.max_tunnels_per_connection", 10_000)
+                .set("agent.listen.max_concurrent_streams", 10_000)
+                .set("private_api.listen.max_concurrent_streams", 10_000);
+        }
+        let path = write(&self.dir, &format!("{name}.yaml"), &config.text())?;
         KasProcess::spawn(
             &self.kas_exe,
             &path,
@@ -161,17 +187,6 @@ impl World {
         match &self.cluster {
             Some(c) => c.nodes.iter().collect(),
             None => vec![&self.redis],
-        }
-    }
-
-    /// The `redis:` section's lines that name it.
-    fn redis_lines(&self) -> String {
-        match &self.cluster {
-            Some(c) => {
-                let nodes: Vec<String> = c.nodes.iter().map(RedisServer::address).collect();
-                format!("  cluster: {{addresses: [{}]}}\n", nodes.join(", "))
-            }
-            None => format!("  server: {{address: '{}'}}\n", self.redis.address()),
         }
     }
 }

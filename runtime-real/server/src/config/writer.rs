@@ -1,0 +1,68 @@
+//! Writes a kas configuration file from GitLab kas's dotted key names: what kas-local,
+//! kas-bench, the simulation and the tests start kas with, in one form that the parser
+//! reads back (no hand-indented YAML templates).
+
+use serde_yaml::{Mapping, Value};
+
+/// A configuration being written: keys set by their dotted names, later ones winning.
+#[derive(Clone, Debug, Default)]
+pub struct ConfigWriter(Mapping);
+
+impl ConfigWriter {
+    /// An empty configuration (every key at its default).
+    pub fn new() -> ConfigWriter {
+        ConfigWriter::default()
+    }
+
+    /// Sets `key` (dotted, like `agent.listen.address`) to `value`: a string, number,
+    /// boolean, or list of them.
+    pub fn set(mut self, key: &str, value: impl Into<Value>) -> ConfigWriter {
+        let mut map = &mut self.0;
+        let mut parts = key.split('.').peekable();
+        while let Some(part) = parts.next() {
+            let name = Value::String(part.to_string());
+            if parts.peek().is_none() {
+                map.insert(name, value.into());
+                break;
+            }
+            let entry = map
+                .entry(name)
+                .or_insert_with(|| Value::Mapping(Mapping::new()));
+            if !entry.is_mapping() {
+                *entry = Value::Mapping(Mapping::new());
+            }
+            map = entry.as_mapping_mut().expect("made a mapping above");
+        }
+        self
+    }
+
+    /// Sets `key` to a file's path.
+    pub fn path(self, key: &str, path: &std::path::Path) -> ConfigWriter {
+        self.set(key, path.display().to_string())
+    }
+
+    /// Sets every key of `fragment`, a YAML document laid out like the configuration
+    /// (for keys a caller writes as YAML); its keys win.
+    pub fn merge(mut self, fragment: &str) -> Result<ConfigWriter, serde_yaml::Error> {
+        if let Value::Mapping(m) = serde_yaml::from_str(fragment)? {
+            merge(&mut self.0, m);
+        }
+        Ok(self)
+    }
+
+    /// The file's text.
+    pub fn text(&self) -> String {
+        serde_yaml::to_string(&self.0).expect("a mapping of strings serializes")
+    }
+}
+
+fn merge(into: &mut Mapping, from: Mapping) {
+    for (k, v) in from {
+        match (into.get_mut(&k), v) {
+            (Some(Value::Mapping(inner)), Value::Mapping(v)) => merge(inner, v),
+            (_, v) => {
+                into.insert(k, v);
+            }
+        }
+    }
+}
