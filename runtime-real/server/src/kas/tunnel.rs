@@ -64,6 +64,11 @@ pub struct Tunnel {
 enum End {
     /// The agent closed the stream or it broke.
     Gone,
+    /// A streaming call's caller went away: the tunnel ends at once, and cleanly, so that
+    /// the agent stops the call (as it does when GitLab kas cancels a tunnel) and opens a
+    /// fresh tunnel without backing off. Waiting for the agent to end the call would hold
+    /// the tunnel, perhaps its agent's only one, with nobody to answer.
+    CallerGone,
     /// The agent asked kas to end the tunnel, and no call is on it.
     Closed,
     /// The engine dropped the tunnel (missed heartbeats, shutdown, connection ended).
@@ -88,6 +93,10 @@ impl Tunnel {
         }
         let status = match end {
             End::Gone => return,
+            End::CallerGone => {
+                tracing::debug!(tunnel = %self.id, "the caller went away: tunnel ended");
+                return;
+            }
             End::Closed => {
                 tracing::debug!(tunnel = %self.id, "the agent closed its tunnel");
                 return;
@@ -170,7 +179,7 @@ impl Tunnel {
         let responses = call.responses.clone();
         buggify::pause(Point::TunnelBeforeFirstFrame).await;
         // A streaming call's deadline bounded its routing only: it runs until either end
-        // ends it, or until a grace after its caller went away.
+        // ends it (the tunnel ends with it when its caller goes).
         let mut give_up =
             (!streaming).then(|| Instant::now() + clock::until(call.deadline) + TUNNEL_GRACE);
         // A streaming call is delivered from here on: off the router's clock, and the
@@ -221,11 +230,7 @@ impl Tunnel {
                     hand(&responses, Err(Status::deadline_exceeded(format!("agent {agent} did not answer by the deadline"))), give_up).await;
                     return Err(End::Fault(Status::deadline_exceeded("call overran its deadline")));
                 }
-                () = responses.closed(), if streaming && !caller_gone => {
-                    caller_gone = true;
-                    (rest, to_caller) = (None, None);
-                    give_up = Some(Instant::now() + TUNNEL_GRACE);
-                }
+                () = responses.closed(), if streaming && !caller_gone => return Err(End::CallerGone),
                 permit = responses.reserve(), if to_caller.is_some() => match permit {
                     Ok(permit) => permit.send(Ok(to_caller.take().expect("guarded"))),
                     Err(_) => {
