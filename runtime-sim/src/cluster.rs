@@ -161,36 +161,17 @@ fn sim_store(config: &Config) -> Store {
 }
 
 fn kas_config(i: usize, dir: &std::path::Path, spec: &ClusterSpec) -> Config {
-    let ttl = format!("{}ms", spec.ttl.as_millis());
-    let text = ConfigWriter::new()
-        .set("agent.listen.address", kas_addr(i, 8150).to_string())
-        .path("agent.tokens_file", &dir.join("tokens.yaml"))
-        .set("agent.redis_conn_info_ttl", ttl.as_str())
-        .set(
-            "agent.redis_conn_info_refresh",
-            format!("{}ms", spec.ttl.as_millis() / 2),
-        )
-        .set("agent.redis_conn_info_gc", ttl.as_str())
+    let listen = [8150, 8153, 8155, 8151].map(|port| kas_addr(i, port));
+    let text = ConfigWriter::kas_in(dir, listen)
+        .duration("agent.redis_conn_info_ttl", spec.ttl)
+        .duration("agent.redis_conn_info_refresh", spec.ttl / 2)
+        .duration("agent.redis_conn_info_gc", spec.ttl)
         .set("agent.heartbeat_timeout", "3s")
-        .set("api.listen.address", kas_addr(i, 8153).to_string())
-        .path(
-            "api.listen.authentication_secret_file",
-            &dir.join("gitlab.secret"),
-        )
-        .set("private_api.listen.address", kas_addr(i, 8155).to_string())
-        .path(
-            "private_api.listen.authentication_secret_file",
-            &dir.join("kas.secret"),
-        )
-        .set(
-            "observability.listen.address",
-            kas_addr(i, 8151).to_string(),
-        )
         .set("redis.server.address", REDIS.to_string())
         .set("redis.key_prefix", "kas")
         .set("redis.timeout", "1s")
         .set("redis.pubsub_wakeups", spec.pubsub_wakeups)
-        .set("shutdown_grace", format!("{}ms", spec.grace.as_millis()))
+        .duration("shutdown_grace", spec.grace)
         .text();
     Config::parse(&text, &format!("kas{i}.yaml")).unwrap_or_else(|e| panic!("{e}"))
 }

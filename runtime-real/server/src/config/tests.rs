@@ -304,7 +304,7 @@ fn what_the_writer_writes_parses_to_the_keys_it_was_given() {
         .set("agent.listen.address", "127.0.0.1:0")
         .set("agent.max_tunnels_per_connection", 8)
         .set("agent.listen.websocket", true)
-        .set("shutdown_grace", "250ms")
+        .duration("shutdown_grace", Duration::from_millis(250))
         .set("redis.server.address", "127.0.0.1:6379")
         .merge("agent:\n  listen:\n    max_connection_age: 2s\nredis:\n  key_prefix: p\n")
         .unwrap()

@@ -3,6 +3,9 @@
 //! reads back (no hand-indented YAML templates).
 
 use serde_yaml::{Mapping, Value};
+use std::net::SocketAddr;
+use std::path::Path;
+use std::time::Duration;
 
 /// A configuration being written: keys set by their dotted names, later ones winning.
 #[derive(Clone, Debug, Default)]
@@ -36,9 +39,35 @@ impl ConfigWriter {
         self
     }
 
+    /// A kas listening on `listen` (agent, api, private API, observability) that reads
+    /// its agent tokens and secrets from `dir`: `tokens.yaml`, `gitlab.secret` and
+    /// `kas.secret` (the layout kas-bench, the simulation and the tests write).
+    pub fn kas_in(dir: &Path, listen: [SocketAddr; 4]) -> ConfigWriter {
+        let [agent, api, private, observability] = listen.map(|a| a.to_string());
+        ConfigWriter::new()
+            .set("agent.listen.address", agent)
+            .path("agent.tokens_file", &dir.join("tokens.yaml"))
+            .set("api.listen.address", api)
+            .path(
+                "api.listen.authentication_secret_file",
+                &dir.join("gitlab.secret"),
+            )
+            .set("private_api.listen.address", private)
+            .path(
+                "private_api.listen.authentication_secret_file",
+                &dir.join("kas.secret"),
+            )
+            .set("observability.listen.address", observability)
+    }
+
     /// Sets `key` to a file's path.
-    pub fn path(self, key: &str, path: &std::path::Path) -> ConfigWriter {
+    pub fn path(self, key: &str, path: &Path) -> ConfigWriter {
         self.set(key, path.display().to_string())
+    }
+
+    /// Sets `key` to a duration, in milliseconds.
+    pub fn duration(self, key: &str, d: Duration) -> ConfigWriter {
+        self.set(key, format!("{}ms", d.as_millis()))
     }
 
     /// Sets every key of `fragment`, a YAML document laid out like the configuration

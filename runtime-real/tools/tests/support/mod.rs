@@ -211,28 +211,17 @@ impl KasProc {
         extra: Extra<'_>,
         listen: Option<[SocketAddr; 4]>,
     ) -> KasProc {
-        let [agent, api, private, observability] =
-            listen.unwrap_or_else(|| ["127.0.0.1:0".parse().unwrap(); 4]);
+        let listen = listen.unwrap_or_else(|| ["127.0.0.1:0".parse().unwrap(); 4]);
         // Registry records live `ttl_ms`, refreshed every half of it.
-        let half = format!("{}ms", ttl_ms / 2);
-        let mut config = ConfigWriter::new()
-            .set("agent.listen.address", agent.to_string())
-            .path("agent.tokens_file", &secrets.path("tokens.yaml"))
-            .set("agent.redis_conn_info_ttl", format!("{ttl_ms}ms"))
-            .set("agent.redis_conn_info_refresh", half.as_str())
-            .set("agent.redis_conn_info_gc", half.as_str())
+        let (ttl, half) = (
+            Duration::from_millis(ttl_ms),
+            Duration::from_millis(ttl_ms / 2),
+        );
+        let mut config = ConfigWriter::kas_in(secrets.dir.path(), listen)
+            .duration("agent.redis_conn_info_ttl", ttl)
+            .duration("agent.redis_conn_info_refresh", half)
+            .duration("agent.redis_conn_info_gc", half)
             .set("agent.heartbeat_timeout", "3s")
-            .set("api.listen.address", api.to_string())
-            .path(
-                "api.listen.authentication_secret_file",
-                &secrets.path("gitlab.secret"),
-            )
-            .set("private_api.listen.address", private.to_string())
-            .path(
-                "private_api.listen.authentication_secret_file",
-                &secrets.path("kas.secret"),
-            )
-            .set("observability.listen.address", observability.to_string())
             .set("shutdown_grace", "2s");
         let redis_address = extra
             .redis_at

@@ -118,31 +118,17 @@ impl World {
         self.started += 1;
         let name = format!("kas{}", self.started);
         let d = &self.dir;
-        let ms = |d: Duration| format!("{}ms", d.as_millis());
-        let [agent, api, private, observability] = options
+        let listen = options
             .listen
             .unwrap_or_else(|| [SocketAddr::from(([127, 0, 0, 1], 0)); 4]);
-        let mut config = ConfigWriter::new()
-            .set("agent.listen.address", agent.to_string())
-            .path("agent.tokens_file", &d.join("tokens.yaml"))
-            .set("agent.redis_conn_info_ttl", ms(options.ttl))
-            .set("agent.redis_conn_info_refresh", ms(options.ttl / 2))
-            .set("agent.redis_conn_info_gc", ms(options.ttl))
-            .set("api.listen.address", api.to_string())
-            .path(
-                "api.listen.authentication_secret_file",
-                &d.join("gitlab.secret"),
-            )
+        let mut config = ConfigWriter::kas_in(d, listen)
+            .duration("agent.redis_conn_info_ttl", options.ttl)
+            .duration("agent.redis_conn_info_refresh", options.ttl / 2)
+            .duration("agent.redis_conn_info_gc", options.ttl)
             .set("api.max_timeout", "120s")
-            .set("private_api.listen.address", private.to_string())
-            .path(
-                "private_api.listen.authentication_secret_file",
-                &d.join("kas.secret"),
-            )
-            .set("observability.listen.address", observability.to_string())
             .set("redis.key_prefix", "kas")
             .set("redis.pubsub_wakeups", options.pubsub)
-            .set("shutdown_grace", ms(options.grace));
+            .duration("shutdown_grace", options.grace);
         config = match &self.cluster {
             Some(c) => {
                 let nodes: Vec<String> = c.nodes.iter().map(RedisServer::address).collect();
