@@ -515,7 +515,21 @@ async fn an_agent_token_cannot_shadow_one_of_its_replicas() {
     }
     // A reconnect of the replica itself is taken, and leaves nothing behind when it ends.
     let again = TestAgent::connect_as(kas[0].agent, 1, "real", 1, modules(), replica).await;
-    drop(again.expect("the replica's second stream is taken"));
+    let again = again.expect("the replica's second stream is taken");
+    // The drop resets its tunnel; a call kas0 handed it before the reset arrived would
+    // fail as a disconnect, which is right, so wait for kas0 to see it come and go.
+    use kas_server::kas::observability::gauge;
+    let kas0 = &kas[0];
+    let tunnels = |n: f64| async move {
+        let what = format!("kas0 holds {n} tunnels");
+        eventually(Duration::from_secs(5), &what, || async {
+            (gauge(&kas0.metrics().await, "kas_tunnels") == Some(n)).then_some(())
+        })
+        .await
+    };
+    tunnels(3.0).await;
+    drop(again);
+    tunnels(2.0).await;
     for k in &kas {
         let gl = GitLab::new(&s, k.api).await;
         for _ in 0..20 {
