@@ -224,6 +224,18 @@ impl KasLinks {
             .count()
     }
 
+    /// The kas of the connections up and counted, in link order: where the replica can be
+    /// reached now (its readiness, and the simulation's record of where it was).
+    pub fn serving_kas(&self) -> Vec<String> {
+        self.links
+            .values()
+            .filter_map(|s| match s {
+                State::Serving { kas } => Some(kas.clone()),
+                _ => None,
+            })
+            .collect()
+    }
+
     /// Distinct kas wanted now.
     fn want(&self) -> usize {
         let want = self.config.want.max(1);

@@ -17,10 +17,15 @@
 //!    or Redis record is left;
 //! 8. a two-way call that ends OK carried every request piece to the agent and every
 //!    answer piece back, in order (the echo equals what was sent);
-//! 9. with agent HA (agents on two kas at once), no call for a connected agent fails
-//!    because a kas went away: only a call that entered a kas already stopping or down
-//!    (GitLab's to retry: nothing was delivered), or that was under way when a kas was
-//!    killed (it may have been on that kas), may fail.
+//! 9. with agent HA (agents on two kas at once), every replica is served by a live kas
+//!    at every moment once it is homed, and no call for it fails because a kas went away:
+//!    only a call that entered a kas already stopping or down (GitLab's to retry: nothing
+//!    was delivered), or that was under way when a kas serving its agent was killed (it
+//!    may have been on that kas), may fail (`ha`).
+
+mod ha;
+
+pub use ha::{Outage, check_available, check_reachable};
 
 use crate::bounds::{OUTCOME_BOUND, SLACK, STREAM_BOUND};
 use crate::cluster::AgentSpec;
@@ -115,59 +120,6 @@ pub fn check_fault_free(calls: &[Call], agents: &[AgentSpec], timeout: Duration)
             Some(format!(
                 "inv 5: in a run without faults, {} (timeout {:?}) for connected agent {} through kas{} failed after {:?}: {code:?} {msg}",
                 c.marker, c.timeout, c.agent, c.kas, c.took
-            ))
-        })
-        .collect()
-}
-
-/// A kas stopping (from its SIGTERM) or down (from its kill), until it listens again.
-#[derive(Clone, Copy, Debug)]
-pub struct Outage {
-    /// The kas.
-    pub kas: usize,
-    /// From its SIGTERM or kill.
-    pub from: Instant,
-    /// Until it listens again after its restart.
-    pub to: Instant,
-    /// Killed (SIGKILL) at `from`, rather than stopped gracefully.
-    pub killed: bool,
-}
-
-/// A call issued this shortly before its kas's SIGTERM may reach kas after it: refused
-/// there, not delivered (as HTTP/2's `REFUSED_STREAM` after a `GOAWAY`).
-const ENTERING: Duration = Duration::from_millis(100);
-
-/// Violations of invariant 9 by `calls` for `agents` (each on two kas) issued after `from`
-/// with a timeout of at least `timeout`, given the kas `outages` and what agents received.
-pub fn check_reachable(
-    calls: &[Call],
-    truth: &[Delivery],
-    agents: &[i64],
-    outages: &[Outage],
-    from: Instant,
-    timeout: Duration,
-) -> Vec<String> {
-    let delivered: std::collections::BTreeSet<&str> =
-        truth.iter().map(|d| d.marker.as_str()).collect();
-    let excused = |c: &Call| {
-        let end = c.started + c.took;
-        let refused = !delivered.contains(c.marker.as_str());
-        outages.iter().any(|o| {
-            let entering = o.from <= c.started || (refused && o.from <= c.started + ENTERING);
-            let entered_away = o.kas == c.kas && entering && c.started <= o.to;
-            let killed_meanwhile = o.killed && c.started <= o.from && o.from <= end;
-            entered_away || killed_meanwhile
-        })
-    };
-    calls
-        .iter()
-        .filter(|c| c.started >= from && c.timeout >= timeout && agents.contains(&c.agent))
-        .filter(|c| !excused(c))
-        .filter_map(|c| {
-            let (code, msg) = c.result.as_ref().err()?;
-            Some(format!(
-                "inv 9: {} (timeout {:?}, at {:?} for {:?}) through kas{} for agent {}, which is on two kas, failed: {code:?} {msg} (kas away: {outages:?})",
-                c.marker, c.timeout, c.started - from, c.took, c.kas, c.agent
             ))
         })
         .collect()

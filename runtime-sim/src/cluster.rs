@@ -120,6 +120,15 @@ pub fn kas_addr(i: usize, port: u16) -> SocketAddr {
     SocketAddr::new(IpAddr::V4(Ipv4Addr::new(10, 0, 1, last)), port)
 }
 
+/// The index of the kas whose id (its private address, as kas advertises it) is `id`.
+fn kas_index(id: &String) -> usize {
+    let ip = id.parse::<SocketAddr>().map(|a| a.ip());
+    match ip {
+        Ok(IpAddr::V4(ip)) if ip.octets()[..3] == [10, 0, 1] => usize::from(ip.octets()[3] - 1),
+        _ => panic!("kas id {id} is not a simulated kas's private address"),
+    }
+}
+
 /// The Redis node's address.
 pub const REDIS: SocketAddr = SocketAddr::new(IpAddr::V4(Ipv4Addr::new(10, 0, 0, 1)), 6379);
 
@@ -166,6 +175,9 @@ fn kas_config(i: usize, dir: &std::path::Path, spec: &ClusterSpec) -> Config {
         .duration("agent.redis_conn_info_ttl", spec.ttl)
         .duration("agent.redis_conn_info_refresh", spec.ttl / 2)
         .duration("agent.redis_conn_info_gc", spec.ttl)
+        // Shorter than the records, as in production (30 s against 300 s): the instance
+        // record is rewritten on its own, and a kas's records outlive its liveness.
+        .duration("agent.kas_liveness_ttl", spec.ttl / 2)
         .set("agent.heartbeat_timeout", "3s")
         .set("redis.server.address", REDIS.to_string())
         .set("redis.key_prefix", "kas")
@@ -309,9 +321,19 @@ impl Cluster {
                 let modules = Arc::new(truth.module(agent, replica, &pod));
                 let (stop, shutdown) = tokio::sync::watch::channel(false);
                 let delay = Duration::from_millis(delay.swap(0, Ordering::Relaxed));
+                let truth = truth.clone();
                 async move {
+                    // A restarted node starts with no connection; its old ones died with it.
+                    truth.homed(agent, replica, Vec::new());
+                    let (serving, mut homes) = tokio::sync::watch::channel(Vec::new());
+                    tokio::spawn(async move {
+                        while homes.changed().await.is_ok() {
+                            let kas = homes.borrow_and_update().iter().map(kas_index).collect();
+                            truth.homed(agent, replica, kas);
+                        }
+                    });
                     tokio::time::sleep(delay).await;
-                    kas_agent::run(options, modules, shutdown).await;
+                    kas_agent::run_reporting(options, modules, shutdown, serving).await;
                     drop(stop);
                 }
             })

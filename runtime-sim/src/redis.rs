@@ -259,6 +259,36 @@ impl RedisState {
         }
     }
 
+    /// Deletes the fields that `pick(key, field)` picks, on the master and its replica
+    /// alike (as an eviction does), telling no one.
+    pub fn lose(&self, pick: impl Fn(&str, &str) -> bool) {
+        let now = Instant::now();
+        let mut db = self.lock();
+        let db = &mut *db;
+        for keyspace in [&mut db.keyspace, &mut db.replica.keyspace] {
+            let writes: Vec<KeyWrite> = keyspace
+                .entries(now)
+                .into_iter()
+                .filter_map(|(key, fields)| {
+                    let delete: Vec<String> = fields
+                        .into_iter()
+                        .map(|(f, _)| f)
+                        .filter(|f| pick(&key, f))
+                        .collect();
+                    (!delete.is_empty()).then(|| KeyWrite {
+                        key,
+                        delete,
+                        set: Vec::new(),
+                        expire: kas_core::tracker::KeyExpiry::Keep,
+                        publish: Vec::new(),
+                        announce: Vec::new(),
+                    })
+                })
+                .collect();
+            keyspace.execute(&writes, now);
+        }
+    }
+
     /// The down shard's replica becomes its master: the shard's keys are what it held.
     pub fn promote(&self) {
         let mut db = self.lock();

@@ -320,6 +320,7 @@ async fn faults(
                 tokio::time::sleep(lasting).await;
                 cluster.redis.knobs.set_latency(Duration::ZERO);
             }
+            Fault::LoseRecords => lose_records(cluster, agents, kas),
             Fault::KillAgent => {
                 log.agents_cut_off = true;
                 let i = thread_rng().gen_range(0..cluster.agent_nodes.len());
@@ -338,6 +339,28 @@ async fn faults(
         }
     }
     log
+}
+
+/// Redis loses records of live kas `kas` without a word (as an eviction under
+/// `maxmemory`, or an operator's `DEL`, would): its liveness record, or the whole
+/// instances key, or its records of one agent, or that agent's whole key. Nothing tells
+/// the kas: it must write them again within a refresh period, and routers waiting for
+/// the agent must find it again (the probe after the fault).
+fn lose_records(cluster: &Cluster, agents: &[AgentSpec], kas: usize) {
+    let keys = kas_core::keys::Keys::new("kas");
+    let id = crate::cluster::kas_addr(kas, 8155).to_string();
+    let agent = agents[thread_rng().gen_range(0..agents.len())].agent;
+    let agent_key = keys.agent(kas_core::AgentId(agent));
+    let instances = keys.kas_instances();
+    let suffix = format!("@{id}");
+    let how = thread_rng().gen_range(0..4);
+    tracing::info!(kas, agent, how, "records lost");
+    cluster.redis.lose(|key, field| match how {
+        0 => key == instances && field == id,
+        1 => key == instances,
+        2 => key == agent_key && (field == id || field.ends_with(&suffix)),
+        _ => key == agent_key,
+    });
 }
 
 /// Fails Redis over (`fault`: the one master, or one Cluster shard's) to a replica that
@@ -726,6 +749,7 @@ enum Fault {
     KillAgent,
     ClogNode,
     TimeJump,
+    LoseRecords,
 }
 
 impl Fault {
@@ -734,11 +758,11 @@ impl Fault {
         use Fault::*;
         matches!(
             self,
-            ClogRedis | RestartRedis | FailoverRedis | FailoverShard | SlowRedis
+            ClogRedis | RestartRedis | FailoverRedis | FailoverShard | SlowRedis | LoseRecords
         )
     }
 
-    const ALL: [Fault; 11] = [
+    const ALL: [Fault; 12] = [
         Fault::KillKas,
         Fault::StopKas,
         Fault::Clog,
@@ -750,6 +774,7 @@ impl Fault {
         Fault::KillAgent,
         Fault::ClogNode,
         Fault::TimeJump,
+        Fault::LoseRecords,
     ];
 }
 
@@ -759,7 +784,13 @@ fn fault_kinds(scenario: Scenario) -> Vec<Fault> {
         Scenario::Steady => vec![],
         Scenario::KasCrash => vec![KillKas, StopKas],
         Scenario::Partition => vec![Clog, ClogRedis, ClogNode],
-        Scenario::RedisRestart => vec![RestartRedis, FailoverRedis, FailoverShard, SlowRedis],
+        Scenario::RedisRestart => vec![
+            RestartRedis,
+            FailoverRedis,
+            FailoverShard,
+            SlowRedis,
+            LoseRecords,
+        ],
         Scenario::ReconnectStorm => vec![],
         Scenario::AgentChurn => vec![KillAgent],
         Scenario::KasCrashHa => vec![KillKas, StopKas],
@@ -814,14 +845,18 @@ pub async fn run(scenario: Scenario) -> Report {
     if scenario.ha() {
         let ha: Vec<i64> = spec.agents.iter().map(|a| a.agent).collect();
         let from = start + Duration::from_secs(1);
+        let homes = cluster.truth.homes();
         violations.extend(checker::check_reachable(
             &calls,
             &cluster.truth.deliveries(),
+            &homes,
             &ha,
             &log.outages,
             from,
             LIVE_TIMEOUT,
         ));
+        let until = Instant::now();
+        violations.extend(checker::check_available(&homes, &ha, &log.outages, until));
     }
     if scenario == Scenario::Steady && !points.iter().any(|p| p.is_fault()) {
         // Calls in the first second may find kas not yet listening.

@@ -40,10 +40,25 @@ pub struct Hold {
     pub until: Option<Instant>,
 }
 
+/// Where an agent replica could be reached from a moment on: the kas (by index) whose
+/// connections it had up and counted, as its agent saw them.
+#[derive(Clone, Debug)]
+pub struct Homes {
+    /// The agent.
+    pub agent: i64,
+    /// Its replica.
+    pub replica: usize,
+    /// The kas serving it; empty while it has none (and from its node's restart on).
+    pub kas: Vec<usize>,
+    /// From when.
+    pub at: Instant,
+}
+
 #[derive(Debug, Default)]
 struct Log {
     deliveries: Vec<Delivery>,
     holds: Vec<Hold>,
+    homes: Vec<Homes>,
 }
 
 /// The Kubernetes API module of the simulation: a two-way echo. Records the call (its
@@ -200,6 +215,22 @@ impl Truth {
         if let Some(h) = log.holds.iter_mut().find(|h| h.marker == marker) {
             h.until = Some(now);
         }
+    }
+
+    /// Records where replica `replica` of `agent` is served from now on.
+    pub fn homed(&self, agent: i64, replica: usize, kas: Vec<usize>) {
+        let at = Instant::now();
+        self.lock().homes.push(Homes {
+            agent,
+            replica,
+            kas,
+            at,
+        });
+    }
+
+    /// Every change of where a replica is served, in order.
+    pub fn homes(&self) -> Vec<Homes> {
+        self.lock().homes.clone()
     }
 
     /// Every delivery so far, in order.

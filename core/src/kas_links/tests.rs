@@ -97,8 +97,14 @@ fn a_connection_asked_to_move_drains_at_once_when_another_serves() {
     up(&mut l, at, 1, "kas-b", 3);
     // kas-a is stopping: kas-b serves, so kas-a's calls end and it is left.
     outputs(&mut l);
+    assert_eq!(l.serving_kas(), ["kas-a", "kas-b"]);
     l.handle_input(Time(5_000), LinksInput::MoveAsked(Link(0)));
     assert_eq!(outputs(&mut l), [LinksOutput::Drain(Link(0))]);
+    assert_eq!(
+        l.serving_kas(),
+        ["kas-b"],
+        "a connection asked to move is not counted"
+    );
     let at = next(&mut l);
     assert_eq!(outputs(&mut l), [LinksOutput::Dial(Link(2))]);
     // A dial refused (kas-a refuses while stopping) changes nothing.
@@ -109,7 +115,7 @@ fn a_connection_asked_to_move_drains_at_once_when_another_serves() {
     assert_eq!(outputs(&mut l), [LinksOutput::Dial(Link(3))]);
     up(&mut l, at, 3, "kas-c", 3);
     assert_eq!(outputs(&mut l), [LinksOutput::Serve(Link(3))]);
-    assert_eq!(l.serving(), 2);
+    assert_eq!(l.serving_kas(), ["kas-b", "kas-c"]);
     assert_eq!(l.poll_timeout(), None);
 }
 

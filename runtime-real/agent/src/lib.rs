@@ -18,4 +18,4 @@ pub mod run;
 pub use client::AgentClient;
 pub use modules::Modules;
 pub use pods::{PODS_LIST, PODS_LOGS, PodSource};
-pub use run::{AgentOptions, run};
+pub use run::{AgentOptions, run, run_reporting};

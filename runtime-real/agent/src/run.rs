@@ -116,10 +116,17 @@ async fn stopping(shutdown: &mut watch::Receiver<bool>) {
 
 /// Holds connections to several kas until `shutdown` turns true; then lets running calls
 /// finish (within `shutdown_grace`) and closes everything.
-pub async fn run(
+pub async fn run(options: AgentOptions, modules: Arc<Modules>, shutdown: watch::Receiver<bool>) {
+    run_reporting(options, modules, shutdown, watch::channel(Vec::new()).0).await;
+}
+
+/// [`run`], keeping `serving` set to the ids of the kas whose connections are up and
+/// counted ([`KasLinks::serving_kas`]): where this replica can be reached.
+pub async fn run_reporting(
     options: AgentOptions,
     modules: Arc<Modules>,
     mut shutdown: watch::Receiver<bool>,
+    serving: watch::Sender<Vec<String>>,
 ) {
     let mut rng = Rng::new(options.seed);
     // Positive: kas refuses negative ids, and 0 asks kas to draw one.
@@ -171,6 +178,12 @@ pub async fn run(
                 let _ = o.send(order);
             }
         }
+        serving.send_if_modified(|kas| {
+            let now = links.serving_kas();
+            let changed = *kas != now;
+            *kas = now;
+            changed
+        });
         if links.done() {
             return;
         }

@@ -1,0 +1,264 @@
+//! Invariant 9, agent HA: a replica on two kas is served by a live kas at every moment,
+//! and a call for it fails only where a kas it used went away.
+
+use crate::truth::{Delivery, Homes};
+use crate::workload::Call;
+use std::collections::BTreeSet;
+use std::time::Duration;
+use tokio::time::Instant;
+
+/// A kas stopping (from its SIGTERM) or down (from its kill), until it listens again.
+#[derive(Clone, Copy, Debug)]
+pub struct Outage {
+    /// The kas.
+    pub kas: usize,
+    /// From its SIGTERM or kill.
+    pub from: Instant,
+    /// Until it listens again after its restart.
+    pub to: Instant,
+    /// Killed (SIGKILL) at `from`, rather than stopped gracefully.
+    pub killed: bool,
+}
+
+/// A call issued this shortly before its kas's SIGTERM may reach kas after it: refused
+/// there, not delivered (as HTTP/2's `REFUSED_STREAM` after a `GOAWAY`).
+const ENTERING: Duration = Duration::from_millis(100);
+
+/// The changes of where replica `replica` of `agent` was served, in time order.
+fn moves(homes: &[Homes], agent: i64, replica: usize) -> impl Iterator<Item = &Homes> {
+    homes
+        .iter()
+        .filter(move |h| h.agent == agent && h.replica == replica)
+}
+
+/// The kas serving replica `replica` of `agent` at `at`, by `homes` (in time order), each
+/// with when its connection came up.
+fn serving_at(homes: &[Homes], agent: i64, replica: usize, at: Instant) -> Vec<(usize, Instant)> {
+    let mut since: Vec<(usize, Instant)> = Vec::new();
+    for h in moves(homes, agent, replica).take_while(|h| h.at <= at) {
+        since.retain(|(k, _)| h.kas.contains(k));
+        for &k in &h.kas {
+            if !since.iter().any(|(s, _)| *s == k) {
+                since.push((k, h.at));
+            }
+        }
+    }
+    since
+}
+
+/// Whether kas `kas` served some replica of `agent` at `at`.
+fn serves(homes: &[Homes], agent: i64, kas: usize, at: Instant) -> bool {
+    let replicas: BTreeSet<usize> = homes
+        .iter()
+        .filter(|h| h.agent == agent)
+        .map(|h| h.replica)
+        .collect();
+    replicas.into_iter().any(|r| {
+        serving_at(homes, agent, r, at)
+            .iter()
+            .any(|(k, _)| *k == kas)
+    })
+}
+
+/// Violations of invariant 9 by where the replicas of `agents` were served until `until`:
+/// from the moment a replica is first served by two kas, it must hold a connection to a
+/// live kas at every moment: one that came up after that kas last (re)started and before
+/// it next went away (a killed kas's connections die with it, although the replica may
+/// notice only later).
+pub fn check_available(
+    homes: &[Homes],
+    agents: &[i64],
+    outages: &[Outage],
+    until: Instant,
+) -> Vec<String> {
+    let replicas: BTreeSet<(i64, usize)> = homes
+        .iter()
+        .filter(|h| agents.contains(&h.agent))
+        .map(|h| (h.agent, h.replica))
+        .collect();
+    let mut violations = Vec::new();
+    for (agent, replica) in replicas {
+        let Some(homed) = moves(homes, agent, replica)
+            .find(|h| h.kas.len() >= 2)
+            .map(|h| h.at)
+        else {
+            violations.push(format!(
+                "inv 9: agent {agent} replica {replica} was never served by two kas"
+            ));
+            continue;
+        };
+        // Where the answer may change: the replica's moves, and kas going away.
+        let mut moments: BTreeSet<Instant> = moves(homes, agent, replica)
+            .map(|h| h.at)
+            .chain(outages.iter().map(|o| o.from))
+            .filter(|&t| homed <= t && t < until)
+            .collect();
+        moments.insert(until);
+        let mut gap: Option<Instant> = None;
+        for at in moments {
+            let live = serving_at(homes, agent, replica, at)
+                .into_iter()
+                .any(|(k, up)| {
+                    !outages
+                        .iter()
+                        .any(|o| o.kas == k && up <= o.from && o.from <= at)
+                });
+            match (gap, live || at == until) {
+                (None, false) => gap = Some(at),
+                (Some(from), true) => {
+                    violations.push(format!(
+                        "inv 9: agent {agent} replica {replica}, on two kas since {homed:?}, had no connection to a live kas for {:?} from {from:?} (where it was served: {:?}; kas away: {outages:?})",
+                        at - from,
+                        moves(homes, agent, replica).map(|h| (h.at, &h.kas)).collect::<Vec<_>>()
+                    ));
+                    gap = None;
+                }
+                _ => {}
+            }
+        }
+    }
+    violations
+}
+
+/// Violations of invariant 9 by `calls` for `agents` (each on two kas) issued after `from`
+/// with a timeout of at least `timeout`, given the kas `outages`, what agents received and
+/// where they were served. A call that failed is excused if it entered a kas that was
+/// stopping or down (or went down with the call in it), or if a kas serving its agent
+/// was killed while it was under way (it may have been on that kas).
+pub fn check_reachable(
+    calls: &[Call],
+    truth: &[Delivery],
+    homes: &[Homes],
+    agents: &[i64],
+    outages: &[Outage],
+    from: Instant,
+    timeout: Duration,
+) -> Vec<String> {
+    let delivered: BTreeSet<&str> = truth.iter().map(|d| d.marker.as_str()).collect();
+    let excused = |c: &Call| {
+        let end = c.started + c.took;
+        let refused = !delivered.contains(c.marker.as_str());
+        outages.iter().any(|o| {
+            let entering = o.from <= c.started || (refused && o.from <= c.started + ENTERING);
+            let entered_away = o.kas == c.kas && entering && c.started <= o.to;
+            let killed_meanwhile = o.killed && c.started <= o.from && o.from <= end;
+            let on_it = o.kas == c.kas || serves(homes, c.agent, o.kas, o.from);
+            entered_away || (killed_meanwhile && on_it)
+        })
+    };
+    calls
+        .iter()
+        .filter(|c| c.started >= from && c.timeout >= timeout && agents.contains(&c.agent))
+        .filter(|c| !excused(c))
+        .filter_map(|c| {
+            let (code, msg) = c.result.as_ref().err()?;
+            Some(format!(
+                "inv 9: {} (timeout {:?}, at {:?} for {:?}) through kas{} for agent {}, which is on two kas, failed: {code:?} {msg} (kas away: {outages:?})",
+                c.marker, c.timeout, c.started - from, c.took, c.kas, c.agent
+            ))
+        })
+        .collect()
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn home(replica: usize, kas: &[usize], at: Instant) -> Homes {
+        Homes {
+            agent: 1,
+            replica,
+            kas: kas.to_vec(),
+            at,
+        }
+    }
+
+    fn outage(kas: usize, from: Instant, to: Instant, killed: bool) -> Outage {
+        Outage {
+            kas,
+            from,
+            to,
+            killed,
+        }
+    }
+
+    #[madsim::test]
+    async fn a_replica_left_without_a_live_kas_is_reported_and_one_that_moved_first_is_not() {
+        let t0 = Instant::now();
+        let s = |n: u64| t0 + Duration::from_secs(n);
+        // On kas 0 and 1; kas 0 stops at 3 s (the replica moves to kas 2 at once, make
+        // before break) and listens again at 5 s.
+        let moved = [
+            home(0, &[0, 1], s(1)),
+            home(0, &[1], s(3)),
+            home(0, &[1, 2], s(4)),
+        ];
+        let stop = outage(0, s(3), s(5), false);
+        assert!(check_available(&moved, &[1], &[stop], s(10)).is_empty());
+        // Killed at 3 s while the replica held kas 0 alone since 2 s: a gap until it is
+        // served again at 4 s, although it noticed the death only at 6 s.
+        let alone = [
+            home(0, &[0, 1], s(1)),
+            home(0, &[0], s(2)),
+            home(0, &[0, 2], s(4)),
+            home(0, &[2], s(6)),
+        ];
+        let kill = outage(0, s(3), s(5), true);
+        let gap = check_available(&alone, &[1], &[kill], s(10));
+        assert_eq!(gap.len(), 1, "{gap:?}");
+        assert!(
+            gap[0].contains("no connection to a live kas for 1s"),
+            "{gap:?}"
+        );
+        // A connection that came up after kas 0 restarted counts, though its outage
+        // (which runs until kas 0 is surely listening) has not ended.
+        let back = [
+            home(0, &[0, 1], s(1)),
+            home(0, &[0], s(2)),
+            home(0, &[0], s(4)),
+        ];
+        let early = outage(0, s(3), s(5), true);
+        assert_eq!(check_available(&back, &[1], &[early], s(10)).len(), 1);
+        let back = [
+            home(0, &[0, 1], s(1)),
+            home(0, &[1], s(2)),
+            home(0, &[1, 0], s(4)),
+        ];
+        assert!(check_available(&back, &[1], &[early], s(10)).is_empty());
+        let never = check_available(&[home(0, &[0], s(1))], &[1], &[], s(10));
+        assert!(never[0].contains("never served by two kas"), "{never:?}");
+    }
+
+    #[madsim::test]
+    async fn a_call_cut_by_a_kill_is_excused_only_if_the_killed_kas_served_its_agent() {
+        let t0 = Instant::now();
+        let s = |n: u64| t0 + Duration::from_secs(n);
+        let call = Call {
+            marker: "c1".into(),
+            kas: 2,
+            agent: 1,
+            replica: None,
+            started: s(2),
+            timeout: Duration::from_secs(2),
+            took: Duration::from_secs(2),
+            result: Err((tonic::Code::Unavailable, "cut".into())),
+            echo_mismatch: None,
+            two_way: false,
+        };
+        let kill = outage(0, s(3), s(5), true);
+        let judge = |homes: &[Homes]| {
+            check_reachable(
+                std::slice::from_ref(&call),
+                &[],
+                homes,
+                &[1],
+                &[kill],
+                t0,
+                call.timeout,
+            )
+        };
+        assert!(judge(&[home(0, &[0, 1], s(1))]).is_empty());
+        let failed = judge(&[home(0, &[1, 2], s(1))]);
+        assert!(failed[0].starts_with("inv 9"), "{failed:?}");
+    }
+}
