@@ -178,6 +178,12 @@ fn kas_config(i: usize, dir: &std::path::Path, spec: &ClusterSpec) -> Config {
         // Shorter than the records, as in production (30 s against 300 s): the instance
         // record is rewritten on its own, and a kas's records outlive its liveness.
         .duration("agent.kas_liveness_ttl", spec.ttl / 2)
+        // Low enough for the greedy agent to reach them often; above what the others use.
+        .set(
+            "agent.max_connections_per_agent",
+            crate::greedy::CONNECTIONS,
+        )
+        .set("agent.max_tunnels_per_connection", crate::greedy::TUNNELS)
         .set("agent.heartbeat_timeout", "3s")
         .set("redis.server.address", REDIS.to_string())
         .set("redis.key_prefix", "kas")
@@ -352,6 +358,22 @@ impl Cluster {
             .ip(IpAddr::V4(Ipv4Addr::new(10, 0, 2, ip)))
             .init(move || {
                 crate::rogue::run(kas_addr(kas, 8150), token(agent), agent, truth.clone())
+            })
+            .build();
+        self.agent_nodes.push((agent, 0, node));
+    }
+
+    /// Creates the node of a [`crate::greedy`] agent `agent` on kas `kas`.
+    pub fn add_greedy_agent(&mut self, agent: i64, kas: usize) {
+        self.next_agent_ip += 1;
+        let ip = self.next_agent_ip;
+        let truth = self.truth.clone();
+        let node = Handle::current()
+            .create_node()
+            .name(format!("greedy{agent}"))
+            .ip(IpAddr::V4(Ipv4Addr::new(10, 0, 2, ip)))
+            .init(move || {
+                crate::greedy::run(kas_addr(kas, 8150), token(agent), agent, truth.clone())
             })
             .build();
         self.agent_nodes.push((agent, 0, node));

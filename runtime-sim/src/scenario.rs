@@ -76,6 +76,20 @@ impl Scenario {
         matches!(self, Scenario::RollingRestart | Scenario::KasCrashHa)
     }
 
+    /// Whether a greedy agent runs: not yet where kas die or Redis loses writes, where
+    /// its connections' records are left expired in Redis with no kas to collect them
+    /// (a kas collects only the keys it holds fields in, and the greedy agent comes and
+    /// goes: docs/testing.md).
+    fn greedy(self) -> bool {
+        matches!(
+            self,
+            Scenario::Steady
+                | Scenario::Partition
+                | Scenario::AgentChurn
+                | Scenario::RollingRestart
+        )
+    }
+
     /// The scenario called `name`.
     pub fn parse(name: &str) -> Option<Scenario> {
         Scenario::ALL.into_iter().find(|s| s.name() == name)
@@ -103,6 +117,8 @@ const LATE: i64 = 60;
 const LIVENESS: i64 = 61;
 /// A misbehaving agent (see `rogue`): not expected to answer, only to be called once per call.
 const ROGUE: i64 = 62;
+/// A greedy agent (see `greedy`): takes every place kas's limits give it, never called.
+const GREEDY: i64 = 63;
 /// In a run without faults, every call with at least this timeout for a connected agent
 /// must be answered: shorter ones may legitimately run out under the fault points' pauses
 /// (up to 0.5 s each, in the forward, the tunnel, the lookup and Redis).
@@ -834,6 +850,10 @@ pub async fn run(scenario: Scenario) -> Report {
     });
     // And one that answers every call with an `Error` frame: its calls fail, once each.
     cluster.add_rogue_agent(ROGUE, thread_rng().gen_range(0..spec.kas));
+    // And one that takes every place the limits give it, judging kas's counts.
+    if scenario.greedy() {
+        cluster.add_greedy_agent(GREEDY, thread_rng().gen_range(0..spec.kas));
+    }
     let start = Instant::now();
     // One caller node for every phase.
     let caller = cluster.caller();
@@ -882,6 +902,7 @@ pub async fn run(scenario: Scenario) -> Report {
         violations.extend(checker::check_holds(&calls, &holds, &log.stalls));
     }
     violations.extend(leaks_left(&cluster, calls.len()).await);
+    violations.extend(cluster.truth.violations());
     if !violations.is_empty() {
         violations.push(format!("(buggify points on in this run: {points:?})"));
         violations.push(format!(

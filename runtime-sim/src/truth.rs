@@ -59,6 +59,8 @@ struct Log {
     deliveries: Vec<Delivery>,
     holds: Vec<Hold>,
     homes: Vec<Homes>,
+    /// What agents found wrong in kas's answers (the greedy agent's counts).
+    violations: Vec<String>,
 }
 
 /// The Kubernetes API module of the simulation: a two-way echo. Records the call (its
@@ -226,6 +228,16 @@ impl Truth {
             kas,
             at,
         });
+    }
+
+    /// Records what an agent found wrong in kas's answers.
+    pub fn violation(&self, what: String) {
+        self.lock().violations.push(what);
+    }
+
+    /// What agents found wrong, in order.
+    pub fn violations(&self) -> Vec<String> {
+        self.lock().violations.clone()
     }
 
     /// Every change of where a replica is served, in order.
