@@ -22,7 +22,8 @@
 //! may follow an incarnation that lived and died between two reads) have expired (a
 //! project's connection records, `ttl + 2 refresh`), collects every key it writes. A key it
 //! starts writing is collected once its fields' lifetime later, for what a kas that died
-//! before this one was watching left in it.
+//! before this one was watching left in it, even if this kas has let go of it meanwhile:
+//! an agent that comes and goes keeps its key alive while holding no field at most moments.
 //!
 //! This kas's instance record is its liveness: it lives only `liveness` and is rewritten
 //! every `liveness / 3`, so readers can skip the records of a kas that died without
@@ -465,10 +466,11 @@ impl Tracker {
                 .front()
                 .is_some_and(|(at, _)| *at <= now)
             {
+                // Whether or not this kas holds fields there now: an agent that comes and
+                // goes keeps the key alive with fields of its later connections, while
+                // what a dead kas left in it would stay expired there for good.
                 let (_, key) = self.collect_new_at.pop_front().expect("a front entry");
-                if self.state.get(&key).is_some_and(|s| !s.fields.is_empty()) {
-                    due.push(key);
-                }
+                due.push(key);
             }
             due
         };

@@ -76,20 +76,6 @@ impl Scenario {
         matches!(self, Scenario::RollingRestart | Scenario::KasCrashHa)
     }
 
-    /// Whether a greedy agent runs: not yet where kas die or Redis loses writes, where
-    /// its connections' records are left expired in Redis with no kas to collect them
-    /// (a kas collects only the keys it holds fields in, and the greedy agent comes and
-    /// goes: docs/testing.md).
-    fn greedy(self) -> bool {
-        matches!(
-            self,
-            Scenario::Steady
-                | Scenario::Partition
-                | Scenario::AgentChurn
-                | Scenario::RollingRestart
-        )
-    }
-
     /// The scenario called `name`.
     pub fn parse(name: &str) -> Option<Scenario> {
         Scenario::ALL.into_iter().find(|s| s.name() == name)
@@ -851,9 +837,7 @@ pub async fn run(scenario: Scenario) -> Report {
     // And one that answers every call with an `Error` frame: its calls fail, once each.
     cluster.add_rogue_agent(ROGUE, thread_rng().gen_range(0..spec.kas));
     // And one that takes every place the limits give it, judging kas's counts.
-    if scenario.greedy() {
-        cluster.add_greedy_agent(GREEDY, thread_rng().gen_range(0..spec.kas));
-    }
+    cluster.add_greedy_agent(GREEDY, thread_rng().gen_range(0..spec.kas));
     let start = Instant::now();
     // One caller node for every phase.
     let caller = cluster.caller();

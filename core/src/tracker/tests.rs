@@ -558,6 +558,33 @@ fn gc_collects_a_key_once_a_ttl_after_it_is_first_written_not_every_period() {
 }
 
 #[test]
+fn a_key_is_collected_a_ttl_after_it_is_first_written_even_if_its_fields_went_meanwhile() {
+    let mut t = tracker();
+    let first = next_batch(&mut t);
+    ack(&mut t, 0, &first, true);
+    t.handle_input(Time(400), TrackerInput::AgentConnected(info(7, 70)));
+    let connected = next_batch(&mut t);
+    ack(&mut t, 400, &connected, true);
+    t.handle_input(
+        Time(450),
+        TrackerInput::AgentDisconnected {
+            agent: AgentId(7),
+            project: ProjectId(100),
+            connection: ConnectionId(70),
+        },
+    );
+    let gone = next_batch(&mut t);
+    ack(&mut t, 450, &gone, true);
+    let live = [("k1:1", 1)];
+    assert_eq!(gc_at(&mut t, 600, &live), ["kas:kas_instances"]);
+    assert_eq!(
+        gc_at(&mut t, 1200, &live),
+        ["kas:agent:{agent:7}", "kas:conn_by_project:{project:100}"],
+        "an agent that comes and goes keeps the key alive: what a dead kas left there must go"
+    );
+}
+
+#[test]
 fn a_failed_gc_is_run_again_next_period() {
     let mut t = tracker();
     let first = next_batch(&mut t);
