@@ -120,6 +120,15 @@ pub fn kas_addr(i: usize, port: u16) -> SocketAddr {
     SocketAddr::new(IpAddr::V4(Ipv4Addr::new(10, 0, 1, last)), port)
 }
 
+/// An agent that is not agentk.
+#[derive(Clone, Copy, Debug)]
+pub enum Script {
+    /// Misbehaves on every call ([`crate::rogue`]).
+    Rogue,
+    /// Takes every place the limits give it ([`crate::greedy`]).
+    Greedy,
+}
+
 /// The index of the kas whose id (its private address, as kas advertises it) is `id`.
 fn kas_index(id: &String) -> usize {
     let ip = id.parse::<SocketAddr>().map(|a| a.ip());
@@ -347,33 +356,25 @@ impl Cluster {
         self.agent_nodes.push((agent, replica, node));
     }
 
-    /// Creates the node of a [`crate::rogue`] agent `agent` (one replica) on kas `kas`.
-    pub fn add_rogue_agent(&mut self, agent: i64, kas: usize) {
+    /// Creates the node of agent `agent` (one replica) on kas `kas`, speaking the agent
+    /// API by a script of its own rather than as agentk.
+    pub fn add_scripted_agent(&mut self, script: Script, agent: i64, kas: usize) {
         self.next_agent_ip += 1;
         let ip = self.next_agent_ip;
         let truth = self.truth.clone();
+        let (kas, token) = (kas_addr(kas, 8150), token(agent));
         let node = Handle::current()
             .create_node()
-            .name(format!("rogue{agent}"))
+            .name(format!("{script:?}{agent}").to_lowercase())
             .ip(IpAddr::V4(Ipv4Addr::new(10, 0, 2, ip)))
             .init(move || {
-                crate::rogue::run(kas_addr(kas, 8150), token(agent), agent, truth.clone())
-            })
-            .build();
-        self.agent_nodes.push((agent, 0, node));
-    }
-
-    /// Creates the node of a [`crate::greedy`] agent `agent` on kas `kas`.
-    pub fn add_greedy_agent(&mut self, agent: i64, kas: usize) {
-        self.next_agent_ip += 1;
-        let ip = self.next_agent_ip;
-        let truth = self.truth.clone();
-        let node = Handle::current()
-            .create_node()
-            .name(format!("greedy{agent}"))
-            .ip(IpAddr::V4(Ipv4Addr::new(10, 0, 2, ip)))
-            .init(move || {
-                crate::greedy::run(kas_addr(kas, 8150), token(agent), agent, truth.clone())
+                let (token, truth) = (token.clone(), truth.clone());
+                async move {
+                    match script {
+                        Script::Rogue => crate::rogue::run(kas, token, agent, truth).await,
+                        Script::Greedy => crate::greedy::run(kas, token, agent, truth).await,
+                    }
+                }
             })
             .build();
         self.agent_nodes.push((agent, 0, node));

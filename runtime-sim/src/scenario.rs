@@ -3,7 +3,7 @@
 //! that connects are delivered, and how fast) and leaks.
 
 use crate::checker::{self, Outage, Stall, Stats};
-use crate::cluster::{AgentSpec, Cluster, ClusterSpec};
+use crate::cluster::{AgentSpec, Cluster, ClusterSpec, Script};
 use crate::redis::{MAX_REPLICATION_LAG, SHARDS};
 use crate::truth::pod_name;
 use crate::workload::{self, Call};
@@ -835,9 +835,9 @@ pub async fn run(scenario: Scenario) -> Report {
         replicas: vec![late_kas],
     });
     // And one that answers every call with an `Error` frame: its calls fail, once each.
-    cluster.add_rogue_agent(ROGUE, thread_rng().gen_range(0..spec.kas));
+    cluster.add_scripted_agent(Script::Rogue, ROGUE, thread_rng().gen_range(0..spec.kas));
     // And one that takes every place the limits give it, judging kas's counts.
-    cluster.add_greedy_agent(GREEDY, thread_rng().gen_range(0..spec.kas));
+    cluster.add_scripted_agent(Script::Greedy, GREEDY, thread_rng().gen_range(0..spec.kas));
     let start = Instant::now();
     // One caller node for every phase.
     let caller = cluster.caller();
