@@ -160,6 +160,12 @@ where
         match open().await {
             Ok(h) if full => {
                 drop(h);
+                // kas may have closed a held stream meanwhile (a tunnel whose heartbeats a
+                // clock jump or a clog held back) and told this agent, which has yet to
+                // read it: then its place was free.
+                if any_ends(held).await {
+                    return Err(Stop::Void);
+                }
                 return Err(Stop::Wrong(format!(
                     "holding {} places of {} (its maximum), one more was given",
                     held.len(),
@@ -181,6 +187,18 @@ where
             Err(_) => tokio::time::sleep(Duration::from_millis(100)).await,
         }
     }
+}
+
+/// Whether one of `held` ends by itself within [`RELEASE_BOUND`].
+async fn any_ends(held: &[Held]) -> bool {
+    let deadline = Instant::now() + RELEASE_BOUND;
+    while Instant::now() < deadline {
+        if held.iter().any(|h| h.ended.load(Ordering::Relaxed)) {
+            return true;
+        }
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    }
+    false
 }
 
 /// Whether `status` is kas's refusal for `limit`.
