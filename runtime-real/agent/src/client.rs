@@ -106,7 +106,9 @@ impl AgentClient {
 
     /// Opens one tunnel for `connection` and serves calls on it until it ends. Sends a
     /// heartbeat every `heartbeat`. Returns the status that ended the tunnel: OK when kas
-    /// ended it cleanly or the pool closed it.
+    /// ended it cleanly or the pool closed it; [`kas_silent`] when kas answered neither
+    /// the opening nor, while the tunnel was idle, [`UNANSWERED_HEARTBEATS`] heartbeats in
+    /// a row (the link to kas is dead one way or both).
     pub async fn serve_tunnel(
         &self,
         connection: ConnectionId,
@@ -129,9 +131,16 @@ impl AgentClient {
             Ok(r) => r,
             Err(s) => return s,
         };
-        let inbound = match self.client.clone().open_tunnel(req).await {
-            Ok(r) => r.into_inner(),
-            Err(s) => return s,
+        let (period, wait) = (heartbeat, heartbeat * UNANSWERED_HEARTBEATS);
+        let mut client = self.client.clone();
+        let inbound = match tokio::time::timeout(wait, client.open_tunnel(req)).await {
+            Ok(Ok(r)) => r.into_inner(),
+            Ok(Err(s)) => return s,
+            Err(_) => {
+                return silent(format!(
+                    "kas did not answer a tunnel's opening within {wait:?}"
+                ));
+            }
         };
         let mut heartbeat = tokio::time::interval(heartbeat);
         heartbeat.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
@@ -140,8 +149,10 @@ impl AgentClient {
             inbound,
             modules,
             heartbeat,
+            period,
             sequence,
             beats: 0,
+            unanswered: 0,
             hooks,
             closing: false,
         };
@@ -157,8 +168,12 @@ struct Tunnel {
     inbound: Streaming<Frame>,
     modules: Arc<Modules>,
     heartbeat: tokio::time::Interval,
+    /// The heartbeat period.
+    period: Duration,
     sequence: FrameSequence,
     beats: u64,
+    /// Heartbeats sent while idle since kas last sent anything (kas echoes each one).
+    unanswered: u32,
     hooks: Option<TunnelHooks>,
     /// The agent has sent `Closing`.
     closing: bool,
@@ -203,7 +218,10 @@ impl Tunnel {
         loop {
             tokio::select! {
                 biased;
-                frame = self.inbound.message() => return frame,
+                frame = self.inbound.message() => {
+                    self.unanswered = 0;
+                    return frame;
+                }
                 () = close_requested(&mut self.hooks), if !self.closing => {
                     // Closing the stream here would cut a call kas may be sending.
                     let frame = frames::closing();
@@ -221,7 +239,16 @@ impl Tunnel {
                     tracing::warn!(wait = ?CLOSE_WAIT, "kas did not end a tunnel the agent asked it to end: dropping it");
                     return Ok(None);
                 }
-                _ = self.heartbeat.tick() => self.beat().await?,
+                _ = self.heartbeat.tick() => {
+                    // Counted only while idle, where kas answers each: during a call its
+                    // frames are the call's, and may rightly pause for as long as it runs.
+                    if self.unanswered >= UNANSWERED_HEARTBEATS {
+                        let (n, over) = (self.unanswered, self.period * self.unanswered);
+                        return Err(silent(format!("kas answered none of the last {n} heartbeats ({over:?})")));
+                    }
+                    self.beat().await?;
+                    self.unanswered += 1;
+                }
             }
         }
     }
@@ -239,6 +266,7 @@ impl Tunnel {
                 if !self.call(s.request_id, &s.method).await? {
                     return Ok(());
                 }
+                self.unanswered = 0;
                 self.report(PoolInput::Released);
             }
         }
@@ -307,6 +335,23 @@ impl Tunnel {
             }
         }
     }
+}
+
+/// Heartbeats an idle tunnel sends without hearing from kas before it takes the link to
+/// kas for dead (a path that drops one way, with no reset, looks alive to the way that
+/// still flows): the tunnel ends with [`kas_silent`], and so does its connection.
+pub const UNANSWERED_HEARTBEATS: u32 = 3;
+
+/// What ends a tunnel whose kas went silent, as `how`.
+fn silent(how: String) -> Status {
+    Status::unavailable(format!("{KAS_SILENT}: {how}"))
+}
+
+const KAS_SILENT: &str = "the link to kas is dead";
+
+/// Whether a tunnel ended because kas went silent: its connection is dead with it.
+pub fn kas_silent(status: &Status) -> bool {
+    status.code() == tonic::Code::Unavailable && status.message().starts_with(KAS_SILENT)
 }
 
 /// How long an idle tunnel waits for kas to end it once the agent asked.

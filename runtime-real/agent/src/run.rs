@@ -2,7 +2,7 @@
 //! [`kas_core::kas_links`]), each a `GetConfiguration` stream with its own tunnel pool;
 //! redialled with jittered exponential backoff; moved when kas asks; drained on shutdown.
 
-use super::client::{AgentClient, TunnelHooks};
+use super::client::{self, AgentClient, TunnelHooks};
 use super::modules::Modules;
 use futures::FutureExt;
 use kas_core::ConnectionId;
@@ -278,9 +278,15 @@ impl Connection {
                 .map_err(Status::unavailable)?;
             let client =
                 AgentClient::new(channel, options.token.clone()).with_proof(self.proof.to_vec());
-            let (connection, first, config) = client
-                .connect(options.meta.clone(), Some(self.replica))
-                .await?;
+            // Bounded too: a link dead one way may carry the request and never the answer.
+            let first = client.connect(options.meta.clone(), Some(self.replica));
+            let (connection, first, config) = tokio::time::timeout(CONNECT_TIMEOUT, first)
+                .await
+                .map_err(|_| {
+                Status::unavailable(format!(
+                    "no configuration from kas within {CONNECT_TIMEOUT:?}"
+                ))
+            })??;
             Ok::<_, Status>((client, connection, first, config))
         };
         let ordered = self.order.clone();
@@ -354,9 +360,13 @@ impl Connection {
                 },
                 Some(input) = pool.reports.1.recv() => pool.machine.handle_input(clock::now(), input),
                 Some(joined) = pool.tunnels.next() => {
-                    if let Ok((slot, status)) = joined {
-                        pool.ended(slot, status);
+                    let Ok((slot, status)) = joined else { continue };
+                    if client::kas_silent(&status) {
+                        // Every tunnel of the connection is on the same dead link.
+                        tracing::warn!(kas = %self.kas, reason = %status.message(), "dropping the connection; dialling again");
+                        return;
                     }
+                    pool.ended(slot, status);
                 }
                 () = tokio::time::sleep(wake.map_or(Duration::ZERO, clock::until)), if wake.is_some() => {
                     pool.machine.handle_timeout(clock::now());

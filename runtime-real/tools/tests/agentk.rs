@@ -1,11 +1,13 @@
 //! The agentk binary against a kas process: reconnects after a kas restart, backs off when
 //! its token is refused, leaves cleanly on SIGTERM, and keeps its pool within the tunnels
-//! kas allows.
+//! kas allows, and gives up a link to kas that half died.
 
 mod support;
 
 use std::time::{Duration, Instant};
-use support::{AgentkProc, Extra, GitLab, KasProc, Secrets, agent_token, eventually};
+use support::{
+    AgentkProc, Extra, GitLab, HalfOpenRelay, KasProc, Secrets, Way, agent_token, eventually,
+};
 
 const PODS: &str = "- {namespace: default, name: web-1, phase: Running, node_name: node-a}\n";
 
@@ -156,4 +158,69 @@ async fn agentk_asks_for_no_more_tunnels_than_kas_keeps() {
     let series = "kas_limit_refusals_total{limit=\"agent.max_tunnels_per_connection\"}";
     let refused = kas_server::kas::observability::gauge(&text, series).unwrap_or(0.0);
     assert_eq!(refused, 0.0, "tunnels refused:\n{text}");
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn agentk_gives_up_a_link_that_drops_what_kas_sends() {
+    half_open(Way::ToClient).await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn agentk_gives_up_a_link_that_drops_what_it_sends() {
+    half_open(Way::ToServer).await;
+}
+
+/// agentk's one connection goes through a relay whose path then drops everything one
+/// way, with no reset: the way that still flows keeps it looking alive to one end (kas
+/// still hears the heartbeats of a link that drops what it sends; agentk still hears kas
+/// on one that drops what agentk sends). Within a few heartbeats agentk finds its tunnels
+/// unanswered, drops the connection and dials again (through a path that works), and
+/// the agent is reachable again. HTTP/2 keepalive alone would take 50 s.
+async fn half_open(way: Way) {
+    let secrets = Secrets::new();
+    let kas = KasProc::start(&secrets, "kas", None, 10_000, "").await;
+    let relay = HalfOpenRelay::start(kas.agent).await;
+    let agentk = AgentkProc::start(
+        &secrets,
+        &relay.address.to_string(),
+        &agent_token(1),
+        "agent1-pod",
+        PODS,
+        &[
+            "--heartbeat",
+            "500ms",
+            "--kas-connections",
+            "1",
+            "--max-reconnect-delay",
+            "1s",
+        ],
+    );
+    let gitlab = GitLab::new(&secrets, kas.api).await;
+    let pods = gitlab.pods(1, None, Duration::from_secs(10)).await;
+    assert_eq!(pods.expect("routed"), ["web-1"]);
+    relay.cut(way);
+    let cut = Instant::now();
+    let agentk = &agentk;
+    eventually(
+        Duration::from_secs(15),
+        "agentk gave up the dead link and connected again",
+        || {
+            let replaced =
+                agentk.count("the link to kas is dead") >= 1 && agentk.count("connected kas=") >= 2;
+            async move { replaced.then_some(()) }
+        },
+    )
+    .await;
+    let replaced = cut.elapsed();
+    let gl = &gitlab;
+    eventually(
+        Duration::from_secs(10),
+        "the agent reachable again",
+        || async move {
+            let pods = gl.pods(1, None, Duration::from_secs(2)).await.ok()?;
+            (pods == ["web-1"]).then_some(())
+        },
+    )
+    .await;
+    println!("{way:?} cut: agentk connected again after {replaced:?}");
 }

@@ -207,9 +207,24 @@ fn plain_endpoint(url: &KasUrl) -> Result<tonic::transport::Endpoint, String> {
     let endpoint = tonic::transport::Endpoint::from_shared(format!("http://{}", url.authority))
         .map_err(|e| format!("{url}: {e}"))?;
     #[cfg(not(madsim))] // madsim's channels have no frames
-    let endpoint = endpoint.max_frame_size(crate::MAX_FRAME_SIZE);
+    let endpoint = endpoint
+        .max_frame_size(crate::MAX_FRAME_SIZE)
+        .http2_keep_alive_interval(KEEPALIVE_INTERVAL)
+        .keep_alive_timeout(KEEPALIVE_TIMEOUT)
+        .keep_alive_while_idle(true);
     Ok(endpoint)
 }
+
+/// A client pings kas after this long without hearing from it, idle or not, and drops the
+/// connection if the ping is not answered within [`KEEPALIVE_TIMEOUT`]: kas's own pings
+/// find a link that drops what the client sends, these one that drops what kas sends
+/// (which kas, still hearing the client, cannot tell from a live one).
+#[cfg(not(madsim))]
+pub const KEEPALIVE_INTERVAL: Duration = Duration::from_secs(30);
+
+/// See [`KEEPALIVE_INTERVAL`].
+#[cfg(not(madsim))]
+pub const KEEPALIVE_TIMEOUT: Duration = Duration::from_secs(20);
 
 /// How a client reaches kas when plain TCP is not enough: TCP (through the proxy's tunnel,
 /// if any), TLS (ALPN `h2`, or `http/1.1` under a WebSocket), then the WebSocket upgrade.

@@ -851,3 +851,102 @@ fn all_threads_stopped(pid: &str) -> bool {
         })
     })
 }
+
+/// Which way a [`HalfOpenRelay`] drops bytes.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Way {
+    /// From the client (agentk) to the server (kas).
+    ToServer,
+    /// From the server to the client.
+    ToClient,
+}
+
+/// The cut one relayed connection reads: none, or the way it drops.
+type Cut = Arc<std::sync::Mutex<Option<Way>>>;
+
+/// A TCP relay in front of one server whose connections, once cut, drop one way: bytes
+/// read and thrown away, with no reset, as a path that half died (a middlebox that lost
+/// its state for a flow, one route withdrawn) does. Connections accepted after the cut
+/// pass both ways. Dropping it closes everything.
+pub struct HalfOpenRelay {
+    pub address: SocketAddr,
+    /// The cuts of the connections open since the last cut.
+    open: Arc<std::sync::Mutex<Vec<Cut>>>,
+    task: JoinHandle<()>,
+}
+
+impl HalfOpenRelay {
+    pub async fn start(server: SocketAddr) -> HalfOpenRelay {
+        let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+        let address = listener.local_addr().unwrap();
+        let open: Arc<std::sync::Mutex<Vec<_>>> = Arc::default();
+        let registry = open.clone();
+        let task = tokio::spawn(async move {
+            let mut relays = tokio::task::JoinSet::new();
+            loop {
+                tokio::select! {
+                    accepted = listener.accept() => {
+                        let Ok((client, _)) = accepted else { continue };
+                        let cut = Arc::new(std::sync::Mutex::new(None));
+                        registry.lock().unwrap().push(cut.clone());
+                        relays.spawn(async move {
+                            let Ok(upstream) = tokio::net::TcpStream::connect(server).await else { return };
+                            let (client_in, client_out) = client.into_split();
+                            let (server_in, server_out) = upstream.into_split();
+                            tokio::join!(
+                                pass(client_in, server_out, cut.clone(), Way::ToServer),
+                                pass(server_in, client_out, cut, Way::ToClient),
+                            );
+                        });
+                    }
+                    Some(_) = relays.join_next() => {}
+                }
+            }
+        });
+        HalfOpenRelay {
+            address,
+            open,
+            task,
+        }
+    }
+
+    /// From now on, every connection open now drops what goes `way`.
+    pub fn cut(&self, way: Way) {
+        for cut in self.open.lock().unwrap().drain(..) {
+            *cut.lock().unwrap() = Some(way);
+        }
+    }
+}
+
+impl Drop for HalfOpenRelay {
+    fn drop(&mut self) {
+        self.task.abort();
+    }
+}
+
+/// Copies `from` to `to` until `from` ends, dropping what it reads once `cut` is `way`.
+async fn pass(
+    mut from: tokio::net::tcp::OwnedReadHalf,
+    mut to: tokio::net::tcp::OwnedWriteHalf,
+    cut: Cut,
+    way: Way,
+) {
+    use tokio::io::{AsyncReadExt, AsyncWriteExt};
+    let mut buf = vec![0; 16 * 1024];
+    loop {
+        let n = match from.read(&mut buf).await {
+            Ok(0) | Err(_) => break,
+            Ok(n) => n,
+        };
+        if *cut.lock().unwrap() == Some(way) {
+            continue;
+        }
+        if to.write_all(&buf[..n]).await.is_err() {
+            break;
+        }
+    }
+    // The end passes on unless this way is cut: a dead path carries no FIN either.
+    if *cut.lock().unwrap() != Some(way) {
+        let _ = to.shutdown().await;
+    }
+}
