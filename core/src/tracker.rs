@@ -362,6 +362,11 @@ impl Tracker {
                 }
                 self.collect_all_at.insert(now + self.config.listing_ttl());
                 self.mark_all_dirty();
+                // The store answers again: the backoff of the batches that failed while it
+                // was away would hold this kas's records (its liveness too) out of it for
+                // up to its longest delay (swarm seed 96: 5 s unlisted after a failover).
+                self.failures = 0;
+                self.retry_at = None;
             }
             TrackerInput::LiveKas(live) => self.collect(now, live),
             TrackerInput::GcFailed(keys) => {

@@ -406,6 +406,22 @@ fn rewrite_all_restores_lost_data_at_once() {
 }
 
 #[test]
+fn a_rewrite_all_writes_at_once_whatever_the_backoff_of_failed_batches() {
+    let mut t = tracker();
+    let mut b = next_batch(&mut t);
+    // Failed again and again while the store was away: the backoff is at its longest.
+    for now in 0..6 {
+        ack(&mut t, now, &b, false);
+        t.handle_timeout(t.poll_timeout().unwrap());
+        b = next_batch(&mut t);
+    }
+    ack(&mut t, 400, &b, false);
+    assert!(t.retry_at.unwrap() >= Time(440), "80 ms, jittered down to half");
+    t.handle_input(Time(401), TrackerInput::RewriteAll);
+    assert_eq!(keys_of(&next_batch(&mut t)), vec!["kas:kas_instances"]);
+}
+
+#[test]
 fn after_a_rewrite_all_a_tunnel_record_is_announced_whatever_the_key_holds() {
     // A failover's replica may hold an older, expired value of a field this kas wrote
     // since: the `set` revives it without creating it, and readers have seen it gone.
