@@ -25,7 +25,7 @@
 
 mod ha;
 
-pub use ha::{Outage, check_available, check_reachable};
+pub use ha::{HalfOpen, Outage, check_available, check_reachable};
 
 use crate::bounds::{OUTCOME_BOUND, SLACK, STREAM_BOUND};
 use crate::cluster::AgentSpec;

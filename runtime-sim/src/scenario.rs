@@ -2,7 +2,7 @@
 //! a fault-free final phase that checks convergence, liveness (calls waiting for an agent
 //! that connects are delivered, and how fast) and leaks.
 
-use crate::checker::{self, Outage, Stall, Stats};
+use crate::checker::{self, HalfOpen, Outage, Stall, Stats};
 use crate::cluster::{AgentSpec, Cluster, ClusterSpec, Script};
 use crate::redis::{MAX_REPLICATION_LAG, SHARDS};
 use crate::truth::pod_name;
@@ -212,6 +212,8 @@ struct FaultLog {
     violations: Vec<String>,
     /// When each kas was stopping or down.
     outages: Vec<Outage>,
+    /// The links between a kas and an agent replica that went half-open.
+    cuts: Vec<HalfOpen>,
     /// The calls of the probes after faults (see [`probe`]).
     calls: Vec<Call>,
 }
@@ -323,6 +325,7 @@ async fn faults(
                 cluster.redis.knobs.set_latency(Duration::ZERO);
             }
             Fault::LoseRecords => lose_records(cluster, agents, kas),
+            Fault::HalfOpen => half_open(cluster, homed, kas, &mut log).await,
             Fault::KillAgent => {
                 log.agents_cut_off = true;
                 let i = thread_rng().gen_range(0..cluster.agent_nodes.len());
@@ -341,6 +344,72 @@ async fn faults(
         }
     }
     log
+}
+
+/// Within this long of a link between kas and an agent going half-open, the agent (which
+/// finds its heartbeats unanswered: 3 of 500 ms, [`kas_agent::UNANSWERED_HEARTBEATS`]) or
+/// kas (which misses its heartbeats: `agent.heartbeat_timeout`, 3 s here) must have given
+/// it up, and calls for the agent must go elsewhere.
+const HALF_OPEN_BOUND: Duration = Duration::from_secs(4);
+
+/// The link between a replica of one of `agents` and a kas serving it (`kas` if none
+/// does) goes half-open: one way drops everything, the other flows, and nothing resets
+/// (a middlebox that lost the flow, one route withdrawn). Held through a probe of that
+/// agent started [`HALF_OPEN_BOUND`] after: the agent must be reachable through every kas
+/// again, where it has anywhere else to be (another kas, with agent HA, or another
+/// replica).
+async fn half_open(cluster: &Cluster, agents: &[AgentSpec], kas: usize, log: &mut FaultLog) {
+    let mut rng = thread_rng();
+    let candidates: Vec<&(i64, usize, NodeHandle)> = cluster
+        .agent_nodes
+        .iter()
+        .filter(|(agent, _, _)| agents.iter().any(|a| a.agent == *agent))
+        .collect();
+    let Some(&&(agent, replica, ref node)) =
+        candidates.get(rng.gen_range(0..candidates.len().max(1)))
+    else {
+        return;
+    };
+    let serving = cluster
+        .truth
+        .homes()
+        .into_iter()
+        .rev()
+        .find(|h| h.agent == agent && h.replica == replica)
+        .map(|h| h.kas)
+        .unwrap_or_default();
+    let kas = serving
+        .get(rng.gen_range(0..serving.len().max(1)))
+        .copied()
+        .unwrap_or(kas);
+    let to_agent = rng.gen_bool(0.5);
+    tracing::info!(kas, agent, replica, to_agent, "half-open");
+    let (k, a) = (cluster.kas_nodes[kas].id(), node.id());
+    let net = NetSim::current();
+    if to_agent {
+        net.clog_link(k, a);
+    } else {
+        net.clog_link(a, k);
+    }
+    let from = Instant::now();
+    log.cuts.push(HalfOpen {
+        kas,
+        agent,
+        from,
+        to: from + HALF_OPEN_BOUND,
+    });
+    tokio::time::sleep(HALF_OPEN_BOUND).await;
+    let spec: Vec<AgentSpec> = agents
+        .iter()
+        .filter(|a| a.agent == agent)
+        .cloned()
+        .collect();
+    // Without agent HA a replica dials only its own kas: another replica must take over.
+    if cluster.ha || spec.iter().any(|a| a.replicas.len() > 1) {
+        probe(cluster, &spec, Fault::HalfOpen, log).await;
+    }
+    net.unclog_link(k, a);
+    net.unclog_link(a, k);
 }
 
 /// Redis loses records of live kas `kas` without a word (as an eviction under
@@ -752,6 +821,7 @@ enum Fault {
     ClogNode,
     TimeJump,
     LoseRecords,
+    HalfOpen,
 }
 
 impl Fault {
@@ -764,7 +834,7 @@ impl Fault {
         )
     }
 
-    const ALL: [Fault; 12] = [
+    const ALL: [Fault; 13] = [
         Fault::KillKas,
         Fault::StopKas,
         Fault::Clog,
@@ -777,6 +847,7 @@ impl Fault {
         Fault::ClogNode,
         Fault::TimeJump,
         Fault::LoseRecords,
+        Fault::HalfOpen,
     ];
 }
 
@@ -785,7 +856,7 @@ fn fault_kinds(scenario: Scenario) -> Vec<Fault> {
     match scenario {
         Scenario::Steady => vec![],
         Scenario::KasCrash => vec![KillKas, StopKas],
-        Scenario::Partition => vec![Clog, ClogRedis, ClogNode],
+        Scenario::Partition => vec![Clog, ClogRedis, ClogNode, HalfOpen],
         Scenario::RedisRestart => vec![
             RestartRedis,
             FailoverRedis,
@@ -795,7 +866,7 @@ fn fault_kinds(scenario: Scenario) -> Vec<Fault> {
         ],
         Scenario::ReconnectStorm => vec![],
         Scenario::AgentChurn => vec![KillAgent],
-        Scenario::KasCrashHa => vec![KillKas, StopKas],
+        Scenario::KasCrashHa => vec![KillKas, StopKas, HalfOpen],
         Scenario::RollingRestart => vec![],
         Scenario::Swarm => {
             let all = Fault::ALL;
@@ -856,6 +927,7 @@ pub async fn run(scenario: Scenario) -> Report {
             &homes,
             &ha,
             &log.outages,
+            &log.cuts,
             from,
             LIVE_TIMEOUT,
         ));

@@ -416,7 +416,10 @@ fn a_rewrite_all_writes_at_once_whatever_the_backoff_of_failed_batches() {
         b = next_batch(&mut t);
     }
     ack(&mut t, 400, &b, false);
-    assert!(t.retry_at.unwrap() >= Time(440), "80 ms, jittered down to half");
+    assert!(
+        t.retry_at.unwrap() >= Time(440),
+        "80 ms, jittered down to half"
+    );
     t.handle_input(Time(401), TrackerInput::RewriteAll);
     assert_eq!(keys_of(&next_batch(&mut t)), vec!["kas:kas_instances"]);
 }

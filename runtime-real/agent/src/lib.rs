@@ -15,7 +15,7 @@ pub mod modules;
 pub mod pods;
 pub mod run;
 
-pub use client::AgentClient;
+pub use client::{AgentClient, UNANSWERED_HEARTBEATS};
 pub use modules::Modules;
 pub use pods::{PODS_LIST, PODS_LOGS, PodSource};
 pub use run::{AgentOptions, run, run_reporting};

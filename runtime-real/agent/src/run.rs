@@ -146,6 +146,11 @@ pub async fn run_reporting(
     let (events_tx, mut events) = mpsc::unbounded_channel();
     let mut orders: Map<Link, watch::Sender<Order>> = Map::default();
     let mut tasks: Tasks<Link> = Tasks::default();
+    // The address each connection dialled, and that of the last one to end: the next
+    // dial draws among the others (a kas that died, or a path to it that half died, is
+    // likely to fail again; behind one load balancer there is nothing to choose).
+    let mut dialled: Map<Link, usize> = Map::default();
+    let mut last_ended: Option<usize> = None;
     let mut stop_asked = false;
     links.handle_timeout(clock::now());
     loop {
@@ -154,7 +159,9 @@ pub async fn run_reporting(
                 LinksOutput::Dial(link) => {
                     let (order_tx, order) = watch::channel(Order::Wait);
                     orders.insert(link, order_tx);
-                    let kas = options.kas[rng.below(options.kas.len() as u64) as usize].clone();
+                    let at = draw_address(&mut rng, options.kas.len(), last_ended);
+                    dialled.insert(link, at);
+                    let kas = options.kas[at].clone();
                     let connection = Connection {
                         options: options.clone(),
                         kas,
@@ -204,6 +211,7 @@ pub async fn run_reporting(
                     continue;
                 };
                 orders.remove(&link);
+                last_ended = dialled.remove(&link);
                 links.handle_input(clock::now(), LinksInput::Ended(link));
             }
             () = tokio::time::sleep(wake.map_or(Duration::ZERO, clock::until)), if wake.is_some() => {
@@ -214,6 +222,17 @@ pub async fn run_reporting(
                 links.handle_input(clock::now(), LinksInput::Stop);
             }
         }
+    }
+}
+
+/// One of `n` addresses at random, other than `avoid` when there is another.
+fn draw_address(rng: &mut Rng, n: usize, avoid: Option<usize>) -> usize {
+    match avoid {
+        Some(avoid) if n > 1 && avoid < n => {
+            let at = rng.below(n as u64 - 1) as usize;
+            if at >= avoid { at + 1 } else { at }
+        }
+        _ => rng.below(n as u64) as usize,
     }
 }
 
@@ -465,6 +484,22 @@ impl Pool {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn a_dial_draws_every_address_but_the_one_that_ended_last() {
+        let mut rng = Rng::new(7);
+        let drawn = |rng: &mut Rng, n, avoid| {
+            let mut seen = std::collections::BTreeSet::new();
+            for _ in 0..200 {
+                seen.insert(draw_address(rng, n, avoid));
+            }
+            seen.into_iter().collect::<Vec<_>>()
+        };
+        assert_eq!(drawn(&mut rng, 3, None), [0, 1, 2]);
+        assert_eq!(drawn(&mut rng, 3, Some(1)), [0, 2]);
+        assert_eq!(drawn(&mut rng, 3, Some(2)), [0, 1]);
+        assert_eq!(drawn(&mut rng, 1, Some(0)), [0], "nothing else to choose");
+    }
 
     #[test]
     fn the_pool_stops_at_the_tunnels_kas_keeps() {

@@ -20,6 +20,21 @@ pub struct Outage {
     pub killed: bool,
 }
 
+/// A link between a kas and one replica of `agent` that went half-open at `from` (one way
+/// drops everything, with no reset): a call for `agent` under way meanwhile may fail, until
+/// `to`, by when the agent or kas must have given the link up and calls go elsewhere.
+#[derive(Clone, Copy, Debug)]
+pub struct HalfOpen {
+    /// The kas.
+    pub kas: usize,
+    /// The agent.
+    pub agent: i64,
+    /// When the link went half-open.
+    pub from: Instant,
+    /// The bound for giving it up.
+    pub to: Instant,
+}
+
 /// A call issued this shortly before its kas's SIGTERM may reach kas after it: refused
 /// there, not delivered (as HTTP/2's `REFUSED_STREAM` after a `GOAWAY`).
 const ENTERING: Duration = Duration::from_millis(100);
@@ -123,14 +138,17 @@ pub fn check_available(
 /// Violations of invariant 9 by `calls` for `agents` (each on two kas) issued after `from`
 /// with a timeout of at least `timeout`, given the kas `outages`, what agents received and
 /// where they were served. A call that failed is excused if it entered a kas that was
-/// stopping or down (or went down with the call in it), or if a kas serving its agent
-/// was killed while it was under way (it may have been on that kas).
+/// stopping or down (or went down with the call in it), if a kas serving its agent
+/// was killed while it was under way (it may have been on that kas), or if it was under
+/// way while a link to its agent was half-open and not yet due to be given up (`cuts`).
+#[allow(clippy::too_many_arguments)] // one judgement over every record of the run
 pub fn check_reachable(
     calls: &[Call],
     truth: &[Delivery],
     homes: &[Homes],
     agents: &[i64],
     outages: &[Outage],
+    cuts: &[HalfOpen],
     from: Instant,
     timeout: Duration,
 ) -> Vec<String> {
@@ -138,7 +156,10 @@ pub fn check_reachable(
     let excused = |c: &Call| {
         let end = c.started + c.took;
         let refused = !delivered.contains(c.marker.as_str());
-        outages.iter().any(|o| {
+        let cut = cuts
+            .iter()
+            .any(|h| h.agent == c.agent && c.started <= h.to && h.from <= end);
+        cut || outages.iter().any(|o| {
             let entering = o.from <= c.started || (refused && o.from <= c.started + ENTERING);
             let entered_away = o.kas == c.kas && entering && c.started <= o.to;
             let killed_meanwhile = o.killed && c.started <= o.from && o.from <= end;
@@ -253,6 +274,7 @@ mod tests {
                 homes,
                 &[1],
                 &[kill],
+                &[],
                 t0,
                 call.timeout,
             )
@@ -260,5 +282,40 @@ mod tests {
         assert!(judge(&[home(0, &[0, 1], s(1))]).is_empty());
         let failed = judge(&[home(0, &[1, 2], s(1))]);
         assert!(failed[0].starts_with("inv 9"), "{failed:?}");
+    }
+
+    #[madsim::test]
+    async fn a_call_is_excused_by_a_half_open_link_to_its_agent_only_until_the_bound() {
+        let t0 = Instant::now();
+        let s = |n: u64| t0 + Duration::from_secs(n);
+        let call = |agent: i64, started: u64| Call {
+            marker: format!("c{agent}-{started}"),
+            kas: 0,
+            agent,
+            replica: None,
+            started: s(started),
+            timeout: Duration::from_secs(2),
+            took: Duration::from_secs(2),
+            result: Err((tonic::Code::DeadlineExceeded, "lost".into())),
+            echo_mismatch: None,
+            two_way: false,
+        };
+        // Agent 1's link to kas 0 half-open from 4 s, to be given up by 8 s.
+        let cut = HalfOpen {
+            kas: 0,
+            agent: 1,
+            from: s(4),
+            to: s(8),
+        };
+        let calls = [call(1, 3), call(1, 7), call(1, 9), call(2, 5), call(1, 1)];
+        let homes = [home(0, &[0, 1], s(0))];
+        let failed = check_reachable(&calls, &[], &homes, &[1, 2], &[], &[cut], t0, s(2) - t0);
+        let markers: Vec<&str> = failed
+            .iter()
+            .map(|f| f.split_whitespace().nth(2).unwrap_or(""))
+            .collect();
+        // Under way at 4 s (3 s + 2 s) and 7 s: excused; after the bound, another agent's,
+        // or over before the cut: not.
+        assert_eq!(markers, ["c1-9", "c2-5", "c1-1"], "{failed:?}");
     }
 }
