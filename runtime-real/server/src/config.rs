@@ -93,6 +93,28 @@ pub struct Agent {
     /// The Kubernetes API listener (kubectl and GitLab's dashboard -> kas -> agentk ->
     /// the cluster's API server); off unless set.
     pub kubernetes_api: Option<KubernetesApi>,
+    /// `agent.configuration:` the agents' `GetConfiguration` streams.
+    pub configuration: AgentConfiguration,
+}
+
+/// `agent.configuration:`
+#[derive(Clone, Debug, Deserialize)]
+#[serde(deny_unknown_fields, default)]
+pub struct AgentConfiguration {
+    /// How often kas checks again the token of each connected replica (through the
+    /// token cache, so GitLab is asked at most every `agent.info_cache_ttl`): a token
+    /// GitLab revoked ends its connections, and their tunnels, within this period and
+    /// the cache's lifetime.
+    #[serde(with = "humantime_serde")]
+    pub poll_period: Duration,
+}
+
+impl Default for AgentConfiguration {
+    fn default() -> Self {
+        AgentConfiguration {
+            poll_period: Duration::from_secs(20),
+        }
+    }
 }
 
 /// `agent.kubernetes_api:`
@@ -520,6 +542,7 @@ impl Default for Agent {
             heartbeat_timeout: Duration::from_secs(60),
             kas_liveness_ttl: Duration::from_secs(30),
             kubernetes_api: None,
+            configuration: AgentConfiguration::default(),
         }
     }
 }
@@ -637,6 +660,10 @@ impl Config {
             ("agent.redis_conn_info_gc", a.redis_conn_info_gc),
             ("agent.heartbeat_timeout", a.heartbeat_timeout),
             ("agent.kas_liveness_ttl", a.kas_liveness_ttl),
+            (
+                "agent.configuration.poll_period",
+                a.configuration.poll_period,
+            ),
             ("api.default_timeout", self.api.default_timeout),
             ("api.max_token_lifetime", self.api.max_token_lifetime),
             (

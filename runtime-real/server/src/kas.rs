@@ -409,6 +409,7 @@ impl Shared<'_> {
             max_connection_age: a.max_connection_age(),
             live_kas,
             activity_every: a.heartbeat_timeout / 4,
+            poll_period: a.configuration.poll_period,
             next_tunnel: Arc::default(),
             replicas: replicas::Replicas::default(),
             limits: limits::AgentLimits::new(

@@ -28,6 +28,8 @@ struct FakeGitLab {
     failing: Arc<AtomicBool>,
     /// Every answer takes this long.
     delay_ms: Arc<AtomicUsize>,
+    /// GOOD revoked: answered 401.
+    revoked: Arc<AtomicBool>,
 }
 
 async fn agent_info(State(g): State<FakeGitLab>, headers: HeaderMap) -> (StatusCode, String) {
@@ -46,7 +48,7 @@ async fn agent_info(State(g): State<FakeGitLab>, headers: HeaderMap) -> (StatusC
         return (StatusCode::UNAUTHORIZED, "{}".into());
     }
     match headers.get("authorization").and_then(|v| v.to_str().ok()) {
-        Some(a) if a == format!("Bearer {GOOD}") => (
+        Some(a) if a == format!("Bearer {GOOD}") && !g.revoked.load(Ordering::SeqCst) => (
             StatusCode::OK,
             r#"{"project_id":10,"agent_id":7,"agent_name":"my-agent","gitaly_info":{"address":"unix:/x"},"default_branch":"main"}"#.into(),
         ),
@@ -62,6 +64,7 @@ async fn fake_gitlab(secret: &Secret) -> (SocketAddr, FakeGitLab) {
         bad_jwt: Arc::default(),
         failing: Arc::default(),
         delay_ms: Arc::default(),
+        revoked: Arc::default(),
     };
     let app = Router::new()
         .route("/api/v4/internal/kubernetes/agent_info", get(agent_info))
@@ -308,6 +311,64 @@ async fn kas_configured_with_gitlab_authenticates_agents_through_it() {
     kas.stop().await;
 }
 
+/// A token GitLab revokes while its agent is connected: kas checks each connection's
+/// token every `agent.configuration.poll_period` (through the cache), and ends the
+/// connection, its tunnels with it, once GitLab refuses it; the agent cannot come back.
+#[tokio::test(flavor = "multi_thread")]
+async fn a_token_gitlab_revokes_ends_its_connections_and_tunnels() {
+    let secrets = support::Secrets::new();
+    let (addr, gl) = fake_gitlab(&secrets.gitlab).await;
+    let yaml = format!(
+        "gitlab:\n  address: http://{addr}\n  authentication_secret_file: {gs}\nagent:\n  info_cache_ttl: 500ms\n  configuration:\n    poll_period: 500ms\n  listen:\n    address: 127.0.0.1:0\napi:\n  listen:\n    address: 127.0.0.1:0\n    authentication_secret_file: {gs}\nprivate_api:\n  listen:\n    address: 127.0.0.1:0\n    authentication_secret_file: {ks}\nobservability:\n  listen:\n    address: 127.0.0.1:0\n",
+        gs = secrets.path("gitlab.secret").display(),
+        ks = secrets.path("kas.secret").display(),
+    );
+    let config = Config::parse(&yaml, "test.yaml").unwrap();
+    let kas = Kas::start_configured(config).await.unwrap();
+    let agent = kas_agent::AgentClient::new(support::channel(kas.addresses.agent).await, GOOD);
+    let (connection, _, mut stream) = agent.connect(Default::default(), None).await.unwrap();
+    let modules = std::sync::Arc::new(support::pod_modules("pod", Duration::ZERO));
+    let tunnel = tokio::spawn({
+        let agent = agent.clone();
+        async move {
+            agent
+                .serve_tunnel(connection, modules, Duration::from_millis(200), None)
+                .await
+        }
+    });
+    // Still accepted a while later: the poll asks GitLab again, and it says yes.
+    tokio::time::sleep(Duration::from_millis(1500)).await;
+    assert!(
+        !tunnel.is_finished(),
+        "the tunnel of an accepted token ended"
+    );
+    gl.revoked.store(true, Ordering::SeqCst);
+    let revoked = std::time::Instant::now();
+    let ended = tokio::time::timeout(Duration::from_secs(5), async {
+        loop {
+            match stream.message().await {
+                Ok(Some(_)) => continue,
+                other => return other,
+            }
+        }
+    })
+    .await
+    .expect("the connection ends within the poll period and the cache's lifetime");
+    let status = ended.expect_err("ended by kas, with a status");
+    assert_eq!(status.code(), tonic::Code::Unauthenticated, "{status:?}");
+    assert!(status.message().contains("revoked"), "{status:?}");
+    let took = revoked.elapsed();
+    let tunnel_end = tokio::time::timeout(Duration::from_secs(5), tunnel)
+        .await
+        .expect("its tunnel ends with it")
+        .unwrap();
+    assert_ne!(tunnel_end.code(), tonic::Code::Ok, "{tunnel_end:?}");
+    let again = agent.connect(Default::default(), None).await.err().unwrap();
+    assert_eq!(again.code(), tonic::Code::Unauthenticated, "{again:?}");
+    println!("revoked token's connection ended {took:?} after GitLab revoked it");
+    kas.stop().await;
+}
+
 /// GitLab's user and CI job authorization, as kas's Kubernetes API listener asks it:
 /// `authorize_proxy_user` for `pat:` tokens, `job/allowed_agents` for `ci:` ones.
 mod kubernetes_api_tokens {
@@ -392,6 +453,7 @@ mod kubernetes_api_tokens {
             bad_jwt: Arc::default(),
             failing: Arc::default(),
             delay_ms: Arc::default(),
+            revoked: Arc::default(),
         };
         let app = Router::new()
             .route(

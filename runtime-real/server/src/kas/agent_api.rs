@@ -50,6 +50,9 @@ pub struct AgentService {
     pub limits: AgentLimits,
     /// Which replica holds each open connection id.
     pub replicas: Replicas,
+    /// `agent.configuration.poll_period`: how often a connected replica's token is
+    /// checked again.
+    pub poll_period: Duration,
 }
 
 impl AgentService {
@@ -60,20 +63,23 @@ impl AgentService {
         metadata: MetadataMap,
         peer: Option<SocketAddr>,
     ) -> Result<AgentIdentity, Status> {
-        let header = metadata.get("authorization").and_then(|v| v.to_str().ok());
+        let header = bearer(&metadata);
         let peer = peer.map(|p| p.ip());
-        self.auth.resolve_bearer(header, peer).await.map_err(|e| {
-            tracing::info!(error = %e, "agent token refused");
-            match e {
-                AuthError::InvalidToken => Status::unauthenticated(format!("agent {e}")),
-                AuthError::Forbidden(_) => Status::permission_denied(e.to_string()),
-                AuthError::Unavailable(_) => Status::unavailable(e.to_string()),
-                AuthError::Throttled { limit, .. } => {
-                    self.limits.refused(limit);
-                    Status::resource_exhausted(e.to_string())
+        self.auth
+            .resolve_bearer(header.as_deref(), peer)
+            .await
+            .map_err(|e| {
+                tracing::info!(error = %e, "agent token refused");
+                match e {
+                    AuthError::InvalidToken => Status::unauthenticated(format!("agent {e}")),
+                    AuthError::Forbidden(_) => Status::permission_denied(e.to_string()),
+                    AuthError::Unavailable(_) => Status::unavailable(e.to_string()),
+                    AuthError::Throttled { limit, .. } => {
+                        self.limits.refused(limit);
+                        Status::resource_exhausted(e.to_string())
+                    }
                 }
-            }
-        })
+            })
     }
 }
 
@@ -88,6 +94,12 @@ impl AgentApi for AgentService {
     ) -> Result<Response<Self::GetConfigurationStream>, Status> {
         self.refuse_while_draining()?;
         let metadata = req.metadata().clone();
+        let token = Recheck {
+            auth: self.auth.clone(),
+            bearer: bearer(&metadata),
+            peer: req.remote_addr().map(|a| a.ip()),
+            every: self.poll_period,
+        };
         let identity = self.authenticate(metadata, req.remote_addr()).await?;
         let request = req.into_inner();
         let meta = request.agent_meta.unwrap_or_default();
@@ -142,10 +154,11 @@ impl AgentApi for AgentService {
         let ends = Ends {
             stop: self.stop.clone(),
             age: jittered(self.max_connection_age),
+            token,
         };
         tokio::spawn(async move {
-            if ends.hold(&tx, drain).await {
-                let status = Status::unavailable("kas is shutting down: reconnect to another kas");
+            if let Some(status) = ends.hold(&tx, drain).await {
+                tracing::info!(agent = %identity.agent_id, %connection, reason = %status.message(), "ending the connection");
                 let _ = tx.try_send(Box::new(Err(status)));
             }
             tracing::info!(agent = %identity.agent_id, %connection, "agent disconnected");
@@ -234,32 +247,81 @@ impl AgentService {
     }
 }
 
+/// The `authorization` header's value, if any.
+fn bearer(metadata: &MetadataMap) -> Option<String> {
+    let value = metadata.get("authorization")?.to_str().ok()?;
+    Some(value.to_owned())
+}
+
+/// How kas checks a connected replica's token again.
+struct Recheck {
+    auth: AgentAuth,
+    /// The `authorization` header the replica connected with.
+    bearer: Option<String>,
+    peer: Option<std::net::IpAddr>,
+    every: Duration,
+}
+
+impl Recheck {
+    /// What ends the connection if GitLab no longer accepts its token; `None` while it
+    /// does, or cannot say (a token it accepted is kept while it fails).
+    async fn refused(&self) -> Option<Status> {
+        let header = self.bearer.as_deref();
+        match self.auth.resolve_bearer(header, self.peer).await {
+            Err(e @ AuthError::InvalidToken) => Some(Status::unauthenticated(format!(
+                "agent {e} any more: GitLab revoked it"
+            ))),
+            Err(e @ AuthError::Forbidden(_)) => Some(Status::permission_denied(e.to_string())),
+            _ => None,
+        }
+    }
+}
+
 /// What ends a replica's `GetConfiguration` stream besides the agent.
 struct Ends {
     stop: Stop,
     /// The connection's age limit, jittered.
     age: Duration,
+    /// Its token, checked every `agent.configuration.poll_period`.
+    token: Recheck,
 }
 
 impl Ends {
-    /// Holds the stream until the agent closes it (`false`) or kas cuts it off (`true`).
-    /// Once kas drains, or the connection is `age` old, the agent is asked to move with
+    /// Holds the stream until the agent closes it (`None`) or kas cuts it off (with the
+    /// status to close it with): kas leaves, or GitLab no longer accepts the token. Once
+    /// kas drains, or the connection is `age` old, the agent is asked to move with
     /// `drain`. The ask is sent without waiting: an agent that does not read its stream
     /// is cut off with the rest.
     async fn hold(
         mut self,
         tx: &mpsc::Sender<Outgoing<ConfigurationResponse>>,
         drain: ConfigurationResponse,
-    ) -> bool {
+    ) -> Option<Status> {
+        let leaving = || Status::unavailable("kas is shutting down: reconnect to another kas");
         let old = tokio::time::sleep(self.age);
         tokio::pin!(old);
+        let every = self.token.every;
+        let mut recheck = tokio::time::interval_at(tokio::time::Instant::now() + every, every);
+        recheck.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
         let mut asked = false;
         let mut closing = self.stop.clone();
         loop {
             let why = tokio::select! {
                 biased;
-                () = tx.closed() => return false,
-                () = self.stop.until(Phase::Leaving) => return true,
+                () = tx.closed() => return None,
+                () = self.stop.until(Phase::Leaving) => return Some(leaving()),
+                _ = recheck.tick() => {
+                    // GitLab may be slow: the agent leaving or kas stopping still count.
+                    tokio::select! {
+                        biased;
+                        () = tx.closed() => return None,
+                        () = self.stop.until(Phase::Leaving) => return Some(leaving()),
+                        refused = self.token.refused() => match refused {
+                            Some(status) => return Some(status),
+                            None => continue,
+                        },
+                    }
+                }
                 () = closing.until(Phase::Closing), if !asked => "kas is shutting down",
                 () = &mut old, if !asked => "the connection reached agent.listen.max_connection_age",
             };
