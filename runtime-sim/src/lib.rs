@@ -22,6 +22,8 @@ pub mod scenario;
 #[cfg(madsim)]
 pub mod sim_store;
 #[cfg(madsim)]
+pub mod store_back;
+#[cfg(madsim)]
 pub mod truth;
 #[cfg(madsim)]
 pub mod workload;

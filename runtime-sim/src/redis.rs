@@ -105,6 +105,9 @@ pub struct Db {
     next_start: Option<Keyspace>,
     /// A shard whose master died, with the keys its replica takes over with.
     down: Option<(u16, Keyspace)>,
+    /// When the data last changed behind the clients' backs (a failover's lost writes,
+    /// records lost without a word).
+    disturbed: Option<Instant>,
 }
 
 #[derive(Debug)]
@@ -118,6 +121,11 @@ impl Db {
     /// show them.
     pub fn entries(&self, now: Instant) -> BTreeMap<String, Vec<(String, Vec<u8>)>> {
         self.keyspace.entries(now)
+    }
+
+    /// Whether the data changed behind the clients' backs at `since` or later.
+    pub fn disturbed_since(&self, since: Instant) -> bool {
+        self.disturbed.is_some_and(|at| at >= since)
     }
 
     /// When the first message on `channel` was published (since the last restart).
@@ -241,6 +249,7 @@ impl RedisState {
         let mut db = self.lock();
         db.replica.catch_up(now.checked_sub(lost).unwrap_or(now));
         db.next_start = Some(std::mem::take(&mut db.replica.keyspace));
+        db.disturbed = Some(now);
     }
 
     /// Kills the master of `shard`, whose replica lacks the writes of the last `lost` (at
@@ -252,6 +261,7 @@ impl RedisState {
         let mut db = self.lock();
         db.replica.catch_up(now.checked_sub(lost).unwrap_or(now));
         db.down = Some((shard, db.replica.keyspace.clone()));
+        db.disturbed = Some(now);
         for s in db.subscribers.values() {
             if s.channels.iter().any(|c| self::shard(c) == shard) {
                 let _ = s.queue.send(shard_down(shard));
@@ -265,6 +275,7 @@ impl RedisState {
         let now = Instant::now();
         let mut db = self.lock();
         let db = &mut *db;
+        db.disturbed = Some(now);
         for keyspace in [&mut db.keyspace, &mut db.replica.keyspace] {
             let writes: Vec<KeyWrite> = keyspace
                 .entries(now)
@@ -295,6 +306,7 @@ impl RedisState {
         let Some((shard, promoted)) = db.down.take() else {
             return;
         };
+        db.disturbed = Some(Instant::now());
         db.keyspace
             .restore(&promoted, |key| self::shard(key) == shard);
         // The new masters' replicas start in step with them.
@@ -313,6 +325,7 @@ impl RedisState {
             *db = Db::default();
             db.replica.keyspace = keyspace.clone();
             db.keyspace = keyspace;
+            db.disturbed = Some(Instant::now());
         }
         let endpoint = Endpoint::bind(addr)
             .await

@@ -5,6 +5,7 @@
 use crate::checker::{self, HalfOpen, Outage, Stall, Stats};
 use crate::cluster::{AgentSpec, Cluster, ClusterSpec, Script};
 use crate::redis::{MAX_REPLICATION_LAG, SHARDS};
+use crate::store_back;
 use crate::truth::pod_name;
 use crate::workload::{self, Call};
 use kas_core::AgentId;
@@ -650,14 +651,26 @@ async fn rolling_restart(cluster: &Cluster, agents: &[AgentSpec], until: Instant
 /// invariant 8 is not judged for it: see [`checker::check_reachable`]).
 async fn await_homed(cluster: &Cluster, agents: &[AgentSpec]) -> bool {
     let secret = cluster.gitlab_secret();
+    let truth = cluster.truth.clone();
     let agents: Vec<(i64, usize)> = agents.iter().map(|a| (a.agent, a.replicas.len())).collect();
     let probe = async move {
         let deadline = Instant::now() + Duration::from_secs(30);
         while Instant::now() < deadline {
+            // As kas lists them, and as the replicas see it: a connection a half-open
+            // link left behind is listed until kas finds it dead, and one the replica
+            // is still opening through such a link is listed before it is up.
+            let homes = truth.homes();
             let mut homed = true;
             for &(agent, replicas) in &agents {
                 let listed = workload::homes(&secret, 0, agent).await.unwrap_or_default();
                 homed &= listed.len() == replicas && listed.iter().all(|(_, kas)| kas.len() == 2);
+                homed &= (0..replicas).all(|r| {
+                    let latest = homes
+                        .iter()
+                        .rev()
+                        .find(|h| h.agent == agent && h.replica == r);
+                    latest.is_some_and(|h| h.kas.len() == 2)
+                });
             }
             if homed {
                 return true;
@@ -1014,7 +1027,13 @@ async fn faulty_phase(
         log = rolling_restart(cluster, &spec.agents, until).await;
     } else {
         let kinds = fault_kinds(scenario);
-        log = faults(cluster, agents, &spec.agents, &kinds, until).await;
+        let (faulted, returns) = tokio::join!(
+            faults(cluster, agents, &spec.agents, &kinds, until),
+            store_back::watch(cluster, until)
+        );
+        log = faulted;
+        let late = store_back::check(&returns, &log.outages, &log.stalls);
+        log.violations.extend(late);
     }
     let mut calls: Vec<Call> = calls.await.expect("caller finished");
     calls.append(&mut log.calls);

@@ -147,8 +147,9 @@ pub async fn run_reporting(
     let mut orders: Map<Link, watch::Sender<Order>> = Map::default();
     let mut tasks: Tasks<Link> = Tasks::default();
     // The address each connection dialled, and that of the last one to end: the next
-    // dial draws among the others (a kas that died, or a path to it that half died, is
-    // likely to fail again; behind one load balancer there is nothing to choose).
+    // dial draws among the addresses of neither (a kas held already would be a duplicate;
+    // one that died, or whose path half died, is likely to fail again; behind one load
+    // balancer there is nothing to choose).
     let mut dialled: Map<Link, usize> = Map::default();
     let mut last_ended: Option<usize> = None;
     let mut stop_asked = false;
@@ -159,7 +160,8 @@ pub async fn run_reporting(
                 LinksOutput::Dial(link) => {
                     let (order_tx, order) = watch::channel(Order::Wait);
                     orders.insert(link, order_tx);
-                    let at = draw_address(&mut rng, options.kas.len(), last_ended);
+                    let avoid: Vec<usize> = dialled.values().copied().chain(last_ended).collect();
+                    let at = draw_address(&mut rng, options.kas.len(), &avoid);
                     dialled.insert(link, at);
                     let kas = options.kas[at].clone();
                     let connection = Connection {
@@ -225,15 +227,13 @@ pub async fn run_reporting(
     }
 }
 
-/// One of `n` addresses at random, other than `avoid` when there is another.
-fn draw_address(rng: &mut Rng, n: usize, avoid: Option<usize>) -> usize {
-    match avoid {
-        Some(avoid) if n > 1 && avoid < n => {
-            let at = rng.below(n as u64 - 1) as usize;
-            if at >= avoid { at + 1 } else { at }
-        }
-        _ => rng.below(n as u64) as usize,
+/// One of `n` addresses at random, not one of `avoid` unless every one is.
+fn draw_address(rng: &mut Rng, n: usize, avoid: &[usize]) -> usize {
+    let others: Vec<usize> = (0..n).filter(|a| !avoid.contains(a)).collect();
+    if others.is_empty() {
+        return rng.below(n as u64) as usize;
     }
+    others[rng.below(others.len() as u64) as usize]
 }
 
 /// The pool for a connection to a kas that keeps at most `max_tunnels` open on it (0:
@@ -486,19 +486,24 @@ mod tests {
     use super::*;
 
     #[test]
-    fn a_dial_draws_every_address_but_the_one_that_ended_last() {
+    fn a_dial_draws_among_the_addresses_neither_held_nor_ended_last() {
         let mut rng = Rng::new(7);
-        let drawn = |rng: &mut Rng, n, avoid| {
+        let drawn = |rng: &mut Rng, n, avoid: &[usize]| {
             let mut seen = std::collections::BTreeSet::new();
             for _ in 0..200 {
                 seen.insert(draw_address(rng, n, avoid));
             }
             seen.into_iter().collect::<Vec<_>>()
         };
-        assert_eq!(drawn(&mut rng, 3, None), [0, 1, 2]);
-        assert_eq!(drawn(&mut rng, 3, Some(1)), [0, 2]);
-        assert_eq!(drawn(&mut rng, 3, Some(2)), [0, 1]);
-        assert_eq!(drawn(&mut rng, 1, Some(0)), [0], "nothing else to choose");
+        assert_eq!(drawn(&mut rng, 3, &[]), [0, 1, 2]);
+        assert_eq!(drawn(&mut rng, 3, &[1]), [0, 2]);
+        assert_eq!(drawn(&mut rng, 3, &[2, 0]), [1]);
+        assert_eq!(
+            drawn(&mut rng, 2, &[0, 1]),
+            [0, 1],
+            "every one avoided: any"
+        );
+        assert_eq!(drawn(&mut rng, 1, &[0]), [0], "nothing else to choose");
     }
 
     #[test]
