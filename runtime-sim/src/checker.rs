@@ -21,11 +21,14 @@
 //!    at every moment once it is homed, and no call for it fails because a kas went away:
 //!    only a call that entered a kas already stopping or down (GitLab's to retry: nothing
 //!    was delivered), or that was under way when a kas serving its agent was killed (it
-//!    may have been on that kas), may fail (`ha`).
+//!    may have been on that kas), may fail (`ha`);
+//! 11. a token GitLab revokes stops being served within a bound (`revoked`).
 
 mod ha;
+mod revoked;
 
 pub use ha::{HalfOpen, Outage, check_available, check_reachable};
+pub use revoked::{REVOKE_BOUND, Revocation, check_revoked};
 
 use crate::bounds::{OUTCOME_BOUND, SLACK, STREAM_BOUND};
 use crate::cluster::AgentSpec;

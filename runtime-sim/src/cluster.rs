@@ -4,6 +4,7 @@
 //! Addresses: Redis `10.0.0.1:6379`; kas `i` at `10.0.1.(i+1)` (agent 8150, api 8153,
 //! private 8155, observability 8151); agent replicas at `10.0.2.x`; callers at `10.0.3.x`.
 
+use crate::gitlab::{GitLab, token};
 use crate::redis::RedisState;
 use crate::sim_store::SimStore;
 use crate::truth::{Truth, pod_name};
@@ -72,15 +73,12 @@ pub struct ClusterSpec {
     pub ha: bool,
 }
 
-/// The token of `agent`.
-fn token(agent: i64) -> String {
-    format!("sim-agent-token-{agent:04}-0123456789")
-}
-
 /// A running simulated cluster.
 pub struct Cluster {
     /// The Redis node's data and fault knobs.
     pub redis: RedisState,
+    /// GitLab's answers to token lookups, and their fault knobs.
+    pub gitlab: GitLab,
     /// Which agent replica served which call.
     pub truth: Truth,
     /// Each kas's readiness and metrics, set when it has started (and again at restart).
@@ -104,7 +102,7 @@ pub struct Cluster {
     gitlab_secret: Secret,
     next_caller: AtomicU64,
     next_agent_ip: u8,
-    /// Secrets and tokens read by kas at each (re)start; removed with the cluster.
+    /// Secrets read by kas at each (re)start; removed with the cluster.
     dir: PathBuf,
 }
 
@@ -144,7 +142,7 @@ pub const REDIS: SocketAddr = SocketAddr::new(IpAddr::V4(Ipv4Addr::new(10, 0, 0,
 /// Agents `1..=MAX_AGENT` have tokens, so that agents may be added while the cluster runs.
 pub const MAX_AGENT: i64 = 64;
 
-/// Writes the secrets and the tokens file the kas configs name; returns their directory.
+/// Writes the secrets the kas configs name; returns their directory.
 fn write_files() -> PathBuf {
     static N: AtomicU64 = AtomicU64::new(0);
     let dir = std::env::temp_dir().join(format!(
@@ -155,14 +153,6 @@ fn write_files() -> PathBuf {
     std::fs::create_dir_all(&dir).expect("temp dir");
     std::fs::write(dir.join("gitlab.secret"), "R2l0TGFi".repeat(8)).unwrap();
     std::fs::write(dir.join("kas.secret"), "S2FzS2Fz".repeat(8)).unwrap();
-    let mut tokens = String::from("agents:\n");
-    for agent in 1..=MAX_AGENT {
-        tokens += &format!(
-            "  - {{token: {}, agent_id: {agent}, project_id: {PROJECT}}}\n",
-            token(agent),
-        );
-    }
-    std::fs::write(dir.join("tokens.yaml"), tokens).unwrap();
     dir
 }
 
@@ -181,6 +171,17 @@ fn sim_store(config: &Config) -> Store {
 fn kas_config(i: usize, dir: &std::path::Path, spec: &ClusterSpec) -> Config {
     let listen = [8150, 8153, 8155, 8151].map(|port| kas_addr(i, port));
     let text = ConfigWriter::kas_in(dir, listen)
+        // Agent tokens resolved through GitLab (the simulation's, see `gitlab`), cached for
+        // 2 s, failures for 1 s, and each connection's token checked again every second.
+        .unset("agent.tokens_file")
+        .set("gitlab.address", "http://gitlab.sim")
+        .path(
+            "gitlab.authentication_secret_file",
+            &dir.join("gitlab.secret"),
+        )
+        .set("agent.info_cache_ttl", "2s")
+        .set("agent.info_cache_error_ttl", "1s")
+        .set("agent.configuration.poll_period", "1s")
         .duration("agent.redis_conn_info_ttl", spec.ttl)
         .duration("agent.redis_conn_info_refresh", spec.ttl / 2)
         .duration("agent.redis_conn_info_gc", spec.ttl)
@@ -209,6 +210,7 @@ impl Cluster {
         let handle = Handle::current();
         let dir = write_files();
         let redis = RedisState::default();
+        let gitlab = GitLab::default();
         let truth = Truth::default();
         let health: Vec<HealthSlot> = (0..spec.kas).map(|_| HealthSlot::default()).collect();
         let stopped: Vec<StopSlot> = (0..spec.kas).map(|_| StopSlot::default()).collect();
@@ -223,6 +225,7 @@ impl Cluster {
             .map(|i| {
                 let config = kas_config(i, &dir, spec);
                 let (slot, stop_slot) = (health[i].clone(), stopped[i].clone());
+                let gitlab = gitlab.clone();
                 handle
                     .create_node()
                     .name(format!("kas{i}"))
@@ -231,6 +234,7 @@ impl Cluster {
                         let (config, slot) = (config.clone(), slot.clone());
                         let store = sim_store(&config);
                         let stop_slot = stop_slot.clone();
+                        let agent_info = gitlab.agent_info();
                         async move {
                             let report = |cleaned| {
                                 stop_slot.lock().unwrap_or_else(|p| p.into_inner()).cleaned =
@@ -244,7 +248,7 @@ impl Cluster {
                             let sigterm = madsim::signal::ctrl_c();
                             tokio::pin!(sigterm);
                             let kas = tokio::select! {
-                                kas = Kas::start(config, store) => kas.expect("kas starts"),
+                                kas = Kas::start_with_gitlab(config, store, agent_info) => kas.expect("kas starts"),
                                 _ = &mut sigterm => return report(false),
                             };
                             *slot.lock().unwrap_or_else(|p| p.into_inner()) =
@@ -258,6 +262,7 @@ impl Cluster {
             .collect();
         Cluster {
             redis,
+            gitlab,
             truth,
             health,
             ttl: spec.ttl,

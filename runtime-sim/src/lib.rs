@@ -10,6 +10,8 @@ pub mod checker;
 #[cfg(madsim)]
 pub mod cluster;
 #[cfg(madsim)]
+pub mod gitlab;
+#[cfg(madsim)]
 pub mod greedy;
 #[cfg(madsim)]
 pub mod planted_bug;

@@ -2,7 +2,7 @@
 //! a fault-free final phase that checks convergence, liveness (calls waiting for an agent
 //! that connects are delivered, and how fast) and leaks.
 
-use crate::checker::{self, HalfOpen, Outage, Stall, Stats};
+use crate::checker::{self, HalfOpen, Outage, Revocation, Stall, Stats};
 use crate::cluster::{AgentSpec, Cluster, ClusterSpec, Script};
 use crate::redis::{MAX_REPLICATION_LAG, SHARDS};
 use crate::store_back;
@@ -215,6 +215,8 @@ struct FaultLog {
     outages: Vec<Outage>,
     /// The links between a kas and an agent replica that went half-open.
     cuts: Vec<HalfOpen>,
+    /// The agent tokens GitLab revoked.
+    revocations: Vec<Revocation>,
     /// The calls of the probes after faults (see [`probe`]).
     calls: Vec<Call>,
 }
@@ -240,6 +242,11 @@ async fn faults(
         return log;
     }
     while Instant::now() + Duration::from_secs(5) < until {
+        if cluster.ha {
+            // Each fault on its own: every agent on two kas first (before the first too:
+            // an agent that never connected cannot be reached while GitLab is down).
+            await_homed(cluster, homed).await;
+        }
         tokio::time::sleep(random_ms(500, 3_000)).await;
         let fault = kinds[thread_rng().gen_range(0..kinds.len())];
         let kas = thread_rng().gen_range(0..cluster.kas_nodes.len());
@@ -327,6 +334,13 @@ async fn faults(
             }
             Fault::LoseRecords => lose_records(cluster, agents, kas),
             Fault::HalfOpen => half_open(cluster, homed, kas, &mut log).await,
+            Fault::GitLabSlow => {
+                cluster.gitlab.set_latency(random_ms(50, 1_000));
+                tokio::time::sleep(lasting).await;
+                cluster.gitlab.set_latency(Duration::ZERO);
+            }
+            Fault::GitLabDown => gitlab_down(cluster, homed, &mut log).await,
+            Fault::RevokeToken => revoke(cluster, homed, lasting, &mut log).await,
             Fault::KillAgent => {
                 log.agents_cut_off = true;
                 let i = thread_rng().gen_range(0..cluster.agent_nodes.len());
@@ -338,10 +352,6 @@ async fn faults(
         }
         if fault.touches_redis() {
             probe(cluster, homed, fault, &mut log).await;
-        }
-        if cluster.ha {
-            // Each fault on its own: every agent back on two kas first.
-            await_homed(cluster, homed).await;
         }
     }
     log
@@ -411,6 +421,47 @@ async fn half_open(cluster: &Cluster, agents: &[AgentSpec], kas: usize, log: &mu
     }
     net.unclog_link(k, a);
     net.unclog_link(a, k);
+}
+
+/// GitLab fails every token lookup, for longer than kas caches its answers: the agents
+/// connected when it went (every replica served somewhere) must stay reachable through
+/// every kas meanwhile, on GitLab's last yes to each (a probe while it is down).
+async fn gitlab_down(cluster: &Cluster, agents: &[AgentSpec], log: &mut FaultLog) {
+    let homes = cluster.truth.homes();
+    let served = |agent: i64, replica: usize| {
+        let latest = homes
+            .iter()
+            .rev()
+            .find(|h| h.agent == agent && h.replica == replica);
+        latest.is_some_and(|h| !h.kas.is_empty())
+    };
+    let connected: Vec<AgentSpec> = agents
+        .iter()
+        .filter(|a| (0..a.replicas.len()).all(|r| served(a.agent, r)))
+        .cloned()
+        .collect();
+    cluster.gitlab.set_failing(true);
+    // Past the answers' cache lifetime (2 s): every lookup now asks GitLab.
+    tokio::time::sleep(random_ms(2_500, 4_000)).await;
+    probe(cluster, &connected, Fault::GitLabDown, log).await;
+    cluster.gitlab.set_failing(false);
+}
+
+/// GitLab revokes the token of one of `agents` for [`checker::REVOKE_BOUND`] and
+/// `lasting` more, then accepts it again (as a new token would be): from the bound on, no
+/// call may reach the agent (invariant 11, judged at the end).
+async fn revoke(cluster: &Cluster, agents: &[AgentSpec], lasting: Duration, log: &mut FaultLog) {
+    let agent = agents[thread_rng().gen_range(0..agents.len())].agent;
+    tracing::info!(agent, "token revoked");
+    cluster.gitlab.set_revoked(agent, true);
+    let from = Instant::now();
+    tokio::time::sleep(checker::REVOKE_BOUND + lasting).await;
+    cluster.gitlab.set_revoked(agent, false);
+    log.revocations.push(Revocation {
+        agent,
+        from,
+        to: Instant::now(),
+    });
 }
 
 /// Redis loses records of live kas `kas` without a word (as an eviction under
@@ -589,10 +640,16 @@ async fn probe(cluster: &Cluster, agents: &[AgentSpec], fault: Fault, log: &mut 
         .await
         .expect("probe calls");
     kas_server::buggify::restore(rates);
+    // The faults that last through their probe, and those probed once healed.
+    let when = if matches!(fault, Fault::HalfOpen | Fault::GitLabDown) {
+        "during"
+    } else {
+        "after"
+    };
     for c in &calls {
         if let Err((code, msg)) = &c.result {
             log.violations.push(format!(
-                "inv 5: after a {fault:?} healed, kas{} could not reach agent {} within {PROBE_TIMEOUT:?}: {code:?} {msg}",
+                "inv 5: {when} a {fault:?}, kas{} could not reach agent {} within {PROBE_TIMEOUT:?}: {code:?} {msg}",
                 c.kas, c.agent
             ));
         }
@@ -835,6 +892,9 @@ enum Fault {
     TimeJump,
     LoseRecords,
     HalfOpen,
+    GitLabSlow,
+    GitLabDown,
+    RevokeToken,
 }
 
 impl Fault {
@@ -847,7 +907,7 @@ impl Fault {
         )
     }
 
-    const ALL: [Fault; 13] = [
+    const ALL: [Fault; 16] = [
         Fault::KillKas,
         Fault::StopKas,
         Fault::Clog,
@@ -861,6 +921,9 @@ impl Fault {
         Fault::TimeJump,
         Fault::LoseRecords,
         Fault::HalfOpen,
+        Fault::GitLabSlow,
+        Fault::GitLabDown,
+        Fault::RevokeToken,
     ];
 }
 
@@ -878,8 +941,8 @@ fn fault_kinds(scenario: Scenario) -> Vec<Fault> {
             LoseRecords,
         ],
         Scenario::ReconnectStorm => vec![],
-        Scenario::AgentChurn => vec![KillAgent],
-        Scenario::KasCrashHa => vec![KillKas, StopKas, HalfOpen],
+        Scenario::AgentChurn => vec![KillAgent, GitLabSlow, GitLabDown, RevokeToken],
+        Scenario::KasCrashHa => vec![KillKas, StopKas, HalfOpen, GitLabSlow, GitLabDown],
         Scenario::RollingRestart => vec![],
         Scenario::Swarm => {
             let all = Fault::ALL;
@@ -970,6 +1033,7 @@ pub async fn run(scenario: Scenario) -> Report {
         let holds = cluster.truth.holds();
         violations.extend(checker::check_holds(&calls, &holds, &log.stalls));
     }
+    violations.extend(checker::check_revoked(&log.revocations, &truth));
     violations.extend(leaks_left(&cluster, calls.len()).await);
     violations.extend(cluster.truth.violations());
     if !violations.is_empty() {

@@ -36,7 +36,9 @@ use crate::config::{Config, Listen};
 #[cfg(not(madsim))]
 use crate::store::MemoryStore;
 use crate::store::Store;
-use kas_auth::agent_auth::{AgentAuth, CachePolicy, GitLabClient, StaticTokens};
+use kas_auth::agent_auth::{
+    AgentAuth, AgentIdentity, CachePolicy, Fetch, GitLabClient, StaticTokens, TokenCache,
+};
 use kas_auth::jwt::{self, Secret, Signer, Verifier};
 use kas_core::KasId;
 use kas_core::keys::Keys;
@@ -563,6 +565,27 @@ impl Kas {
     /// Binds all listeners and starts serving, with its registry in `store` (the
     /// simulation passes its own).
     pub async fn start(config: Config, store: Store) -> Result<Kas, StartError> {
+        let auth = agent_auth(&config)?;
+        Kas::start_authenticating(config, store, auth).await
+    }
+
+    /// [`Kas::start`], asking GitLab about agent tokens through `agent_info` (the
+    /// simulation's GitLab) instead of what the configuration names, cached as it says.
+    pub async fn start_with_gitlab(
+        config: Config,
+        store: Store,
+        agent_info: Fetch<AgentIdentity>,
+    ) -> Result<Kas, StartError> {
+        let cache = TokenCache::new(agent_info, cache_policy(&config.agent));
+        let auth = AgentAuth::GitLab(Arc::new(cache));
+        Kas::start_authenticating(config, store, auth).await
+    }
+
+    async fn start_authenticating(
+        config: Config,
+        store: Store,
+        auth: AgentAuth,
+    ) -> Result<Kas, StartError> {
         let Bound {
             agent: agent_l,
             api: api_l,
@@ -589,7 +612,6 @@ impl Kas {
                 .as_ref(),
             "private_api.listen.authentication_secret_file",
         )?;
-        let auth = agent_auth(&config)?;
         let keys = Keys::new(
             config
                 .redis

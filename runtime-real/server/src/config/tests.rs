@@ -308,6 +308,9 @@ fn what_the_writer_writes_parses_to_the_keys_it_was_given() {
         .set("redis.server.address", "127.0.0.1:6379")
         .merge("agent:\n  listen:\n    max_connection_age: 2s\nredis:\n  key_prefix: p\n")
         .unwrap()
+        .set("agent.listen.first_byte_timeout", "7s")
+        .unset("agent.listen.first_byte_timeout")
+        .unset("no.such.key")
         .text();
     let c = Config::parse(&text, "written.yaml").unwrap_or_else(|e| panic!("{e}\n{text}"));
     assert_eq!(c.agent.listen.address.to_string(), "127.0.0.1:0");
@@ -318,6 +321,11 @@ fn what_the_writer_writes_parses_to_the_keys_it_was_given() {
         Some(Duration::from_secs(2))
     );
     assert_eq!(c.shutdown_grace, Duration::from_millis(250));
+    assert_eq!(
+        c.agent.listen.first_byte_timeout,
+        default_first_byte_timeout(),
+        "unset: its default again"
+    );
     assert_eq!(
         c.api.listen.address.to_string(),
         "127.0.0.1:8153",

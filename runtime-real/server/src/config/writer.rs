@@ -39,6 +39,20 @@ impl ConfigWriter {
         self
     }
 
+    /// Removes `key` (dotted): it takes its default again.
+    pub fn unset(mut self, key: &str) -> ConfigWriter {
+        let (path, last) = key.rsplit_once('.').unwrap_or(("", key));
+        let mut map = &mut self.0;
+        for part in path.split('.').filter(|p| !p.is_empty()) {
+            match map.get_mut(part).and_then(Value::as_mapping_mut) {
+                Some(inner) => map = inner,
+                None => return self,
+            }
+        }
+        map.remove(last);
+        self
+    }
+
     /// A kas listening on `listen` (agent, api, private API, observability) that reads
     /// its agent tokens and secrets from `dir`: `tokens.yaml`, `gitlab.secret` and
     /// `kas.secret` (the layout kas-bench, the simulation and the tests write).
