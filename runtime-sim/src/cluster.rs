@@ -4,7 +4,7 @@
 //! Addresses: Redis `10.0.0.1:6379`; kas `i` at `10.0.1.(i+1)` (agent 8150, api 8153,
 //! private 8155, observability 8151); agent replicas at `10.0.2.x`; callers at `10.0.3.x`.
 
-use crate::gitlab::{GitLab, token};
+use crate::gitlab::{GitLab, MAX_AGENT, token};
 use crate::redis::RedisState;
 use crate::sim_store::SimStore;
 use crate::truth::{Truth, pod_name};
@@ -41,9 +41,6 @@ pub struct KasRun {
 
 /// Longest delay between an agent's reconnection attempts in the simulation.
 pub const RECONNECT_MAX: Duration = Duration::from_secs(4);
-
-/// The project every agent belongs to.
-pub const PROJECT: i64 = 100;
 
 /// One agent and the kas each of its replicas connects to.
 #[derive(Clone, Debug)]
@@ -138,9 +135,6 @@ fn kas_index(id: &String) -> usize {
 
 /// The Redis node's address.
 pub const REDIS: SocketAddr = SocketAddr::new(IpAddr::V4(Ipv4Addr::new(10, 0, 0, 1)), 6379);
-
-/// Agents `1..=MAX_AGENT` have tokens, so that agents may be added while the cluster runs.
-pub const MAX_AGENT: i64 = 64;
 
 /// Writes the secrets the kas configs name; returns their directory.
 fn write_files() -> PathBuf {

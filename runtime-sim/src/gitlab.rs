@@ -3,12 +3,17 @@
 //! configured as in production but for shorter lifetimes), whose lookups this answers.
 //! Faults make it slow, make it fail, and revoke an agent's token.
 
-use crate::cluster::{MAX_AGENT, PROJECT};
 use kas_auth::agent_auth::{AgentIdentity, AuthError, Fetch};
 use kas_core::{AgentId, ProjectId};
 use std::collections::BTreeSet;
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
+
+/// The project every agent belongs to.
+pub const PROJECT: i64 = 100;
+
+/// Agents `1..=MAX_AGENT` have tokens, so that agents may be added while the cluster runs.
+pub const MAX_AGENT: i64 = 64;
 
 /// The token of `agent`.
 pub fn token(agent: i64) -> String {
