@@ -9,7 +9,7 @@ use axum::http::{HeaderMap, StatusCode};
 use axum::routing::get;
 use kas_auth::agent_auth::{AuthError, CachePolicy, CachedResolver, GitLabClient};
 use kas_auth::jwt::{self, Secret, Signer, Verifier};
-use kas_server::config::Config;
+use kas_server::config::{Config, ConfigWriter};
 use kas_server::kas::Kas;
 use std::net::SocketAddr;
 use std::sync::Arc;
@@ -284,19 +284,31 @@ async fn spraying_unknown_tokens_is_rate_limited_per_address_and_overall() {
     assert_eq!(r.resolve(GOOD, attacker).await.map(|i| i.agent_id.0), Ok(7));
 }
 
+/// A kas on free loopback ports that resolves agent tokens through GitLab at `gitlab`,
+/// with `extra` keys.
+async fn kas_on_gitlab(secrets: &support::Secrets, gitlab: SocketAddr, extra: ConfigWriter) -> Kas {
+    let local = SocketAddr::from(([127, 0, 0, 1], 0));
+    let text = ConfigWriter::kas_in(&secrets.path(""), [local; 4])
+        .unset("agent.tokens_file")
+        .set("gitlab.address", format!("http://{gitlab}"))
+        .path(
+            "gitlab.authentication_secret_file",
+            &secrets.path("gitlab.secret"),
+        )
+        .merge(&extra.text())
+        .unwrap()
+        .text();
+    let config = Config::parse(&text, "test.yaml").unwrap();
+    Kas::start_configured(config).await.unwrap()
+}
+
 #[tokio::test]
 async fn kas_configured_with_gitlab_authenticates_agents_through_it() {
     let secrets = support::Secrets::new();
     let (addr, _gl) = fake_gitlab(&secrets.gitlab).await;
-    let yaml = format!(
-        "gitlab:\n  address: http://{addr}\n  authentication_secret_file: {gs}\nagent:\n  listen:\n    address: 127.0.0.1:0\napi:\n  listen:\n    address: 127.0.0.1:0\n    authentication_secret_file: {gs}\nprivate_api:\n  listen:\n    address: 127.0.0.1:0\n    authentication_secret_file: {ks}\nobservability:\n  listen:\n    address: 127.0.0.1:0\n",
-        gs = secrets.path("gitlab.secret").display(),
-        ks = secrets.path("kas.secret").display(),
-    );
-    let config = Config::parse(&yaml, "test.yaml").unwrap();
-    let kas = Kas::start_configured(config).await.unwrap();
+    let kas = kas_on_gitlab(&secrets, addr, ConfigWriter::new()).await;
     let agent = kas_agent::AgentClient::new(support::channel(kas.addresses.agent).await, GOOD);
-    let (connection, first, _stream) = agent.connect(Default::default(), None).await.unwrap();
+    let (connection, first, stream) = agent.connect(Default::default(), None).await.unwrap();
     assert_eq!(first.connection_id, connection.0);
     let refused = kas_agent::AgentClient::new(
         support::channel(kas.addresses.agent).await,
@@ -308,6 +320,8 @@ async fn kas_configured_with_gitlab_authenticates_agents_through_it() {
         .err()
         .unwrap();
     assert_eq!(err.code(), tonic::Code::Unauthenticated);
+    // Gone before the stop: kas would wait its grace for the agent to leave.
+    drop(stream);
     kas.stop().await;
 }
 
@@ -318,13 +332,10 @@ async fn kas_configured_with_gitlab_authenticates_agents_through_it() {
 async fn a_token_gitlab_revokes_ends_its_connections_and_tunnels() {
     let secrets = support::Secrets::new();
     let (addr, gl) = fake_gitlab(&secrets.gitlab).await;
-    let yaml = format!(
-        "gitlab:\n  address: http://{addr}\n  authentication_secret_file: {gs}\nagent:\n  info_cache_ttl: 500ms\n  configuration:\n    poll_period: 500ms\n  listen:\n    address: 127.0.0.1:0\napi:\n  listen:\n    address: 127.0.0.1:0\n    authentication_secret_file: {gs}\nprivate_api:\n  listen:\n    address: 127.0.0.1:0\n    authentication_secret_file: {ks}\nobservability:\n  listen:\n    address: 127.0.0.1:0\n",
-        gs = secrets.path("gitlab.secret").display(),
-        ks = secrets.path("kas.secret").display(),
-    );
-    let config = Config::parse(&yaml, "test.yaml").unwrap();
-    let kas = Kas::start_configured(config).await.unwrap();
+    let quick = ConfigWriter::new()
+        .set("agent.info_cache_ttl", "500ms")
+        .set("agent.configuration.poll_period", "500ms");
+    let kas = kas_on_gitlab(&secrets, addr, quick).await;
     let agent = kas_agent::AgentClient::new(support::channel(kas.addresses.agent).await, GOOD);
     let (connection, _, mut stream) = agent.connect(Default::default(), None).await.unwrap();
     let modules = std::sync::Arc::new(support::pod_modules("pod", Duration::ZERO));
