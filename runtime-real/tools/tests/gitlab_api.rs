@@ -343,7 +343,7 @@ async fn a_token_gitlab_revokes_ends_its_connections_and_tunnels() {
         let agent = agent.clone();
         async move {
             agent
-                .serve_tunnel(connection, modules, Duration::from_millis(200), None)
+                .serve_tunnel(connection, modules, Duration::from_secs(1), None)
                 .await
         }
     });
