@@ -24,6 +24,8 @@ use tokio::time::Instant;
 #[derive(Debug, Default)]
 pub struct RedisKnobs {
     latency_ms: AtomicU64,
+    /// The last slow spell: since when, and when it ended (`None` while it lasts).
+    slow: Mutex<Option<(Instant, Option<Instant>)>>,
 }
 
 impl RedisKnobs {
@@ -33,6 +35,21 @@ impl RedisKnobs {
             u64::try_from(latency.as_millis()).unwrap_or(u64::MAX),
             Ordering::Relaxed,
         );
+        let now = Instant::now();
+        let mut slow = self.slow.lock().unwrap_or_else(|p| p.into_inner());
+        *slow = match *slow {
+            Some((since, None)) if latency.is_zero() => Some((since, Some(now))),
+            Some((since, None)) => Some((since, None)),
+            _ if latency.is_zero() => *slow,
+            _ => Some((now, None)),
+        };
+    }
+
+    /// Whether requests were slowed at some moment between `from` and `to` (faults come
+    /// one at a time, so the last slow spell is the only one that can overlap).
+    pub fn slow_between(&self, from: Instant, to: Instant) -> bool {
+        let slow = self.slow.lock().unwrap_or_else(|p| p.into_inner());
+        slow.is_some_and(|(since, until)| since <= to && until.is_none_or(|u| u >= from))
     }
 
     fn latency(&self) -> Duration {

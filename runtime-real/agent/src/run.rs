@@ -354,6 +354,13 @@ impl Connection {
         };
         pool.machine.handle_timeout(clock::now());
         let mut drain_until: Option<tokio::time::Instant> = None;
+        // kas sends something at least every `keepalive_millis` (when it says so): three of
+        // those in silence mean the link drops what kas sends, tunnels open or not.
+        let silence = match first.keepalive_millis {
+            0 => None,
+            ms => Some(Duration::from_millis(u64::from(ms)) * client::UNANSWERED_HEARTBEATS),
+        };
+        let mut heard = tokio::time::Instant::now();
         loop {
             pool.act();
             if pool.machine.drained() {
@@ -363,11 +370,13 @@ impl Connection {
             tokio::select! {
                 biased;
                 msg = config.message() => match msg {
-                    Ok(Some(m)) if m.drain => {
-                        tracing::info!(kas = %self.kas, "kas asked this connection to move: connecting elsewhere first");
-                        let _ = self.events.send((self.link, Event::MoveAsked));
+                    Ok(Some(m)) => {
+                        heard = tokio::time::Instant::now();
+                        if m.drain {
+                            tracing::info!(kas = %self.kas, "kas asked this connection to move: connecting elsewhere first");
+                            let _ = self.events.send((self.link, Event::MoveAsked));
+                        }
                     }
-                    Ok(Some(_)) => {}
                     Ok(None) => {
                         tracing::warn!(kas = %self.kas, "kas closed the connection");
                         return;
@@ -401,6 +410,11 @@ impl Connection {
                         drain_until = Some(tokio::time::Instant::now() + options.shutdown_grace);
                         pool.machine.handle_input(clock::now(), PoolInput::Drain);
                     }
+                }
+                () = tokio::time::sleep_until(heard + silence.unwrap_or_default()), if silence.is_some() => {
+                    let silence = silence.unwrap_or_default();
+                    tracing::warn!(kas = %self.kas, ?silence, "the link to kas is dead: kas sent nothing on the connection; dialling again");
+                    return;
                 }
                 () = tokio::time::sleep_until(drain_until.unwrap_or_else(tokio::time::Instant::now)), if drain_until.is_some() => {
                     tracing::warn!(grace = ?options.shutdown_grace, "calls still running after the shutdown grace: closing their tunnels");

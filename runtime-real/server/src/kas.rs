@@ -412,6 +412,9 @@ impl Shared<'_> {
             live_kas,
             activity_every: a.heartbeat_timeout / 4,
             poll_period: a.configuration.poll_period,
+            // 15 s by default: an agent hearing nothing for three of these (45 s) gives
+            // the link up, within kas's own heartbeat timeout (60 s).
+            keepalive: a.heartbeat_timeout / 4,
             next_tunnel: Arc::default(),
             replicas: replicas::Replicas::default(),
             limits: limits::AgentLimits::new(

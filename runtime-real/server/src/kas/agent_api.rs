@@ -53,6 +53,9 @@ pub struct AgentService {
     /// `agent.configuration.poll_period`: how often a connected replica's token is
     /// checked again.
     pub poll_period: Duration,
+    /// kas sends each replica a message at least this often, so that a link that drops
+    /// what kas sends is found even with no tunnel open on it.
+    pub keepalive: Duration,
 }
 
 impl AgentService {
@@ -143,6 +146,7 @@ impl AgentApi for AgentService {
             live_kas,
             drain: false,
             max_tunnels: u32::try_from(self.limits.max_tunnels()).unwrap_or(u32::MAX),
+            keepalive_millis: u32::try_from(self.keepalive.as_millis()).unwrap_or(u32::MAX),
         };
         let drain = ConfigurationResponse {
             drain: true,
@@ -155,6 +159,7 @@ impl AgentApi for AgentService {
             stop: self.stop.clone(),
             age: jittered(self.max_connection_age),
             token,
+            keepalive: self.keepalive,
         };
         tokio::spawn(async move {
             if let Some(status) = ends.hold(&tx, drain).await {
@@ -284,6 +289,8 @@ struct Ends {
     age: Duration,
     /// Its token, checked every `agent.configuration.poll_period`.
     token: Recheck,
+    /// A message goes to the agent this often.
+    keepalive: Duration,
 }
 
 impl Ends {
@@ -303,6 +310,13 @@ impl Ends {
         let every = self.token.every;
         let mut recheck = tokio::time::interval_at(tokio::time::Instant::now() + every, every);
         recheck.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
+        let keepalive = ConfigurationResponse {
+            keepalive_millis: drain.keepalive_millis,
+            ..ConfigurationResponse::default()
+        };
+        let beat = tokio::time::Instant::now() + self.keepalive;
+        let mut beats = tokio::time::interval_at(beat, self.keepalive);
+        beats.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
         let mut asked = false;
         let mut closing = self.stop.clone();
         loop {
@@ -310,6 +324,11 @@ impl Ends {
                 biased;
                 () = tx.closed() => return None,
                 () = self.stop.until(Phase::Leaving) => return Some(leaving()),
+                _ = beats.tick() => {
+                    // Not waited for: an agent that does not read is cut off elsewhere.
+                    let _ = tx.try_send(Box::new(Ok(keepalive.clone())));
+                    continue;
+                }
                 _ = recheck.tick() => {
                     // GitLab may be slow: the agent leaving or kas stopping still count.
                     tokio::select! {
