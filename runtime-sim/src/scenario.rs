@@ -386,14 +386,7 @@ async fn half_open(cluster: &Cluster, agents: &[AgentSpec], kas: usize, log: &mu
     else {
         return;
     };
-    let serving = cluster
-        .truth
-        .homes()
-        .into_iter()
-        .rev()
-        .find(|h| h.agent == agent && h.replica == replica)
-        .map(|h| h.kas)
-        .unwrap_or_default();
+    let serving = cluster.truth.serving(agent, replica);
     let kas = serving
         .get(rng.gen_range(0..serving.len().max(1)))
         .copied()
@@ -432,14 +425,7 @@ async fn half_open(cluster: &Cluster, agents: &[AgentSpec], kas: usize, log: &mu
 /// connected when it went (every replica served somewhere) must stay reachable through
 /// every kas meanwhile, on GitLab's last yes to each (a probe while it is down).
 async fn gitlab_down(cluster: &Cluster, agents: &[AgentSpec], log: &mut FaultLog) {
-    let homes = cluster.truth.homes();
-    let served = |agent: i64, replica: usize| {
-        let latest = homes
-            .iter()
-            .rev()
-            .find(|h| h.agent == agent && h.replica == replica);
-        latest.is_some_and(|h| !h.kas.is_empty())
-    };
+    let served = |agent: i64, replica: usize| !cluster.truth.serving(agent, replica).is_empty();
     let connected: Vec<AgentSpec> = agents
         .iter()
         .filter(|a| (0..a.replicas.len()).all(|r| served(a.agent, r)))
@@ -721,18 +707,11 @@ async fn await_homed(cluster: &Cluster, agents: &[AgentSpec]) -> bool {
             // As kas lists them, and as the replicas see it: a connection a half-open
             // link left behind is listed until kas finds it dead, and one the replica
             // is still opening through such a link is listed before it is up.
-            let homes = truth.homes();
             let mut homed = true;
             for &(agent, replicas) in &agents {
                 let listed = workload::homes(&secret, 0, agent).await.unwrap_or_default();
                 homed &= listed.len() == replicas && listed.iter().all(|(_, kas)| kas.len() == 2);
-                homed &= (0..replicas).all(|r| {
-                    let latest = homes
-                        .iter()
-                        .rev()
-                        .find(|h| h.agent == agent && h.replica == r);
-                    latest.is_some_and(|h| h.kas.len() == 2)
-                });
+                homed &= (0..replicas).all(|r| truth.serving(agent, r).len() == 2);
             }
             if homed {
                 return true;

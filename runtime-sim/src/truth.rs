@@ -245,6 +245,17 @@ impl Truth {
         self.lock().homes.clone()
     }
 
+    /// The kas serving replica `replica` of `agent` now, as it last reported.
+    pub fn serving(&self, agent: i64, replica: usize) -> Vec<usize> {
+        let truth = self.lock();
+        let latest = truth
+            .homes
+            .iter()
+            .rev()
+            .find(|h| h.agent == agent && h.replica == replica);
+        latest.map(|h| h.kas.clone()).unwrap_or_default()
+    }
+
     /// Every delivery so far, in order.
     pub fn deliveries(&self) -> Vec<Delivery> {
         self.lock().deliveries.clone()
