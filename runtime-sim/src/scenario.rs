@@ -363,9 +363,10 @@ async fn faults(
 }
 
 /// Within this long of a link between kas and an agent going half-open, the agent (which
-/// finds its heartbeats unanswered: 3 of 500 ms, [`kas_agent::UNANSWERED_HEARTBEATS`]) or
-/// kas (which misses its heartbeats: `agent.heartbeat_timeout`, 3 s here) must have given
-/// it up, and calls for the agent must go elsewhere.
+/// finds its heartbeats unanswered: 3 of 500 ms, [`kas_agent::UNANSWERED_HEARTBEATS`], or
+/// kas's keepalives missing: 3 of 750 ms) or kas (which misses its heartbeats:
+/// `agent.heartbeat_timeout`, 3 s here) must have given it up, and calls for the agent
+/// must go elsewhere.
 const HALF_OPEN_BOUND: Duration = Duration::from_secs(4);
 
 /// The link between a replica of one of `agents` and a kas serving it (`kas` if none

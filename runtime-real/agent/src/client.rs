@@ -131,7 +131,7 @@ impl AgentClient {
             Ok(r) => r,
             Err(s) => return s,
         };
-        let (period, wait) = (heartbeat, heartbeat * UNANSWERED_HEARTBEATS);
+        let wait = heartbeat * UNANSWERED_HEARTBEATS;
         let mut client = self.client.clone();
         let inbound = match tokio::time::timeout(wait, client.open_tunnel(req)).await {
             Ok(Ok(r)) => r.into_inner(),
@@ -149,7 +149,6 @@ impl AgentClient {
             inbound,
             modules,
             heartbeat,
-            period,
             sequence,
             beats: 0,
             unanswered: 0,
@@ -168,8 +167,6 @@ struct Tunnel {
     inbound: Streaming<Frame>,
     modules: Arc<Modules>,
     heartbeat: tokio::time::Interval,
-    /// The heartbeat period.
-    period: Duration,
     sequence: FrameSequence,
     beats: u64,
     /// Heartbeats sent while idle since kas last sent anything (kas echoes each one).
@@ -243,7 +240,7 @@ impl Tunnel {
                     // Counted only while idle, where kas answers each: during a call its
                     // frames are the call's, and may rightly pause for as long as it runs.
                     if self.unanswered >= UNANSWERED_HEARTBEATS {
-                        let (n, over) = (self.unanswered, self.period * self.unanswered);
+                        let (n, over) = (self.unanswered, self.heartbeat.period() * self.unanswered);
                         return Err(silent(format!("kas answered none of the last {n} heartbeats ({over:?})")));
                     }
                     self.beat().await?;

@@ -68,21 +68,18 @@ impl AgentService {
     ) -> Result<AgentIdentity, Status> {
         let header = bearer(&metadata);
         let peer = peer.map(|p| p.ip());
-        self.auth
-            .resolve_bearer(header.as_deref(), peer)
-            .await
-            .map_err(|e| {
-                tracing::info!(error = %e, "agent token refused");
-                match e {
-                    AuthError::InvalidToken => Status::unauthenticated(format!("agent {e}")),
-                    AuthError::Forbidden(_) => Status::permission_denied(e.to_string()),
-                    AuthError::Unavailable(_) => Status::unavailable(e.to_string()),
-                    AuthError::Throttled { limit, .. } => {
-                        self.limits.refused(limit);
-                        Status::resource_exhausted(e.to_string())
-                    }
+        self.auth.resolve_bearer(header, peer).await.map_err(|e| {
+            tracing::info!(error = %e, "agent token refused");
+            match e {
+                AuthError::InvalidToken => Status::unauthenticated(format!("agent {e}")),
+                AuthError::Forbidden(_) => Status::permission_denied(e.to_string()),
+                AuthError::Unavailable(_) => Status::unavailable(e.to_string()),
+                AuthError::Throttled { limit, .. } => {
+                    self.limits.refused(limit);
+                    Status::resource_exhausted(e.to_string())
                 }
-            })
+            }
+        })
     }
 }
 
@@ -99,7 +96,7 @@ impl AgentApi for AgentService {
         let metadata = req.metadata().clone();
         let token = Recheck {
             auth: self.auth.clone(),
-            bearer: bearer(&metadata),
+            bearer: bearer(&metadata).map(str::to_owned),
             peer: req.remote_addr().map(|a| a.ip()),
             every: self.poll_period,
         };
@@ -253,9 +250,8 @@ impl AgentService {
 }
 
 /// The `authorization` header's value, if any.
-fn bearer(metadata: &MetadataMap) -> Option<String> {
-    let value = metadata.get("authorization")?.to_str().ok()?;
-    Some(value.to_owned())
+fn bearer(metadata: &MetadataMap) -> Option<&str> {
+    metadata.get("authorization")?.to_str().ok()
 }
 
 /// How kas checks a connected replica's token again.
