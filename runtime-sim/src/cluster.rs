@@ -6,7 +6,7 @@
 
 use crate::gitlab::{GitLab, MAX_AGENT, token};
 use crate::redis::RedisState;
-use crate::sim_store::SimStore;
+use crate::redis_dial::SimDial;
 use crate::truth::{Truth, pod_name};
 use kas_agent::AgentOptions;
 use kas_auth::jwt::Secret;
@@ -14,7 +14,7 @@ use kas_proto::registry::AgentMeta;
 use kas_server::config::{Config, ConfigWriter};
 use kas_server::kas::Kas;
 use kas_server::kas::observability::Health;
-use kas_server::store::Store;
+use kas_server::store::{RedisStore, Store};
 use madsim::rand::{Rng, thread_rng};
 use madsim::runtime::{Handle, NodeHandle};
 use std::net::{IpAddr, Ipv4Addr, SocketAddr};
@@ -152,14 +152,17 @@ fn write_files() -> PathBuf {
 
 /// A simulated kas's configuration: production defaults (the 60 s `subscription_linger`
 /// included) but for the short record TTL that lets a run see records expire.
-/// The store a simulated kas runs on: the simulated Redis node its configuration names.
+/// The store a simulated kas runs on: the production Redis store, reaching the simulated
+/// Redis node its configuration names over the simulated network.
 fn sim_store(config: &Config) -> Store {
     let r = config
         .redis
         .as_ref()
         .expect("a simulated kas has a redis section");
-    let address = r.server.as_ref().map_or("", |s| s.address.as_str());
-    Store::new(SimStore::new(address, r.timeout).expect("the simulated Redis node's address"))
+    let topology = kas_server::kas::redis_topology(r).expect("the redis section's topology");
+    let dial = Arc::new(SimDial { timeout: r.timeout });
+    let store = RedisStore::over(&topology, dial.clone(), dial, r.timeout);
+    Store::new(store.expect("the simulated Redis node's address"))
 }
 
 fn kas_config(i: usize, dir: &std::path::Path, spec: &ClusterSpec) -> Config {

@@ -18,11 +18,11 @@ pub mod planted_bug;
 #[cfg(madsim)]
 pub mod redis;
 #[cfg(madsim)]
+pub mod redis_dial;
+#[cfg(madsim)]
 pub mod rogue;
 #[cfg(madsim)]
 pub mod scenario;
-#[cfg(madsim)]
-pub mod sim_store;
 #[cfg(madsim)]
 pub mod store_back;
 #[cfg(madsim)]

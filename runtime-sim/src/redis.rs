@@ -1,16 +1,25 @@
-//! The simulated Redis node: hashes with key expiry (passive on access, active every
-//! 100 ms), each batch write applied atomically (with its conditional announcements), the
-//! GC's compare-and-delete, and fire-and-forget pub-sub (a subscriber that is not
-//! connected misses messages; every publication is logged for the checker). A restart
-//! of the node loses every key, as a Redis without persistence does; a failover keeps
-//! what its replica had (see [`Replica`]). The node also stands for a Redis Cluster of
-//! [`SHARDS`] masters, one of which may fail over alone ([`RedisState::fail_shard`]).
-//! Latency is injected per request through [`RedisKnobs`].
+//! The simulated Redis node: it speaks RESP ([`resp`]) and answers the commands the
+//! production Redis store sends (`HGETALL`, `PING`, `SCRIPT LOAD`, `EVALSHA`, `EVAL`,
+//! `SUBSCRIBE`), running the store's Lua scripts as Redis does ([`script`]) over hashes
+//! with key expiry (passive on access, active every 100 ms), and fire-and-forget pub-sub (a
+//! subscriber that is not connected misses messages; every publication is logged for the
+//! checker). A restart of the node loses every key and script, as a Redis without
+//! persistence does; a failover keeps what its replica had (see [`Replica`]). The node
+//! also stands for a Redis Cluster of [`SHARDS`] masters, one of which may fail over alone
+//! ([`RedisState::fail_shard`]): a command that needs its keys fails, and a script fails at
+//! the first such key, keeping what it wrote before. Latency is injected per request
+//! through [`RedisKnobs`].
 
-use crate::sim_store::{SimReply, SimRequest};
+mod resp;
+mod script;
+
+pub use self::resp::Reply;
+use self::script::Scripts;
 use kas_core::tracker::KeyWrite;
+use kas_server::buggify::{self, Point};
 use kas_server::store::Keyspace;
 use kas_server::store::slot::{SLOTS, slot};
+use madsim::rand::{Rng, thread_rng};
 use std::collections::{BTreeMap, BTreeSet, VecDeque};
 use std::net::SocketAddr;
 use std::sync::atomic::{AtomicU64, Ordering};
@@ -72,8 +81,8 @@ pub fn shard(key: &str) -> u16 {
 }
 
 /// The answer to a request that needs a shard whose master is down.
-fn shard_down(shard: u16) -> SimReply {
-    SimReply::Failed(format!("shard {shard}'s master is down"))
+fn shard_down(shard: u16) -> Reply {
+    Reply::Error(format!("CLUSTERDOWN shard {shard}'s master is down"))
 }
 
 /// The replica that Sentinel promotes in a failover. Replication is asynchronous, so the
@@ -83,27 +92,32 @@ fn shard_down(shard: u16) -> SimReply {
 struct Replica {
     keyspace: Keyspace,
     /// The master's writes not yet applied here, with when the master applied them.
-    backlog: VecDeque<(Instant, Write)>,
+    backlog: VecDeque<(Instant, Effect)>,
 }
 
-/// A write the replica repeats.
+/// A write the replica repeats: a script's effects, command by command, as Redis 7
+/// replicates them.
 #[derive(Debug)]
-enum Write {
-    Execute(Vec<KeyWrite>),
-    DeleteUnchanged(String, Vec<(String, Vec<u8>)>),
+enum Effect {
+    Hdel(String, Vec<String>),
+    Hset(String, Vec<(String, Vec<u8>)>),
+    Pexpire(String, Duration),
 }
 
 impl Replica {
     /// Applies the writes the master applied before `until`, at the master's times.
     fn catch_up(&mut self, until: Instant) {
         while self.backlog.front().is_some_and(|(at, _)| *at < until) {
-            let (at, write) = self.backlog.pop_front().expect("a front entry");
-            match write {
-                Write::Execute(writes) => {
-                    self.keyspace.execute(&writes, at);
+            let (at, effect) = self.backlog.pop_front().expect("a front entry");
+            match effect {
+                Effect::Hdel(key, fields) => {
+                    self.keyspace.hdel(&key, &fields, at);
                 }
-                Write::DeleteUnchanged(key, fields) => {
-                    self.keyspace.delete_unchanged(&key, &fields, at);
+                Effect::Hset(key, pairs) => {
+                    self.keyspace.hset(&key, &pairs, at);
+                }
+                Effect::Pexpire(key, ttl) => {
+                    self.keyspace.pexpire(&key, ttl, at);
                 }
             }
         }
@@ -130,7 +144,19 @@ pub struct Db {
 #[derive(Debug)]
 struct Subscriber {
     channels: BTreeSet<String>,
-    queue: mpsc::UnboundedSender<SimReply>,
+    queue: mpsc::UnboundedSender<Reply>,
+}
+
+/// The UTF-8 text of an argument (keys, fields and channels are text here).
+fn text(arg: &[u8]) -> String {
+    String::from_utf8_lossy(arg).into_owned()
+}
+
+fn wrong_arity(name: &str) -> Reply {
+    Reply::Error(format!(
+        "ERR wrong number of arguments for '{}' command",
+        name.to_lowercase()
+    ))
 }
 
 impl Db {
@@ -161,56 +187,73 @@ impl Db {
             .filter(|s| shard(name) == *s)
     }
 
-    fn apply(&mut self, request: SimRequest, now: Instant) -> Option<SimReply> {
-        Some(match request {
-            SimRequest::Execute(writes) => {
-                // A batch goes out as one script call per master: the live masters' calls
-                // succeed, the dead one's fails.
-                let (writes, refused): (Vec<KeyWrite>, Vec<KeyWrite>) = writes
+    /// A command on the data, sent by a client or by a script's `redis.call`.
+    fn data(&mut self, args: &[Vec<u8>], now: Instant) -> Reply {
+        let name = text(&args[0]).to_uppercase();
+        let Some(key) = args.get(1).map(|k| text(k)) else {
+            return wrong_arity(&name);
+        };
+        if name != "PUBLISH"
+            && let Some(down) = self.down_for(&key)
+        {
+            return shard_down(down);
+        }
+        let rest = &args[2..];
+        match name.as_str() {
+            "HGETALL" if rest.is_empty() => Reply::Array(
+                self.keyspace
+                    .read(&key, now)
                     .into_iter()
-                    .partition(|w| self.down_for(&w.key).is_none());
-                for (channel, payload) in self.keyspace.execute(&writes, now) {
-                    self.published.push((now, channel.clone()));
-                    self.publish(&channel, payload);
-                }
+                    .flat_map(|(f, v)| [Reply::bulk(f), Reply::Bulk(v)])
+                    .collect(),
+            ),
+            "HDEL" if !rest.is_empty() => {
+                let fields: Vec<String> = rest.iter().map(|f| text(f)).collect();
+                let n = self.keyspace.hdel(&key, &fields, now);
                 self.replica
                     .backlog
-                    .push_back((now, Write::Execute(writes)));
-                match self.down.as_ref().filter(|_| !refused.is_empty()) {
-                    Some((down, _)) => shard_down(*down),
-                    None => SimReply::Done,
-                }
+                    .push_back((now, Effect::Hdel(key, fields)));
+                Reply::Int(n as i64)
             }
-            SimRequest::Read(key) => match self.down_for(&key) {
-                Some(down) => shard_down(down),
-                None => SimReply::Hash(self.keyspace.read(&key, now)),
-            },
-            SimRequest::DeleteUnchanged(key, fields) => {
-                if let Some(down) = self.down_for(&key) {
-                    return Some(shard_down(down));
-                }
-                let deleted = self.keyspace.delete_unchanged(&key, &fields, now);
-                let write = Write::DeleteUnchanged(key, fields);
-                self.replica.backlog.push_back((now, write));
-                SimReply::Deleted(deleted)
+            "HSET" if !rest.is_empty() && rest.len().is_multiple_of(2) => {
+                let pairs: Vec<(String, Vec<u8>)> = rest
+                    .chunks(2)
+                    .map(|p| (text(&p[0]), p[1].clone()))
+                    .collect();
+                let n = self.keyspace.hset(&key, &pairs, now);
+                self.replica
+                    .backlog
+                    .push_back((now, Effect::Hset(key, pairs)));
+                Reply::Int(n as i64)
             }
-            // `PING` goes to every master.
-            SimRequest::Ping => match &self.down {
-                Some((down, _)) => shard_down(*down),
-                None => SimReply::Done,
-            },
-            // Handled by the connection, which owns the subscriber.
-            SimRequest::Subscribe(_) | SimRequest::Unsubscribe(_) => return None,
-        })
+            "PEXPIRE" if rest.len() == 1 => {
+                let Ok(ms) = text(&rest[0]).parse::<i64>() else {
+                    return Reply::Error("ERR value is not an integer or out of range".into());
+                };
+                // A time not in the future expires the key at once, as in Redis.
+                let ttl = Duration::from_millis(u64::try_from(ms).unwrap_or(0));
+                let set = self.keyspace.pexpire(&key, ttl, now);
+                self.replica
+                    .backlog
+                    .push_back((now, Effect::Pexpire(key, ttl)));
+                Reply::Int(i64::from(set))
+            }
+            "PUBLISH" if rest.len() == 1 => {
+                self.published.push((now, key.clone()));
+                Reply::Int(self.publish(&key, rest[0].clone()))
+            }
+            "HGETALL" | "HDEL" | "HSET" | "PEXPIRE" | "PUBLISH" => wrong_arity(&name),
+            _ => Reply::Error(format!("ERR unknown command '{}'", name.to_lowercase())),
+        }
     }
 
-    /// `SUBSCRIBE` on the connection that is (or becomes) `subscriber`.
+    /// `SUBSCRIBE channel` on the connection that is (or becomes) `subscriber`.
     fn subscribe(
         &mut self,
         subscriber: &mut Option<u64>,
-        queue: &mpsc::UnboundedSender<SimReply>,
+        queue: &mpsc::UnboundedSender<Reply>,
         channel: String,
-    ) -> SimReply {
+    ) -> Reply {
         if let Some(down) = self.down_for(&channel) {
             return shard_down(down);
         }
@@ -218,25 +261,47 @@ impl Db {
             self.next_subscriber += 1;
             self.next_subscriber
         });
-        self.subscribers
-            .entry(id)
-            .or_insert_with(|| Subscriber {
-                channels: BTreeSet::new(),
-                queue: queue.clone(),
-            })
-            .channels
-            .insert(channel.clone());
-        SimReply::Subscribed(channel)
+        let s = self.subscribers.entry(id).or_insert_with(|| Subscriber {
+            channels: BTreeSet::new(),
+            queue: queue.clone(),
+        });
+        s.channels.insert(channel.clone());
+        let count = s.channels.len() as i64;
+        Reply::Array(vec![
+            Reply::bulk("subscribe"),
+            Reply::bulk(channel),
+            Reply::Int(count),
+        ])
     }
 
-    fn publish(&mut self, channel: &str, payload: Vec<u8>) {
+    /// `UNSUBSCRIBE channel`.
+    fn unsubscribe(&mut self, subscriber: Option<u64>, channel: String) -> Reply {
+        let s = subscriber.and_then(|id| self.subscribers.get_mut(&id));
+        let count = s.map_or(0, |s| {
+            s.channels.remove(&channel);
+            s.channels.len() as i64
+        });
+        Reply::Array(vec![
+            Reply::bulk("unsubscribe"),
+            Reply::bulk(channel),
+            Reply::Int(count),
+        ])
+    }
+
+    /// Pushes `payload` to the subscribers of `channel`; how many there were.
+    fn publish(&mut self, channel: &str, payload: Vec<u8>) -> i64 {
+        let mut n = 0;
         for s in self.subscribers.values() {
             if s.channels.contains(channel) {
-                let _ = s
-                    .queue
-                    .send(SimReply::Message(channel.to_string(), payload.clone()));
+                n += 1;
+                let _ = s.queue.send(Reply::Array(vec![
+                    Reply::bulk("message"),
+                    Reply::bulk(channel),
+                    Reply::Bulk(payload.clone()),
+                ]));
             }
         }
+        n
     }
 }
 
@@ -244,6 +309,7 @@ impl Db {
 #[derive(Clone, Debug, Default)]
 pub struct RedisState {
     db: Arc<Mutex<Db>>,
+    scripts: Arc<Mutex<Scripts>>,
     /// The injected faults.
     pub knobs: Arc<RedisKnobs>,
 }
@@ -256,6 +322,60 @@ impl RedisState {
 
     fn lock(&self) -> std::sync::MutexGuard<'_, Db> {
         self.db.lock().unwrap_or_else(|p| p.into_inner())
+    }
+
+    /// Answers one command that is not about pub-sub.
+    fn command(&self, args: &[Vec<u8>], now: Instant) -> Reply {
+        let name = text(&args[0]).to_uppercase();
+        let mut scripts = self.scripts.lock().unwrap_or_else(|p| p.into_inner());
+        let mut db = self.lock();
+        let (sha, args) = match (name.as_str(), args.len()) {
+            // `PING` goes to every master.
+            ("PING", 1) => {
+                return match &db.down {
+                    Some((down, _)) => shard_down(*down),
+                    None => Reply::Status("PONG"),
+                };
+            }
+            ("SCRIPT", 3) if text(&args[1]).eq_ignore_ascii_case("load") => {
+                return Reply::bulk(scripts.load(&args[2]));
+            }
+            ("EVALSHA", 3..) => (args[1].clone(), &args[2..]),
+            ("EVAL", 3..) => (scripts.load(&args[1]).into_bytes(), &args[2..]),
+            ("PING" | "SCRIPT" | "EVALSHA" | "EVAL", _) => return wrong_arity(&name),
+            _ => return db.data(args, now),
+        };
+        let Some(numkeys) = text(&args[0])
+            .parse::<usize>()
+            .ok()
+            .filter(|n| *n < args.len())
+        else {
+            return Reply::Error("ERR Number of keys can't be greater than number of args".into());
+        };
+        let (keys, argv) = args[1..].split_at(numkeys);
+        // Now and then a script fails as a Redis Cluster's does when a slot moved: at the
+        // first command on a key past the first few, before anything of that key is written.
+        let mut keys_left =
+            buggify::fires(Point::RedisPartialBatch).then(|| thread_rng().gen_range(1..=3usize));
+        let mut touched: Vec<Vec<u8>> = Vec::new();
+        let ran = scripts.run(&sha, keys, argv, &mut |call| {
+            if let Some(left) = keys_left.as_mut()
+                && let Some(key) = call.get(1)
+                && !text(&call[0]).eq_ignore_ascii_case("publish")
+                && !touched.contains(key)
+            {
+                if *left == 0 {
+                    return Reply::Error(
+                        "ERR Script attempted to access a non local key in a cluster node (buggify)"
+                            .into(),
+                    );
+                }
+                *left -= 1;
+                touched.push(key.clone());
+            }
+            db.data(&call, now)
+        });
+        ran.unwrap_or_else(|| Reply::Error("NOSCRIPT No matching script. Please use EVAL.".into()))
     }
 
     /// Makes the node's next start a failover (call it with the node down): it starts
@@ -285,7 +405,6 @@ impl RedisState {
             }
         }
     }
-
     /// Deletes the fields that `pick(key, field)` picks, on the master and its replica
     /// alike (as an eviction does), telling no one.
     pub fn lose(&self, pick: impl Fn(&str, &str) -> bool) {
@@ -340,6 +459,7 @@ impl RedisState {
             let mut db = self.lock();
             let keyspace = db.next_start.take().unwrap_or_default();
             *db = Db::default();
+            *self.scripts.lock().unwrap_or_else(|p| p.into_inner()) = Scripts::default();
             db.replica.keyspace = keyspace.clone();
             db.keyspace = keyspace;
             db.disturbed = Some(Instant::now());
@@ -363,56 +483,133 @@ impl RedisState {
         }
     }
 
-    /// Serves one connection: requests in order; once subscribed, also pushes messages. A
-    /// failed request closes it.
+    /// Serves one connection: commands in order, each answered; once subscribed, also
+    /// pushes messages. An error answer closes a subscriber's connection.
     async fn connection(self, tx: Sender, mut rx: Receiver) {
         let (queue, mut pushed) = mpsc::unbounded_channel();
         let mut subscriber: Option<u64> = None;
         loop {
-            tokio::select! {
+            let reply = tokio::select! {
                 biased;
                 request = rx.recv() => {
                     let Ok(payload) = request else { break };
-                    let Ok(request) = payload.downcast::<SimRequest>() else { break };
+                    let Ok(bytes) = payload.downcast::<Vec<u8>>() else { break };
                     let latency = self.knobs.latency();
                     if !latency.is_zero() {
                         tokio::time::sleep(latency).await;
                     }
-                    let reply = match *request {
-                        SimRequest::Subscribe(ch) => {
-                            Some(self.lock().subscribe(&mut subscriber, &queue, ch))
-                        }
-                        SimRequest::Unsubscribe(ch) => {
-                            if let Some(id) = subscriber
-                                && let Some(s) = self.lock().subscribers.get_mut(&id)
-                            {
-                                s.channels.remove(&ch);
-                            }
-                            None
-                        }
-                        other => self.lock().apply(other, Instant::now()),
-                    };
-                    if let Some(reply) = reply
-                        && !send(&tx, reply).await
-                    {
-                        break;
+                    match resp::command(&bytes) {
+                        Ok(args) if args.is_empty() => Reply::Error("ERR empty command".into()),
+                        Ok(args) => self.answer(&args, &mut subscriber, &queue),
+                        Err(e) => Reply::Error(e),
                     }
                 }
-                Some(message) = pushed.recv() => {
-                    if !send(&tx, message).await {
-                        break;
-                    }
-                }
+                Some(message) = pushed.recv() => message,
+            };
+            let failed = matches!(reply, Reply::Error(_));
+            if tx.send(Box::new(reply.encode())).await.is_err() || (failed && subscriber.is_some())
+            {
+                break;
             }
         }
         if let Some(id) = subscriber {
             self.lock().subscribers.remove(&id);
         }
     }
+
+    /// The answer to one command on a connection that may be a subscriber's.
+    fn answer(
+        &self,
+        args: &[Vec<u8>],
+        subscriber: &mut Option<u64>,
+        queue: &mpsc::UnboundedSender<Reply>,
+    ) -> Reply {
+        let name = text(&args[0]).to_uppercase();
+        match (name.as_str(), args.len()) {
+            ("SUBSCRIBE", 2) => self.lock().subscribe(subscriber, queue, text(&args[1])),
+            ("UNSUBSCRIBE", 2) => self.lock().unsubscribe(*subscriber, text(&args[1])),
+            ("SUBSCRIBE" | "UNSUBSCRIBE", _) => wrong_arity(&name),
+            // A subscriber's `PING` is answered in pub-sub's form.
+            ("PING", 1) if subscriber.is_some() => match self.command(args, Instant::now()) {
+                Reply::Status(_) => Reply::Array(vec![Reply::bulk("pong"), Reply::bulk("")]),
+                other => other,
+            },
+            _ if subscriber.is_some() => Reply::Error(format!(
+                "ERR Can't execute '{}': only (P|S)SUBSCRIBE / (P|S)UNSUBSCRIBE / PING / QUIT / RESET are allowed in this context",
+                name.to_lowercase()
+            )),
+            _ => self.command(args, Instant::now()),
+        }
+    }
 }
 
-/// Sends `reply`; whether the connection stays open.
-async fn send(tx: &Sender, reply: SimReply) -> bool {
-    let failed = matches!(reply, SimReply::Failed(_));
-    tx.send(Box::new(reply)).await.is_ok() && !failed
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// Sends `cmd` as a client packs it and reads the answer as one parses it.
+    fn send(node: &RedisState, cmd: &redis::Cmd) -> Reply {
+        let args = resp::command(&cmd.get_packed_command()).expect("a packed command parses");
+        node.command(&args, Instant::now())
+    }
+
+    #[madsim::test]
+    async fn a_script_runs_by_its_sha_once_loaded_and_stops_at_an_error_keeping_its_writes() {
+        let node = RedisState::default();
+        let code = "redis.call('HSET', KEYS[1], 'f', ARGV[1]) \
+                    redis.call('NOSUCH', KEYS[1]) \
+                    redis.call('HSET', KEYS[1], 'g', ARGV[1])";
+        let script = redis::Script::new(code);
+        let mut evalsha = redis::cmd("EVALSHA");
+        evalsha.arg(script.get_hash()).arg(1).arg("k").arg("v");
+        let unknown = send(&node, &evalsha);
+        assert!(
+            matches!(&unknown, Reply::Error(e) if e.starts_with("NOSCRIPT")),
+            "{unknown:?}"
+        );
+
+        let mut load = redis::cmd("SCRIPT");
+        load.arg("LOAD").arg(code);
+        assert_eq!(send(&node, &load), Reply::bulk(script.get_hash()));
+        let failed = send(&node, &evalsha);
+        assert!(
+            matches!(&failed, Reply::Error(e) if e.contains("unknown command 'nosuch'")),
+            "{failed:?}"
+        );
+        let fields = node.with_db(|db| db.entries(Instant::now()));
+        assert_eq!(fields["k"], vec![("f".to_string(), b"v".to_vec())]);
+    }
+
+    #[madsim::test]
+    async fn a_script_answers_with_its_return_value_and_sees_replies_as_redis_hands_them() {
+        let node = RedisState::default();
+        let mut eval = redis::cmd("EVAL");
+        eval.arg(
+            "local created = redis.call('HSET', KEYS[1], 'a', '1', 'b', '2') \
+             local all = redis.call('HGETALL', KEYS[1]) \
+             return {created, #all, all[2], redis.call('PEXPIRE', 'missing', 5)}",
+        )
+        .arg(1)
+        .arg("k");
+        let answer = send(&node, &eval);
+        let expected = [
+            Reply::Int(2),
+            Reply::Int(4),
+            Reply::bulk("1"),
+            Reply::Int(0),
+        ];
+        assert_eq!(answer, Reply::Array(expected.to_vec()));
+    }
+
+    #[test]
+    fn a_command_is_an_array_of_bulk_strings_and_nothing_after_it() {
+        let packed = redis::cmd("HGETALL").arg("k\r\n").get_packed_command();
+        let args = resp::command(&packed).unwrap();
+        assert_eq!(args, vec![b"HGETALL".to_vec(), b"k\r\n".to_vec()]);
+        let mut trailing = packed.clone();
+        trailing.extend_from_slice(b"+OK\r\n");
+        assert!(resp::command(&trailing).is_err());
+        assert!(resp::command(&packed[..packed.len() - 3]).is_err());
+        assert!(resp::command(b"+PING\r\n").is_err());
+    }
 }

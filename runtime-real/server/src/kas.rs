@@ -240,9 +240,7 @@ async fn bind(what: &'static str, addr: SocketAddr) -> Result<TcpListener, Start
 }
 
 /// Where `redis` says the Redis is (the configuration was checked: exactly one is set).
-#[cfg(not(madsim))]
-#[cfg(not(madsim))]
-fn redis_topology(r: &crate::config::Redis) -> Result<crate::store::RedisTopology, StartError> {
+pub fn redis_topology(r: &crate::config::Redis) -> Result<crate::store::RedisTopology, StartError> {
     use crate::store::RedisTopology;
     if let Some(s) = &r.sentinel {
         return Ok(RedisTopology::Sentinel {
@@ -262,7 +260,6 @@ fn redis_topology(r: &crate::config::Redis) -> Result<crate::store::RedisTopolog
 }
 
 /// The password in the file configured at `key`, if one is, without surrounding blanks.
-#[cfg(not(madsim))]
 fn password(path: Option<&std::path::PathBuf>, key: &str) -> Result<Option<String>, StartError> {
     path.map(|f| {
         std::fs::read_to_string(f)

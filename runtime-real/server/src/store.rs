@@ -14,7 +14,9 @@ mod redis;
 pub mod slot;
 
 pub use self::memory::{Keyspace, MemoryStore};
-pub use self::redis::{RedisAuth, RedisStore, RedisTopology};
+pub use self::redis::{
+    Dial, MasterAddress, NodeConn, NodeConnection, RedisAuth, RedisStore, RedisTopology,
+};
 
 use futures::future::BoxFuture;
 use kas_core::Time;

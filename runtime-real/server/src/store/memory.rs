@@ -43,20 +43,10 @@ impl Keyspace {
     pub fn execute(&mut self, writes: &[KeyWrite], now: Instant) -> Vec<(String, Vec<u8>)> {
         let mut publish = Vec::new();
         for w in writes {
-            self.expire(&w.key, now);
-            let h = self.hashes.entry(w.key.clone()).or_default();
-            for f in &w.delete {
-                h.fields.remove(f);
-            }
-            let mut created = false;
-            for (f, v) in &w.set {
-                created |= h.fields.insert(f.clone(), v.clone()).is_none();
-            }
+            self.hdel(&w.key, &w.delete, now);
+            let created = self.hset(&w.key, &w.set, now) > 0;
             if let Some(ttl) = w.expire.ttl(created) {
-                h.expires = Some(now + ttl);
-            }
-            if h.fields.is_empty() {
-                self.hashes.remove(&w.key);
+                self.pexpire(&w.key, ttl, now);
             }
             publish.extend(w.publish.iter().cloned());
             if created {
@@ -64,6 +54,44 @@ impl Keyspace {
             }
         }
         publish
+    }
+
+    /// `HDEL key fields..`: how many went. A hash left empty goes, as in Redis.
+    pub fn hdel(&mut self, key: &str, fields: &[String], now: Instant) -> usize {
+        self.expire(key, now);
+        let Some(h) = self.hashes.get_mut(key) else {
+            return 0;
+        };
+        let n = fields
+            .iter()
+            .filter(|f| h.fields.remove(*f).is_some())
+            .count();
+        if h.fields.is_empty() {
+            self.hashes.remove(key);
+        }
+        n
+    }
+
+    /// `HSET key field value..`: how many fields it created.
+    pub fn hset(&mut self, key: &str, pairs: &[(String, Vec<u8>)], now: Instant) -> usize {
+        if pairs.is_empty() {
+            return 0;
+        }
+        self.expire(key, now);
+        let h = self.hashes.entry(key.to_string()).or_default();
+        pairs
+            .iter()
+            .filter(|(f, v)| h.fields.insert(f.clone(), v.clone()).is_none())
+            .count()
+    }
+
+    /// `PEXPIRE key ttl`: whether the key exists.
+    pub fn pexpire(&mut self, key: &str, ttl: std::time::Duration, now: Instant) -> bool {
+        self.expire(key, now);
+        self.hashes
+            .get_mut(key)
+            .map(|h| h.expires = Some(now + ttl))
+            .is_some()
     }
 
     /// `HGETALL key`.

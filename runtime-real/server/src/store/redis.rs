@@ -4,21 +4,21 @@
 //! failovers), or a Redis Cluster (scripts per master, sharded pub-sub).
 
 mod cluster;
+mod dial;
 mod sentinel;
 
+pub use self::dial::{Dial, MasterAddress, NodeConn, NodeConnection};
 use self::sentinel::Sentinel;
-use super::pubsub::{self, Connection, Pushed, Transport};
+use super::pubsub;
 use super::{Backend, Fields, PubSubCommand, PubSubEvent, StoreError};
 use crate::config::RedisTls;
 use ::redis::aio::{ConnectionManager, ConnectionManagerConfig};
 use ::redis::cluster::ClusterClientBuilder;
 use ::redis::cluster_async::ClusterConnection;
 use ::redis::{Client, Script, Value};
-use futures::StreamExt;
 use futures::future::BoxFuture;
 use kas_core::Time;
 use kas_core::tracker::{KeyExpiry, KeyWrite};
-use std::collections::VecDeque;
 use std::sync::Arc;
 use std::time::Duration;
 use tokio::sync::mpsc;
@@ -154,8 +154,9 @@ pub struct RedisStore {
 /// What commands go to.
 enum Target {
     Server {
-        client: Arc<Client>,
-        conn: ConnectionManager,
+        address: String,
+        conn: NodeConn,
+        dial: Arc<dyn Dial>,
     },
     Sentinel(Arc<Sentinel>),
     Cluster {
@@ -217,7 +218,7 @@ pub struct RedisAuth {
 
 /// How kas connects to one Redis node: auth, TLS, timeouts.
 #[derive(Clone)]
-pub(super) struct NodeSettings {
+struct NodeSettings {
     auth: RedisAuth,
     /// Read once: `None` without TLS.
     tls: Option<::redis::TlsCertificates>,
@@ -317,7 +318,7 @@ impl NodeSettings {
 /// A connection commands go over.
 #[derive(Clone)]
 enum Conn {
-    Node(ConnectionManager),
+    Node(NodeConn),
     Cluster(ClusterConnection),
 }
 
@@ -353,8 +354,8 @@ impl ::redis::aio::ConnectionLike for Conn {
 }
 
 impl RedisStore {
-    /// Connects lazily to the Redis of `topology`; commands and connection attempts time
-    /// out after `timeout`.
+    /// Connects lazily to the Redis of `topology` over TCP (TLS as `tls` says); commands
+    /// and connection attempts time out after `timeout`.
     pub fn new(
         topology: &RedisTopology,
         auth: &RedisAuth,
@@ -362,15 +363,17 @@ impl RedisStore {
         timeout: Duration,
     ) -> Result<Self, StoreError> {
         let settings = NodeSettings::new(auth, tls, timeout)?;
-        let target = match topology {
-            RedisTopology::Server(address) => Target::Server {
-                client: Arc::new(settings.client(address)?),
-                conn: settings.manager(address)?,
-            },
+        match topology {
+            RedisTopology::Server(_) => Self::over(
+                topology,
+                Arc::new(settings.clone()),
+                Arc::new(settings),
+                timeout,
+            ),
             RedisTopology::Sentinel {
-                master_name,
                 addresses,
                 password,
+                ..
             } => {
                 // The sentinels have their own password (and no ACL user); TLS as the nodes.
                 let sentinels = NodeSettings {
@@ -383,34 +386,70 @@ impl RedisStore {
                 for a in addresses {
                     sentinels.info(a)?;
                 }
-                Target::Sentinel(Arc::new(Sentinel::new(
-                    master_name.clone(),
-                    addresses.clone(),
-                    sentinels,
-                    settings,
-                )))
+                Self::over(topology, Arc::new(settings), Arc::new(sentinels), timeout)
             }
             RedisTopology::Cluster(nodes) => {
                 settings.cluster(nodes)?.build().map_err(redis_error)?;
-                Target::Cluster {
-                    settings,
-                    nodes: nodes.clone(),
-                    conn: Box::default(),
-                    owners: std::sync::Mutex::default(),
-                }
+                Ok(Self::with_target(
+                    Target::Cluster {
+                        settings,
+                        nodes: nodes.clone(),
+                        conn: Box::default(),
+                        owners: std::sync::Mutex::default(),
+                    },
+                    timeout,
+                ))
+            }
+        }
+    }
+
+    /// The store of a single server or of Sentinel's master, reaching the nodes through
+    /// `nodes` and the sentinels through `sentinels` (the simulation's network, or TCP). A
+    /// Redis Cluster is reached through redis-rs's own cluster client only ([`Self::new`]).
+    pub fn over(
+        topology: &RedisTopology,
+        nodes: Arc<dyn Dial>,
+        sentinels: Arc<dyn Dial>,
+        timeout: Duration,
+    ) -> Result<Self, StoreError> {
+        let target = match topology {
+            RedisTopology::Server(address) => Target::Server {
+                address: address.clone(),
+                conn: nodes.connect(address)?,
+                dial: nodes,
+            },
+            RedisTopology::Sentinel {
+                master_name,
+                addresses,
+                ..
+            } => Target::Sentinel(Arc::new(Sentinel::new(
+                master_name.clone(),
+                addresses.clone(),
+                sentinels,
+                nodes,
+                timeout,
+            ))),
+            RedisTopology::Cluster(_) => {
+                return Err(StoreError(
+                    "redis.cluster is reached through redis-rs's cluster client only".into(),
+                ));
             }
         };
+        Ok(Self::with_target(target, timeout))
+    }
+
+    fn with_target(target: Target, timeout: Duration) -> Self {
         let shebang = match target {
             Target::Cluster { .. } => CROSS_SLOT,
             _ => "",
         };
         let script = |code| Arc::new(Script::new(&format!("{shebang}{code}")));
-        Ok(RedisStore {
+        RedisStore {
             target: Arc::new(target),
             timeout,
             collect_garbage: script(COLLECT_GARBAGE),
             write_batch: script(WRITE_BATCH),
-        })
+        }
     }
 
     /// The connection for the next command.
@@ -611,19 +650,21 @@ impl RedisStore {
     ) {
         let timeout = self.timeout;
         match &*self.target {
-            Target::Server { client, .. } => {
-                let transport = RedisPubSub {
-                    source: Source::Server(client.clone()),
-                    timeout,
-                };
-                tokio::spawn(pubsub::run(transport, timeout, cmds, events));
+            Target::Server { address, dial, .. } => {
+                let address = address.clone();
+                let master: MasterAddress = Arc::new(move || {
+                    let address = address.clone();
+                    Box::pin(async move { Ok(address) })
+                });
+                tokio::spawn(dial.run_pubsub(master, timeout, cmds, events));
             }
             Target::Sentinel(s) => {
-                let transport = RedisPubSub {
-                    source: Source::Sentinel(s.clone()),
-                    timeout,
-                };
-                tokio::spawn(pubsub::run(transport, timeout, cmds, events));
+                let sentinel = s.clone();
+                let master: MasterAddress = Arc::new(move || {
+                    let sentinel = sentinel.clone();
+                    Box::pin(async move { sentinel.master_address().await })
+                });
+                tokio::spawn(s.nodes().run_pubsub(master, timeout, cmds, events));
             }
             Target::Cluster {
                 settings, nodes, ..
@@ -658,86 +699,5 @@ impl Backend for RedisStore {
         events: mpsc::Sender<PubSubEvent>,
     ) {
         RedisStore::spawn_pubsub(self, cmds, events);
-    }
-}
-
-/// Where a subscriber connects.
-enum Source {
-    Server(Arc<Client>),
-    /// The master the sentinels name at the time.
-    Sentinel(Arc<Sentinel>),
-}
-
-/// Opens pub-sub connections to one Redis node.
-struct RedisPubSub {
-    source: Source,
-    timeout: Duration,
-}
-
-/// A Redis subscriber connection. Redis confirms a subscription, and answers a `PING`,
-/// within the call that asks; the answers wait here to be read as pushed.
-struct RedisSubscriber {
-    sink: ::redis::aio::PubSubSink,
-    stream: ::redis::aio::PubSubStream,
-    answered: VecDeque<Pushed>,
-    timeout: Duration,
-}
-
-impl Transport for RedisPubSub {
-    type Conn = RedisSubscriber;
-
-    async fn connect(&self) -> Result<RedisSubscriber, StoreError> {
-        let client = match &self.source {
-            Source::Server(client) => client.clone(),
-            Source::Sentinel(s) => Arc::new(s.master_client().await?),
-        };
-        let (sink, stream) = client
-            .get_async_pubsub()
-            .await
-            .map_err(redis_error)?
-            .split();
-        Ok(RedisSubscriber {
-            sink,
-            stream,
-            answered: VecDeque::new(),
-            timeout: self.timeout,
-        })
-    }
-}
-
-impl Connection for RedisSubscriber {
-    async fn subscribe(&mut self, channels: Vec<String>) -> Result<(), StoreError> {
-        let asked = tokio::time::timeout(self.timeout, self.sink.subscribe(&channels)).await;
-        asked.map_err(err)?.map_err(redis_error)?;
-        self.answered
-            .extend(channels.into_iter().map(Pushed::Subscribed));
-        Ok(())
-    }
-
-    async fn unsubscribe(&mut self, channel: String) -> Result<(), StoreError> {
-        let asked = tokio::time::timeout(self.timeout, self.sink.unsubscribe(&channel)).await;
-        asked.map_err(err)?.map_err(redis_error)
-    }
-
-    async fn ping(&mut self) -> Result<(), StoreError> {
-        let pong = tokio::time::timeout(self.timeout, self.sink.ping::<Value>()).await;
-        pong.map_err(err)?.map_err(redis_error)?;
-        self.answered.push_back(Pushed::Pong);
-        Ok(())
-    }
-
-    async fn next(&mut self) -> Result<Pushed, StoreError> {
-        if let Some(answer) = self.answered.pop_front() {
-            return Ok(answer);
-        }
-        let msg = self
-            .stream
-            .next()
-            .await
-            .ok_or_else(|| StoreError("pub-sub connection closed".into()))?;
-        Ok(Pushed::Message(
-            msg.get_channel_name().to_string(),
-            msg.get_payload_bytes().to_vec(),
-        ))
     }
 }

@@ -2,11 +2,11 @@
 //! sentinels for the master's address, connects to it, and asks again when a command fails
 //! as it does when the master died or was demoted (connection errors, `READONLY`).
 
-use super::{NodeSettings, redis_error};
+use super::dial::{Dial, NodeConn};
+use super::redis_error;
 use crate::store::StoreError;
 use ::redis::RedisError;
-use ::redis::aio::ConnectionManager;
-use std::sync::Mutex;
+use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
 /// How soon after one resolution a failing command may ask the sentinels again: a master
@@ -18,10 +18,12 @@ const RESOLVE_EVERY: Duration = Duration::from_millis(250);
 pub(super) struct Sentinel {
     master_name: String,
     sentinels: Vec<String>,
-    /// Auth for the sentinels (`sentinel_password_file`).
-    sentinel_settings: NodeSettings,
-    /// Auth and TLS for the master.
-    node_settings: NodeSettings,
+    /// How to reach the sentinels (their own password, `sentinel_password_file`).
+    sentinel_dial: Arc<dyn Dial>,
+    /// How to reach the master.
+    node_dial: Arc<dyn Dial>,
+    /// How long a sentinel may take to answer.
+    timeout: Duration,
     current: Mutex<Option<Current>>,
     /// One resolution at a time.
     resolving: tokio::sync::Mutex<()>,
@@ -29,7 +31,7 @@ pub(super) struct Sentinel {
 
 struct Current {
     address: String,
-    conn: ConnectionManager,
+    conn: NodeConn,
     resolved_at: Instant,
     /// A command failed as if this were no longer the master.
     suspect: bool,
@@ -39,14 +41,16 @@ impl Sentinel {
     pub(super) fn new(
         master_name: String,
         sentinels: Vec<String>,
-        sentinel_settings: NodeSettings,
-        node_settings: NodeSettings,
+        sentinel_dial: Arc<dyn Dial>,
+        node_dial: Arc<dyn Dial>,
+        timeout: Duration,
     ) -> Self {
         Sentinel {
             master_name,
             sentinels,
-            sentinel_settings,
-            node_settings,
+            sentinel_dial,
+            node_dial,
+            timeout,
             current: Mutex::new(None),
             resolving: tokio::sync::Mutex::new(()),
         }
@@ -54,7 +58,7 @@ impl Sentinel {
 
     /// The connection to the master, resolved first when there is none yet or the one in
     /// use is suspect.
-    pub(super) async fn conn(&self) -> Result<ConnectionManager, StoreError> {
+    pub(super) async fn conn(&self) -> Result<NodeConn, StoreError> {
         if let Some(conn) = self.usable() {
             return Ok(conn);
         }
@@ -84,7 +88,7 @@ impl Sentinel {
                 Ok(c.conn.clone())
             }
             _ => {
-                let conn = self.node_settings.manager(&address)?;
+                let conn = self.node_dial.connect(&address)?;
                 tracing::info!(master = %address, name = %self.master_name, "redis: the sentinels name this master");
                 *current = Some(Current {
                     address,
@@ -98,7 +102,7 @@ impl Sentinel {
     }
 
     /// The connection in use, unless it is suspect and may be resolved again.
-    fn usable(&self) -> Option<ConnectionManager> {
+    fn usable(&self) -> Option<NodeConn> {
         let current = self.current.lock().expect("sentinel state");
         let c = current.as_ref()?;
         (!c.suspect || c.resolved_at.elapsed() < RESOLVE_EVERY).then(|| c.conn.clone())
@@ -117,8 +121,13 @@ impl Sentinel {
         }
     }
 
+    /// How the master is reached.
+    pub(super) fn nodes(&self) -> &dyn Dial {
+        &*self.node_dial
+    }
+
     /// Asks each sentinel in turn for the master's `host:port`.
-    async fn master_address(&self) -> Result<String, StoreError> {
+    pub(super) async fn master_address(&self) -> Result<String, StoreError> {
         let mut problems = Vec::new();
         for sentinel in &self.sentinels {
             match self.ask(sentinel).await {
@@ -136,19 +145,10 @@ impl Sentinel {
         )))
     }
 
-    /// A client of the master the sentinels name now (for a subscriber connection).
-    pub(super) async fn master_client(&self) -> Result<::redis::Client, StoreError> {
-        self.node_settings.client(&self.master_address().await?)
-    }
-
     async fn ask(&self, sentinel: &str) -> Result<Option<String>, StoreError> {
-        let client = self.sentinel_settings.client(sentinel)?;
-        let timeout = self.sentinel_settings.timeout;
+        let mut conn = self.sentinel_dial.connect(sentinel)?;
+        let timeout = self.timeout;
         let asked = async {
-            let mut conn = client
-                .get_multiplexed_async_connection()
-                .await
-                .map_err(redis_error)?;
             let master: Option<(String, u16)> = ::redis::cmd("SENTINEL")
                 .arg("GET-MASTER-ADDR-BY-NAME")
                 .arg(&self.master_name)
