@@ -1,11 +1,12 @@
 //! Builds a simulated kas cluster: one Redis node, N kas nodes and agent replica nodes, all
 //! running kas-server's and kas-agent's production code, plus GitLab caller nodes.
 //!
-//! Addresses: Redis `10.0.0.1:6379`; kas `i` at `10.0.1.(i+1)` (agent 8150, api 8153,
+//! Addresses: Redis `10.0.0.1:6379` (with Sentinel, its replica `10.0.0.4:6379` and the
+//! sentinels `10.0.0.5:26379`); kas `i` at `10.0.1.(i+1)` (agent 8150, api 8153,
 //! private 8155, observability 8151); agent replicas at `10.0.2.x`; callers at `10.0.3.x`.
 
 use crate::gitlab::{GitLab, MAX_AGENT, token};
-use crate::redis::RedisState;
+use crate::redis::{NODES, RedisState, SENTINEL};
 use crate::redis_dial::SimDial;
 use crate::truth::{Truth, pod_name};
 use kas_agent::AgentOptions;
@@ -91,7 +92,11 @@ pub struct Cluster {
     /// Each kas's report of its last graceful stop.
     pub stopped: Vec<StopSlot>,
     /// The Redis node.
-    pub redis_node: NodeHandle,
+    /// The Redis nodes ([`crate::redis::NODES`]): the master alone, or with Sentinel a
+    /// replica too; [`Cluster::redis_master`] is the one serving now.
+    pub redis_nodes: Vec<NodeHandle>,
+    /// With Sentinel, the sentinels' node.
+    pub sentinel_node: Option<NodeHandle>,
     /// The kas nodes, by index.
     pub kas_nodes: Vec<NodeHandle>,
     /// Agent replica nodes: (agent, replica index, node).
@@ -133,9 +138,6 @@ fn kas_index(id: &String) -> usize {
     }
 }
 
-/// The Redis node's address.
-pub const REDIS: SocketAddr = SocketAddr::new(IpAddr::V4(Ipv4Addr::new(10, 0, 0, 1)), 6379);
-
 /// Writes the secrets the kas configs name; returns their directory.
 fn write_files() -> PathBuf {
     static N: AtomicU64 = AtomicU64::new(0);
@@ -165,7 +167,7 @@ fn sim_store(config: &Config) -> Store {
     Store::new(store.expect("the simulated Redis node's address"))
 }
 
-fn kas_config(i: usize, dir: &std::path::Path, spec: &ClusterSpec) -> Config {
+fn kas_config(i: usize, dir: &std::path::Path, spec: &ClusterSpec, sentinel: bool) -> Config {
     let listen = [8150, 8153, 8155, 8151].map(|port| kas_addr(i, port));
     let text = ConfigWriter::kas_in(dir, listen)
         // Agent tokens resolved through GitLab (the simulation's, see `gitlab`), cached for
@@ -192,16 +194,26 @@ fn kas_config(i: usize, dir: &std::path::Path, spec: &ClusterSpec) -> Config {
         )
         .set("agent.max_tunnels_per_connection", crate::greedy::TUNNELS)
         .set("agent.heartbeat_timeout", "3s")
-        .set("redis.server.address", REDIS.to_string())
         .set("redis.key_prefix", "kas")
         .set("redis.timeout", "1s")
         .set("redis.pubsub_wakeups", spec.pubsub_wakeups)
-        .duration("shutdown_grace", spec.grace)
-        .text();
+        .duration("shutdown_grace", spec.grace);
+    let text = if sentinel {
+        text.set("redis.sentinel.master_name", crate::redis::MASTER_NAME)
+            .set("redis.sentinel.addresses", vec![SENTINEL.to_string()])
+    } else {
+        text.set("redis.server.address", NODES[0].to_string())
+    }
+    .text();
     Config::parse(&text, &format!("kas{i}.yaml")).unwrap_or_else(|e| panic!("{e}"))
 }
 
 impl Cluster {
+    /// The Redis node that is the master now.
+    pub fn redis_master(&self) -> &NodeHandle {
+        &self.redis_nodes[self.redis.master()]
+    }
+
     /// Creates every node; they start at once.
     pub fn build(spec: &ClusterSpec) -> Cluster {
         let handle = Handle::current();
@@ -211,16 +223,34 @@ impl Cluster {
         let truth = Truth::default();
         let health: Vec<HealthSlot> = (0..spec.kas).map(|_| HealthSlot::default()).collect();
         let stopped: Vec<StopSlot> = (0..spec.kas).map(|_| StopSlot::default()).collect();
-        let state = redis.clone();
-        let redis_node = handle
-            .create_node()
-            .name("redis")
-            .ip(REDIS.ip())
-            .init(move || state.clone().serve(REDIS))
-            .build();
+        // Half the runs without agent HA find the master through Sentinel, with a replica
+        // it may promote. (With agent HA, Sentinel's slower start lets an agent connect to
+        // a kas that counts itself the only live kas, and the agent then keeps one
+        // connection for good: `kas-crash-ha` seed 31, a gap of agentk's to close first.)
+        let sentinel = !spec.ha && thread_rng().gen_bool(0.5);
+        let redis_nodes = (0..if sentinel { 2 } else { 1 })
+            .map(|i| {
+                let state = redis.clone();
+                handle
+                    .create_node()
+                    .name(format!("redis{i}"))
+                    .ip(NODES[i].ip())
+                    .init(move || state.clone().serve(i))
+                    .build()
+            })
+            .collect();
+        let sentinel_node = sentinel.then(|| {
+            let state = redis.clone();
+            handle
+                .create_node()
+                .name("sentinel")
+                .ip(SENTINEL.ip())
+                .init(move || state.clone().serve_sentinel())
+                .build()
+        });
         let kas_nodes = (0..spec.kas)
             .map(|i| {
-                let config = kas_config(i, &dir, spec);
+                let config = kas_config(i, &dir, spec, sentinel);
                 let (slot, stop_slot) = (health[i].clone(), stopped[i].clone());
                 let gitlab = gitlab.clone();
                 handle
@@ -267,7 +297,8 @@ impl Cluster {
             ha: spec.ha,
             kas_count: spec.kas,
             stopped,
-            redis_node,
+            redis_nodes,
+            sentinel_node,
             kas_nodes,
             agent_nodes: Vec::new(),
             gitlab_secret: Secret::load(&dir.join("gitlab.secret")).expect("secret"),

@@ -22,7 +22,8 @@ use kas_server::store::slot::{SLOTS, slot};
 use madsim::rand::{Rng, thread_rng};
 use std::collections::{BTreeMap, BTreeSet, VecDeque};
 use std::net::SocketAddr;
-use std::sync::atomic::{AtomicU64, Ordering};
+use std::net::{IpAddr, Ipv4Addr};
+use std::sync::atomic::{AtomicU64, AtomicUsize, Ordering};
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
 use tokio::net::{Endpoint, Receiver, Sender};
@@ -305,11 +306,29 @@ impl Db {
     }
 }
 
-/// A handle on the node's data that survives restarts (each restart empties it).
+/// The addresses of the simulated Redis nodes: the master, and the replica Sentinel may
+/// promote.
+pub const NODES: [SocketAddr; 2] = [
+    SocketAddr::new(IpAddr::V4(Ipv4Addr::new(10, 0, 0, 1)), 6379),
+    SocketAddr::new(IpAddr::V4(Ipv4Addr::new(10, 0, 0, 4)), 6379),
+];
+
+/// Where the sentinels answer, and the name they know the master by.
+pub const SENTINEL: SocketAddr = SocketAddr::new(IpAddr::V4(Ipv4Addr::new(10, 0, 0, 5)), 26379);
+/// `redis.sentinel.master_name`.
+pub const MASTER_NAME: &str = "kas";
+
+/// A handle on the data that survives restarts (each restart of the master empties it),
+/// and on which node is the master and which one the sentinels name.
 #[derive(Clone, Debug, Default)]
 pub struct RedisState {
     db: Arc<Mutex<Db>>,
     scripts: Arc<Mutex<Scripts>>,
+    /// Which of [`NODES`] is the master; the other answers as a replica (`READONLY`).
+    master: Arc<AtomicUsize>,
+    /// Which of [`NODES`] the sentinels name: the master, or for a while after a failover
+    /// the one before it.
+    named: Arc<AtomicUsize>,
     /// The injected faults.
     pub knobs: Arc<RedisKnobs>,
 }
@@ -452,10 +471,71 @@ impl RedisState {
         };
     }
 
-    /// Runs the server on `addr` (the node's init): starts empty, or with the promoted
-    /// replica's keys after [`Self::fail_over`], then serves forever.
-    pub async fn serve(self, addr: SocketAddr) {
-        {
+    /// Which of [`NODES`] is the master now.
+    pub fn master(&self) -> usize {
+        self.master.load(Ordering::Relaxed)
+    }
+
+    /// Makes the other node the master (call it with both down, after [`Self::fail_over`]):
+    /// it starts with the replica's keys. The sentinels name it only from [`Self::name`].
+    pub fn promote_other(&self) -> usize {
+        let other = 1 - self.master();
+        self.master.store(other, Ordering::Relaxed);
+        other
+    }
+
+    /// The sentinels name the master from now on.
+    pub fn name(&self) {
+        self.named.store(self.master(), Ordering::Relaxed);
+    }
+
+    /// Runs the sentinels' node: `SENTINEL GET-MASTER-ADDR-BY-NAME` answered with the
+    /// node they name.
+    pub async fn serve_sentinel(self) {
+        let endpoint = Endpoint::bind(SENTINEL)
+            .await
+            .expect("the sentinels bind their address");
+        while let Ok((tx, mut rx, _)) = endpoint.accept1().await {
+            let state = self.clone();
+            tokio::spawn(async move {
+                while let Ok(payload) = rx.recv().await {
+                    let Ok(bytes) = payload.downcast::<Vec<u8>>() else {
+                        break;
+                    };
+                    let reply = match resp::command(&bytes) {
+                        Ok(args) => state.sentinel(&args),
+                        Err(e) => Reply::Error(e),
+                    };
+                    if tx.send(Box::new(reply.encode())).await.is_err() {
+                        break;
+                    }
+                }
+            });
+        }
+    }
+
+    fn sentinel(&self, args: &[Vec<u8>]) -> Reply {
+        let words: Vec<String> = args.iter().map(|a| text(a)).collect();
+        match words.iter().map(|w| w.to_uppercase()).collect::<Vec<_>>()[..] {
+            [ref cmd, ref sub, _] if cmd == "SENTINEL" && sub == "GET-MASTER-ADDR-BY-NAME" => {
+                if words[2] != MASTER_NAME {
+                    return Reply::Nil;
+                }
+                let node = NODES[self.named.load(Ordering::Relaxed)];
+                Reply::Array(vec![
+                    Reply::bulk(node.ip().to_string()),
+                    Reply::bulk(node.port().to_string()),
+                ])
+            }
+            _ => Reply::Error("ERR unknown command".into()),
+        }
+    }
+
+    /// Runs node `index` of [`NODES`] (the node's init). The master starts empty, or with
+    /// the promoted replica's keys after [`Self::fail_over`]; the other answers every
+    /// command as a replica that takes no writes. Serves forever.
+    pub async fn serve(self, index: usize) {
+        if self.master() == index {
             let mut db = self.lock();
             let keyspace = db.next_start.take().unwrap_or_default();
             *db = Db::default();
@@ -464,28 +544,30 @@ impl RedisState {
             db.keyspace = keyspace;
             db.disturbed = Some(Instant::now());
         }
-        let endpoint = Endpoint::bind(addr)
+        let endpoint = Endpoint::bind(NODES[index])
             .await
             .expect("redis node binds its address");
-        let sweeper = self.clone();
-        tokio::spawn(async move {
-            loop {
-                tokio::time::sleep(Duration::from_millis(100)).await;
-                let now = Instant::now();
-                let mut db = sweeper.lock();
-                db.keyspace.sweep(now);
-                db.replica
-                    .catch_up(now.checked_sub(MAX_REPLICATION_LAG).unwrap_or(now));
-            }
-        });
+        if self.master() == index {
+            let sweeper = self.clone();
+            tokio::spawn(async move {
+                loop {
+                    tokio::time::sleep(Duration::from_millis(100)).await;
+                    let now = Instant::now();
+                    let mut db = sweeper.lock();
+                    db.keyspace.sweep(now);
+                    db.replica
+                        .catch_up(now.checked_sub(MAX_REPLICATION_LAG).unwrap_or(now));
+                }
+            });
+        }
         while let Ok((tx, rx, _)) = endpoint.accept1().await {
-            tokio::spawn(self.clone().connection(tx, rx));
+            tokio::spawn(self.clone().connection(index, tx, rx));
         }
     }
 
     /// Serves one connection: commands in order, each answered; once subscribed, also
     /// pushes messages. An error answer closes a subscriber's connection.
-    async fn connection(self, tx: Sender, mut rx: Receiver) {
+    async fn connection(self, index: usize, tx: Sender, mut rx: Receiver) {
         let (queue, mut pushed) = mpsc::unbounded_channel();
         let mut subscriber: Option<u64> = None;
         loop {
@@ -500,6 +582,11 @@ impl RedisState {
                     }
                     match resp::command(&bytes) {
                         Ok(args) if args.is_empty() => Reply::Error("ERR empty command".into()),
+                        // A replica takes no writes, and no subscriber here: its
+                        // subscribers would hear the master's messages only late.
+                        Ok(_) if self.master() != index => Reply::Error(
+                            "READONLY You can't write against a read only replica.".into(),
+                        ),
                         Ok(args) => self.answer(&args, &mut subscriber, &queue),
                         Err(e) => Reply::Error(e),
                     }

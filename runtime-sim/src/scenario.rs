@@ -284,7 +284,7 @@ async fn faults(
             }
             Fault::ClogRedis => {
                 // Both ways, or only kas -> Redis, or only Redis -> kas.
-                let (a, r) = (cluster.kas_nodes[kas].id(), cluster.redis_node.id());
+                let (a, r) = (cluster.kas_nodes[kas].id(), cluster.redis_master().id());
                 let way = thread_rng().gen_range(0..3);
                 if way != 2 {
                     net.clog_link(a, r);
@@ -325,9 +325,10 @@ async fn faults(
             }
             Fault::RestartRedis => {
                 // Kill first: a bare restart keeps the node's sockets bound.
-                handle.kill(cluster.redis_node.id());
+                let master = cluster.redis_master().id();
+                handle.kill(master);
                 tokio::time::sleep(random_ms(10, 500)).await;
-                handle.restart(cluster.redis_node.id());
+                handle.restart(master);
             }
             Fault::FailoverRedis | Fault::FailoverShard => {
                 fail_over(cluster, fault, lasting, &mut log).await;
@@ -535,12 +536,37 @@ async fn fail_over(cluster: &Cluster, fault: Fault, lasting: Duration, log: &mut
     if slow {
         cluster.redis.knobs.set_latency(random_ms(50, 800));
     }
-    if fault == Fault::FailoverRedis {
-        // The one master goes, every connection with it.
-        handle.kill(cluster.redis_node.id());
+    if fault == Fault::FailoverRedis && cluster.sentinel_node.is_some() {
+        // The master goes, every connection with it; Sentinel promotes the replica, and
+        // the sentinels name it 0-1 s later (till then they name the dead master). The
+        // old master comes back as a replica at a moment of that window.
+        let old = cluster.redis_master().id();
+        handle.kill(old);
         cluster.redis.fail_over(lost);
         tokio::time::sleep(outage).await;
-        handle.restart(cluster.redis_node.id());
+        let new = cluster.redis_nodes[cluster.redis.promote_other()].id();
+        handle.kill(new);
+        handle.restart(new);
+        let (named, back) = (random_ms(0, 1_000), random_ms(0, 1_500));
+        let mut steps = [(named, true), (back, false)];
+        steps.sort_by_key(|(at, _)| *at);
+        let mut waited = Duration::ZERO;
+        for (at, naming) in steps {
+            tokio::time::sleep(at - waited).await;
+            waited = at;
+            if naming {
+                cluster.redis.name();
+            } else {
+                handle.restart(old);
+            }
+        }
+    } else if fault == Fault::FailoverRedis {
+        // The one master goes, every connection with it.
+        let master = cluster.redis_master().id();
+        handle.kill(master);
+        cluster.redis.fail_over(lost);
+        tokio::time::sleep(outage).await;
+        handle.restart(master);
     } else {
         let shard = match gone {
             Some(i) if thread_rng().gen_bool(2.0 / 3.0) => {

@@ -111,12 +111,9 @@ impl Sentinel {
     /// Notes a failed command: one that a dead or demoted master fails makes the next
     /// command ask the sentinels again.
     pub(super) fn failed(&self, e: &RedisError) {
-        let moved = e.is_io_error()
-            || e.is_connection_refusal()
-            || e.is_connection_dropped()
-            || e.is_timeout()
-            || e.to_string().contains("READONLY");
-        if moved && let Some(c) = self.current.lock().expect("sentinel state").as_mut() {
+        if master_may_have_moved(e)
+            && let Some(c) = self.current.lock().expect("sentinel state").as_mut()
+        {
             c.suspect = true;
         }
     }
@@ -160,5 +157,40 @@ impl Sentinel {
         tokio::time::timeout(timeout, asked)
             .await
             .map_err(|_| StoreError(format!("no answer within {timeout:?}")))?
+    }
+}
+
+/// Whether a command failed as it does when its node is no longer the master: the node is
+/// gone, or it answers as a replica (`READONLY`: a demoted master that came back, which
+/// would refuse every write for as long as kas kept writing to it).
+fn master_may_have_moved(e: &RedisError) -> bool {
+    e.is_io_error()
+        || e.is_connection_refusal()
+        || e.is_connection_dropped()
+        || e.is_timeout()
+        || e.kind() == ::redis::ErrorKind::Server(::redis::ServerErrorKind::ReadOnly)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// The error a command gets from the bytes a server answers.
+    fn answered(reply: &[u8]) -> RedisError {
+        let value = ::redis::parse_redis_value(reply).expect("a RESP answer");
+        value.extract_error().expect_err("an error answer")
+    }
+
+    #[test]
+    fn a_replica_refusing_writes_sends_kas_back_to_the_sentinels() {
+        // The simulation found kas writing to a demoted master for good: the error reads
+        // "ReadOnly: ...", and the check looked for "READONLY" in it.
+        let readonly = answered(b"-READONLY You can't write against a read only replica.\r\n");
+        assert!(master_may_have_moved(&readonly), "{readonly}");
+        let refused: RedisError =
+            std::io::Error::new(std::io::ErrorKind::ConnectionRefused, "refused").into();
+        assert!(master_may_have_moved(&refused));
+        let script = answered(b"-ERR Error running script\r\n");
+        assert!(!master_may_have_moved(&script), "{script}");
     }
 }
