@@ -91,12 +91,9 @@ pub struct Cluster {
     kas_count: usize,
     /// Each kas's report of its last graceful stop.
     pub stopped: Vec<StopSlot>,
-    /// The Redis node.
     /// The Redis nodes ([`crate::redis::NODES`]): the master alone, or with Sentinel a
     /// replica too; [`Cluster::redis_master`] is the one serving now.
     pub redis_nodes: Vec<NodeHandle>,
-    /// With Sentinel, the sentinels' node.
-    pub sentinel_node: Option<NodeHandle>,
     /// The kas nodes, by index.
     pub kas_nodes: Vec<NodeHandle>,
     /// Agent replica nodes: (agent, replica index, node).
@@ -152,8 +149,6 @@ fn write_files() -> PathBuf {
     dir
 }
 
-/// A simulated kas's configuration: production defaults (the 60 s `subscription_linger`
-/// included) but for the short record TTL that lets a run see records expire.
 /// The store a simulated kas runs on: the production Redis store, reaching the simulated
 /// Redis node its configuration names over the simulated network.
 fn sim_store(config: &Config) -> Store {
@@ -167,6 +162,9 @@ fn sim_store(config: &Config) -> Store {
     Store::new(store.expect("the simulated Redis node's address"))
 }
 
+/// A simulated kas's configuration: production defaults (the 60 s `subscription_linger`
+/// included) but for the short record TTL that lets a run see records expire; the master
+/// found through Sentinel, or at the one Redis node.
 fn kas_config(i: usize, dir: &std::path::Path, spec: &ClusterSpec, sentinel: bool) -> Config {
     let listen = [8150, 8153, 8155, 8151].map(|port| kas_addr(i, port));
     let text = ConfigWriter::kas_in(dir, listen)
@@ -214,6 +212,11 @@ impl Cluster {
         &self.redis_nodes[self.redis.master()]
     }
 
+    /// Whether kas find the master through Sentinel (there is a replica to promote).
+    pub fn sentinel(&self) -> bool {
+        self.redis_nodes.len() > 1
+    }
+
     /// Creates every node; they start at once.
     pub fn build(spec: &ClusterSpec) -> Cluster {
         let handle = Handle::current();
@@ -239,15 +242,15 @@ impl Cluster {
                     .build()
             })
             .collect();
-        let sentinel_node = sentinel.then(|| {
+        if sentinel {
             let state = redis.clone();
             handle
                 .create_node()
                 .name("sentinel")
                 .ip(SENTINEL.ip())
                 .init(move || state.clone().serve_sentinel())
-                .build()
-        });
+                .build();
+        }
         let kas_nodes = (0..spec.kas)
             .map(|i| {
                 let config = kas_config(i, &dir, spec, sentinel);
@@ -298,7 +301,6 @@ impl Cluster {
             kas_count: spec.kas,
             stopped,
             redis_nodes,
-            sentinel_node,
             kas_nodes,
             agent_nodes: Vec::new(),
             gitlab_secret: Secret::load(&dir.join("gitlab.secret")).expect("secret"),

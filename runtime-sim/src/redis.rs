@@ -515,20 +515,22 @@ impl RedisState {
     }
 
     fn sentinel(&self, args: &[Vec<u8>]) -> Reply {
-        let words: Vec<String> = args.iter().map(|a| text(a)).collect();
-        match words.iter().map(|w| w.to_uppercase()).collect::<Vec<_>>()[..] {
-            [ref cmd, ref sub, _] if cmd == "SENTINEL" && sub == "GET-MASTER-ADDR-BY-NAME" => {
-                if words[2] != MASTER_NAME {
-                    return Reply::Nil;
-                }
-                let node = NODES[self.named.load(Ordering::Relaxed)];
-                Reply::Array(vec![
-                    Reply::bulk(node.ip().to_string()),
-                    Reply::bulk(node.port().to_string()),
-                ])
-            }
-            _ => Reply::Error("ERR unknown command".into()),
+        let [cmd, sub, name] = args else {
+            return Reply::Error("ERR unknown command".into());
+        };
+        if !cmd.eq_ignore_ascii_case(b"sentinel")
+            || !sub.eq_ignore_ascii_case(b"get-master-addr-by-name")
+        {
+            return Reply::Error("ERR unknown command".into());
         }
+        if name.as_slice() != MASTER_NAME.as_bytes() {
+            return Reply::Nil;
+        }
+        let node = NODES[self.named.load(Ordering::Relaxed)];
+        Reply::Array(vec![
+            Reply::bulk(node.ip().to_string()),
+            Reply::bulk(node.port().to_string()),
+        ])
     }
 
     /// Runs node `index` of [`NODES`] (the node's init). The master starts empty, or with

@@ -536,37 +536,17 @@ async fn fail_over(cluster: &Cluster, fault: Fault, lasting: Duration, log: &mut
     if slow {
         cluster.redis.knobs.set_latency(random_ms(50, 800));
     }
-    if fault == Fault::FailoverRedis && cluster.sentinel_node.is_some() {
-        // The master goes, every connection with it; Sentinel promotes the replica, and
-        // the sentinels name it 0-1 s later (till then they name the dead master). The
-        // old master comes back as a replica at a moment of that window.
-        let old = cluster.redis_master().id();
-        handle.kill(old);
-        cluster.redis.fail_over(lost);
-        tokio::time::sleep(outage).await;
-        let new = cluster.redis_nodes[cluster.redis.promote_other()].id();
-        handle.kill(new);
-        handle.restart(new);
-        let (named, back) = (random_ms(0, 1_000), random_ms(0, 1_500));
-        let mut steps = [(named, true), (back, false)];
-        steps.sort_by_key(|(at, _)| *at);
-        let mut waited = Duration::ZERO;
-        for (at, naming) in steps {
-            tokio::time::sleep(at - waited).await;
-            waited = at;
-            if naming {
-                cluster.redis.name();
-            } else {
-                handle.restart(old);
-            }
-        }
-    } else if fault == Fault::FailoverRedis {
-        // The one master goes, every connection with it.
+    if fault == Fault::FailoverRedis {
+        // The master goes, every connection with it.
         let master = cluster.redis_master().id();
         handle.kill(master);
         cluster.redis.fail_over(lost);
         tokio::time::sleep(outage).await;
-        handle.restart(master);
+        if cluster.sentinel() {
+            promote_replica(cluster, master).await;
+        } else {
+            handle.restart(master);
+        }
     } else {
         let shard = match gone {
             Some(i) if thread_rng().gen_bool(2.0 / 3.0) => {
@@ -591,6 +571,25 @@ async fn fail_over(cluster: &Cluster, fault: Fault, lasting: Duration, log: &mut
         tokio::time::sleep(lasting).await;
         handle.restart(cluster.agent_nodes[i].2.id());
     }
+}
+
+/// Sentinel promotes the replica (the dead master's writes it lacks are lost already), and
+/// the sentinels name it 0-1 s later, naming the dead master till then; the old master
+/// comes back as a replica at a moment of that window.
+async fn promote_replica(cluster: &Cluster, old: madsim::task::NodeId) {
+    let handle = Handle::current();
+    let new = cluster.redis_nodes[cluster.redis.promote_other()].id();
+    // Kill first: a bare restart keeps the node's sockets bound.
+    handle.kill(new);
+    handle.restart(new);
+    let (named, back) = (random_ms(0, 1_000), random_ms(0, 1_500));
+    let old_back = tokio::spawn(async move {
+        tokio::time::sleep(back).await;
+        Handle::current().restart(old);
+    });
+    tokio::time::sleep(named).await;
+    cluster.redis.name();
+    let _ = old_back.await;
 }
 
 /// How long after a failover a kas has to delete again the records it had deleted in the
