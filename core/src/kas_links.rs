@@ -52,6 +52,9 @@ pub enum LinksInput {
         /// Live kas, as that kas counted them.
         live_kas: u32,
     },
+    /// A connection's kas counted this many live kas since (its keepalives carry the
+    /// count): an agent that first met a kas counting itself alone learns of the others.
+    LiveKas(u32),
     /// The connection's kas asked it to move.
     MoveAsked(Link),
     /// The dial reached a kas that is stopping, which declined it (`Ended` follows).
@@ -103,7 +106,7 @@ pub struct KasLinks {
     failures: u32,
     /// No dial before this.
     dial_at: Time,
-    /// Live kas, as the latest connection was told (0: unknown).
+    /// Live kas, as a kas last counted them (0: unknown).
     live_kas: u32,
     stopping: bool,
     outputs: VecDeque<LinksOutput>,
@@ -151,6 +154,11 @@ impl KasLinks {
                     self.failures = 0;
                     // The next dial, if one is needed, after a short jittered pause.
                     self.dial_at = now + self.config.backoff.delay(0, &mut self.rng);
+                }
+            }
+            LinksInput::LiveKas(live_kas) => {
+                if live_kas > 0 {
+                    self.live_kas = live_kas;
                 }
             }
             LinksInput::MoveAsked(link) => {

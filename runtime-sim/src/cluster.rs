@@ -226,11 +226,8 @@ impl Cluster {
         let truth = Truth::default();
         let health: Vec<HealthSlot> = (0..spec.kas).map(|_| HealthSlot::default()).collect();
         let stopped: Vec<StopSlot> = (0..spec.kas).map(|_| StopSlot::default()).collect();
-        // Half the runs without agent HA find the master through Sentinel, with a replica
-        // it may promote. (With agent HA, Sentinel's slower start lets an agent connect to
-        // a kas that counts itself the only live kas, and the agent then keeps one
-        // connection for good: `kas-crash-ha` seed 31, a gap of agentk's to close first.)
-        let sentinel = !spec.ha && thread_rng().gen_bool(0.5);
+        // Half the runs find the master through Sentinel, with a replica it may promote.
+        let sentinel = thread_rng().gen_bool(0.5);
         let redis_nodes = (0..if sentinel { 2 } else { 1 })
             .map(|i| {
                 let state = redis.clone();

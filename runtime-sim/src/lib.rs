@@ -4,6 +4,8 @@
 //! Everything here exists only under `RUSTFLAGS="--cfg madsim"`.
 
 #[cfg(madsim)]
+pub mod api_server;
+#[cfg(madsim)]
 pub mod bounds;
 #[cfg(madsim)]
 pub mod checker;

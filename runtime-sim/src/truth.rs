@@ -2,9 +2,7 @@
 //! a unique marker in the call (the pod list's or the log's namespace, the two-way
 //! exchange's path), so each delivery is matched to the call that caused it.
 
-use futures::StreamExt;
 use kas_agent::{Modules, PODS_LIST, PODS_LOGS};
-use kas_proto::http::KUBERNETES_API_METHOD;
 use kas_proto::pods::{ListRequest, ListResponse, LogChunk, LogsRequest, Pod};
 use madsim::rand::{Rng, thread_rng};
 use std::sync::{Arc, Mutex};
@@ -63,78 +61,6 @@ struct Log {
     violations: Vec<String>,
 }
 
-/// The Kubernetes API module of the simulation: a two-way echo. Records the call (its
-/// marker is the request's path), answers a head naming `pod`, then each request body
-/// piece as it comes, 0-50 ms later, and ends when the request does.
-fn echo(
-    log: Truth,
-    agent: i64,
-    replica: usize,
-    pod: String,
-    mut requests: kas_agent::modules::Requests,
-) -> kas_agent::modules::Answer {
-    use kas_proto::http::{HttpRequest, HttpResponse, ResponseHead, http_request, http_response};
-    use prost::Message;
-    let (tx, rx) = tokio::sync::mpsc::channel(4);
-    tokio::spawn(async move {
-        let head = requests
-            .recv()
-            .await
-            .and_then(|b| HttpRequest::decode(b).ok())
-            .and_then(|m| match m.kind {
-                Some(http_request::Kind::Head(h)) => Some(h),
-                _ => None,
-            });
-        let Some(head) = head else {
-            let _ = tx
-                .send(Err(tonic::Status::invalid_argument("no request head")))
-                .await;
-            return;
-        };
-        log.record(Delivery {
-            marker: head.path.trim_start_matches('/').to_string(),
-            agent,
-            replica,
-            at: Instant::now(),
-        });
-        let headers = [(
-            "x-pod".to_string(),
-            kas_proto::frame::Values { values: vec![pod] },
-        )]
-        .into_iter()
-        .collect();
-        let head = HttpResponse {
-            kind: Some(http_response::Kind::Head(ResponseHead {
-                status: 200,
-                headers,
-            })),
-        };
-        if tx.send(Ok(head.encode_to_vec().into())).await.is_err() {
-            return;
-        }
-        while let Some(bytes) = requests.recv().await {
-            let data = match HttpRequest::decode(bytes).map(|m| m.kind) {
-                Ok(Some(http_request::Kind::Data(d))) => d,
-                _ => {
-                    let _ = tx
-                        .send(Err(tonic::Status::invalid_argument("not a body piece")))
-                        .await;
-                    return;
-                }
-            };
-            let gap = Duration::from_millis(thread_rng().gen_range(0..50));
-            tokio::time::sleep(gap).await;
-            let piece = HttpResponse {
-                kind: Some(http_response::Kind::Data(data)),
-            };
-            if tx.send(Ok(piece.encode_to_vec().into())).await.is_err() {
-                return;
-            }
-        }
-    });
-    ReceiverStream::new(rx).boxed()
-}
-
 /// The log of deliveries, shared by every agent node (it survives their restarts).
 #[derive(Clone, Debug, Default)]
 pub struct Truth(Arc<Mutex<Log>>);
@@ -171,10 +97,7 @@ impl Truth {
             });
             async move { Ok(ReceiverStream::new(rx)) }
         });
-        let (echo_log, echo_pod) = (log.clone(), pod.clone());
-        modules.streaming(KUBERNETES_API_METHOD, move |requests| {
-            echo(echo_log.clone(), agent, replica, echo_pod.clone(), requests)
-        });
+        crate::api_server::register(&mut modules, log.clone(), agent, replica, &pod);
         modules.unary(PODS_LIST, move |req: ListRequest| {
             log.record(Delivery {
                 marker: req.namespace,

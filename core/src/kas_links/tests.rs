@@ -84,9 +84,17 @@ fn dials_one_at_a_time_until_two_distinct_kas_and_closes_a_duplicate() {
 }
 
 #[test]
-fn holds_every_kas_when_fewer_are_live_than_wanted() {
-    let l = one_up(1);
+fn holds_every_kas_when_fewer_are_live_than_wanted_and_dials_more_once_they_are() {
+    let mut l = one_up(1);
     assert_eq!(l.poll_timeout(), None, "the only live kas is held");
+    l.handle_input(Time(20_000), LinksInput::LiveKas(0));
+    assert_eq!(l.poll_timeout(), None, "an unknown count changes nothing");
+    // A keepalive counts a second kas (it started, or its records came back to Redis).
+    l.handle_input(Time(30_000), LinksInput::LiveKas(2));
+    assert_eq!(outputs(&mut l), [LinksOutput::Dial(Link(1))]);
+    up(&mut l, Time(30_010), 1, "kas-b", 2);
+    assert_eq!(outputs(&mut l), [LinksOutput::Serve(Link(1))]);
+    assert_eq!(l.serving_kas(), ["kas-a", "kas-b"]);
 }
 
 #[test]

@@ -9,6 +9,9 @@
     deny(clippy::unwrap_used, clippy::expect_used, clippy::indexing_slicing)
 )]
 
+#[cfg(not(madsim))]
+pub mod kubeconfig;
+
 use super::modules::{Answer, Modules, Requests};
 use bytes::Bytes;
 use futures::{FutureExt, StreamExt};
@@ -20,7 +23,6 @@ use kas_proto::http::{
 };
 use kas_transport::http_relay::{self, BoxError, Incoming, Outgoing};
 use prost::Message;
-use std::path::Path;
 use tokio::sync::mpsc;
 use tonic::Status;
 use tower::ServiceExt;
@@ -28,22 +30,8 @@ use tower::util::BoxCloneSyncService;
 
 pub use kas_proto::http::KUBERNETES_API_METHOD;
 
-/// Request headers the caller may not set: its credentials are for kas, and who the agent
-/// acts as is kas's to say.
-const CALLER_MAY_NOT_SET: [&str; 4] = [
-    "authorization",
-    "impersonate-user",
-    "impersonate-group",
-    "impersonate-uid",
-];
-
 /// The prefix of `Impersonate-Extra-<key>` headers.
 const IMPERSONATE_EXTRA: &str = "impersonate-extra-";
-
-/// Header prefixes the caller may not set: `Impersonate-Extra-*`, and the front-proxy
-/// identity headers (`X-Remote-User`, `-Group`, `-Extra-*`), which kube-apiserver trusts
-/// only from its front proxy but nothing legitimate sends through kas.
-const CALLER_MAY_NOT_SET_PREFIXES: [&str; 2] = [IMPERSONATE_EXTRA, "x-remote-"];
 
 /// The cluster's API server, reached with this agent's credentials.
 #[derive(Clone)]
@@ -52,56 +40,26 @@ pub struct Upstream {
 }
 
 impl Upstream {
-    /// The API server of the cluster this runs in (in-cluster service account), or else of
-    /// the current kubeconfig context.
-    pub async fn infer() -> Result<Upstream, String> {
-        let config = kube::Config::infer().await.map_err(|e| {
-            format!("no Kubernetes API configuration (in-cluster or kubeconfig): {e}")
-        })?;
-        Self::new(config)
-    }
-
-    /// The API server of the current context of the kubeconfig at `path`.
-    pub async fn from_kubeconfig(path: &Path) -> Result<Upstream, String> {
-        let kubeconfig = kube::config::Kubeconfig::read_from(path)
-            .map_err(|e| format!("{}: {e}", path.display()))?;
-        let options = kube::config::KubeConfigOptions::default();
-        let config = kube::Config::from_custom_kubeconfig(kubeconfig, &options)
-            .await
-            .map_err(|e| format!("{}: {e}", path.display()))?;
-        Self::new(config)
-    }
-
-    /// The API server `config` describes, with its credentials (token, refreshed tokens
-    /// or client certificate) and TLS settings.
-    pub fn new(config: kube::Config) -> Result<Upstream, String> {
-        use kube::client::ConfigExt;
-        let connector = config
-            .rustls_https_connector()
-            .map_err(|e| format!("Kubernetes API TLS configuration: {e}"))?;
-        let client =
-            hyper_util::client::legacy::Client::builder(hyper_util::rt::TokioExecutor::new())
-                .build::<_, UnsyncBoxBody<Bytes, BoxError>>(connector);
-        let auth = config
-            .auth_layer()
-            .map_err(|e| format!("Kubernetes API credentials: {e}"))?;
-        let extra = config
-            .extra_headers_layer()
-            .map_err(|e| format!("Kubernetes API headers: {e}"))?;
-        let service = tower::ServiceBuilder::new()
-            .layer(config.base_uri_layer())
-            .option_layer(auth)
-            .layer(extra)
-            .map_err(BoxError::from)
-            .service(client);
-        Ok(Upstream {
-            service: BoxCloneSyncService::new(service),
-        })
+    /// Requests go to `service`: kube's configured client in agentk (see [`kubeconfig`]),
+    /// a client over the simulated network in the simulation.
+    pub fn over<S>(service: S) -> Upstream
+    where
+        S: tower::Service<UpRequest, Response = http::Response<hyper::body::Incoming>>
+            + Clone
+            + Send
+            + Sync
+            + 'static,
+        S::Error: Into<BoxError>,
+        S::Future: Send + 'static,
+    {
+        Upstream {
+            service: BoxCloneSyncService::new(service.map_err(Into::into)),
+        }
     }
 }
 
 /// A request to the API server.
-type UpRequest = http::Request<UnsyncBoxBody<Bytes, BoxError>>;
+pub type UpRequest = http::Request<UnsyncBoxBody<Bytes, BoxError>>;
 
 impl Upstream {
     /// Sends `req`. A plain function returning a boxed future: awaiting the service's
@@ -268,16 +226,10 @@ async fn exchange(
 fn request_headers(head: &RequestHead) -> Result<HeaderMap, Status> {
     let mut headers = HeaderMap::new();
     http_relay::add_values(&head.headers, &mut headers).map_err(Status::invalid_argument)?;
-    for name in CALLER_MAY_NOT_SET {
-        headers.remove(name);
-    }
+    // kas dropped them already: this is defence in depth, not the guard.
     let barred: Vec<HeaderName> = headers
         .keys()
-        .filter(|n| {
-            CALLER_MAY_NOT_SET_PREFIXES
-                .iter()
-                .any(|p| n.as_str().starts_with(p))
-        })
+        .filter(|n| !http_relay::caller_may_set(n.as_str()))
         .cloned()
         .collect();
     for name in barred {

@@ -9,7 +9,6 @@
 //! - [`run`]: the connection loop: reconnect with backoff, the tunnel pool, shutdown.
 
 pub mod client;
-#[cfg(not(madsim))]
 pub mod kubernetes_api;
 pub mod modules;
 pub mod pods;

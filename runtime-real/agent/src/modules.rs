@@ -97,8 +97,8 @@ impl Modules {
     }
 
     /// Starts `method` on its request messages; an unknown method answers
-    /// `Unimplemented`.
-    pub(super) fn call(&self, method: &str, requests: Requests) -> Answer {
+    /// `Unimplemented`. (Public so that a module may hand a call on to another.)
+    pub fn call(&self, method: &str, requests: Requests) -> Answer {
         match self.handlers.get(method) {
             Some(handler) => handler(requests),
             None => {

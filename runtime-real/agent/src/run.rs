@@ -91,6 +91,8 @@ impl AgentOptions {
 enum Event {
     /// It is up at this kas, which counted this many live kas.
     Up { kas: String, live_kas: u32 },
+    /// Its kas counted this many live kas since.
+    LiveKas(u32),
     /// Its kas asked it to move.
     MoveAsked,
     /// It reached a kas that is stopping, which declined it.
@@ -202,6 +204,7 @@ pub async fn run_reporting(
             Some((link, event)) = events.recv() => {
                 let input = match event {
                     Event::Up { kas, live_kas } => LinksInput::Up { link, kas, live_kas },
+                    Event::LiveKas(n) => LinksInput::LiveKas(n),
                     Event::MoveAsked => LinksInput::MoveAsked(link),
                     Event::Declined => LinksInput::Declined(link),
                 };
@@ -375,6 +378,8 @@ impl Connection {
                         if m.drain {
                             tracing::info!(kas = %self.kas, "kas asked this connection to move: connecting elsewhere first");
                             let _ = self.events.send((self.link, Event::MoveAsked));
+                        } else if let Ok(n @ 1..) = u32::try_from(m.live_kas) {
+                            let _ = self.events.send((self.link, Event::LiveKas(n)));
                         }
                     }
                     Ok(None) => {

@@ -831,12 +831,9 @@ impl Config {
             }
             match &k.tokens_file {
                 Some(f) => {
-                    #[cfg(not(madsim))]
                     if let Err(e) = kas_auth::user_tokens::StaticUserTokens::load(f) {
                         p.push(format!("agent.kubernetes_api.tokens_file: {e}"));
                     }
-                    #[cfg(madsim)]
-                    let _ = f;
                 }
                 None if self.gitlab.is_none() => p.push(
                     "agent.kubernetes_api needs tokens_file or gitlab to check its callers' tokens"
@@ -844,8 +841,6 @@ impl Config {
                 ),
                 None => {}
             }
-            #[cfg(madsim)]
-            p.push("agent.kubernetes_api: HTTP listeners are not simulated".into());
         }
     }
 

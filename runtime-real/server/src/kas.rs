@@ -12,10 +12,8 @@ mod deadline;
 mod engine;
 mod forward;
 mod handle;
-#[cfg(not(madsim))]
 pub mod kubernetes_api;
 mod limits;
-#[cfg(not(madsim))]
 mod listener;
 mod live_kas;
 mod metrics;
@@ -754,7 +752,6 @@ impl Kas {
 
 /// The Kubernetes API listener's server, when `agent.kubernetes_api` is set; it stops
 /// with the other call listeners.
-#[cfg(not(madsim))]
 fn kubernetes_api_server(
     config: &Config,
     listener: Option<TcpListener>,
@@ -812,19 +809,6 @@ fn kubernetes_api_server(
             None => signal.await,
         }
     })
-}
-
-/// In the simulation there is no Kubernetes API listener (the configuration check refuses
-/// it).
-#[cfg(madsim)]
-fn kubernetes_api_server(
-    _: &Config,
-    _: Option<TcpListener>,
-    _: &handle::EngineHandle,
-    _: &metrics::Metrics,
-    signal: impl Future<Output = ()> + Send + 'static,
-) -> Result<impl Future<Output = ()> + Send + 'static, StartError> {
-    Ok(signal)
 }
 
 fn agent_auth(config: &Config) -> Result<AgentAuth, StartError> {

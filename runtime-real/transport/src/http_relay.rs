@@ -32,6 +32,30 @@ use tokio::io::{AsyncReadExt, AsyncWriteExt};
 /// connection interleave. (32 KiB pieces halved a long response's throughput.)
 pub const CHUNK: usize = 256 * 1024;
 
+/// Request headers a caller may not set: its credentials are for kas, and who the agent
+/// acts as is kas's to say.
+const CALLER_MAY_NOT_SET: [&str; 4] = [
+    "authorization",
+    "impersonate-user",
+    "impersonate-group",
+    "impersonate-uid",
+];
+
+/// Header prefixes a caller may not set: `Impersonate-Extra-*`, and the front-proxy
+/// identity headers (`X-Remote-User`, `-Group`, `-Extra-*`), which kube-apiserver trusts
+/// only from its front proxy but nothing legitimate sends through kas.
+const CALLER_MAY_NOT_SET_PREFIXES: [&str; 2] = ["impersonate-extra-", "x-remote-"];
+
+/// Whether a caller of the Kubernetes API may set the request header `name` (lowercase,
+/// as `http` names headers). kas drops the others before a request leaves it, and agentk
+/// again before it reaches the API server.
+pub fn caller_may_set(name: &str) -> bool {
+    !CALLER_MAY_NOT_SET.contains(&name)
+        && !CALLER_MAY_NOT_SET_PREFIXES
+            .iter()
+            .any(|p| name.starts_with(p))
+}
+
 /// The error type of the bodies built here.
 pub type BoxError = Box<dyn std::error::Error + Send + Sync>;
 
@@ -402,6 +426,24 @@ pub async fn relay_upgraded<In: Half, Out: Half>(
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn a_caller_may_not_set_credentials_or_identity() {
+        for name in [
+            "authorization",
+            "impersonate-user",
+            "impersonate-group",
+            "impersonate-uid",
+            "impersonate-extra-scopes",
+            "x-remote-user",
+            "x-remote-extra-team",
+        ] {
+            assert!(!caller_may_set(name), "{name}");
+        }
+        for name in ["accept", "content-type", "x-request-id", "impersonated"] {
+            assert!(caller_may_set(name), "{name}");
+        }
+    }
 
     /// A head of `count` values of `len` bytes each under distinct names.
     fn head(count: usize, len: usize) -> HashMap<String, Values> {

@@ -15,7 +15,6 @@ pub mod channel_ends;
 pub mod clock;
 pub mod errors;
 pub mod frames;
-#[cfg(not(madsim))]
 pub mod http_relay;
 pub mod kas_url;
 #[cfg(all(not(madsim), any(test, feature = "local-ca")))]
@@ -24,9 +23,9 @@ pub mod local_ca;
 pub mod logging;
 pub mod proxy;
 pub mod rate;
+pub mod rt;
 #[cfg(not(madsim))]
 pub mod signals;
 pub mod tasks;
 pub mod tls;
-#[cfg(not(madsim))]
 pub mod ws;

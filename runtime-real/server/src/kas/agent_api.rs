@@ -157,6 +157,7 @@ impl AgentApi for AgentService {
             age: jittered(self.max_connection_age),
             token,
             keepalive: self.keepalive,
+            live_kas: self.live_kas.clone(),
         };
         tokio::spawn(async move {
             if let Some(status) = ends.hold(&tx, drain).await {
@@ -287,6 +288,9 @@ struct Ends {
     token: Recheck,
     /// A message goes to the agent this often.
     keepalive: Duration,
+    /// Counted again for each keepalive: an agent that connected while it counted fewer
+    /// kas (others starting, or their records lost with a Redis failover) learns of more.
+    live_kas: Arc<LiveKas>,
 }
 
 impl Ends {
@@ -300,7 +304,6 @@ impl Ends {
         tx: &mpsc::Sender<Outgoing<ConfigurationResponse>>,
         drain: ConfigurationResponse,
     ) -> Option<Status> {
-        let leaving = || Status::unavailable("kas is shutting down: reconnect to another kas");
         let old = tokio::time::sleep(self.age);
         tokio::pin!(old);
         let every = self.token.every;
@@ -320,23 +323,21 @@ impl Ends {
                 biased;
                 () = tx.closed() => return None,
                 () = self.stop.until(Phase::Leaving) => return Some(leaving()),
-                _ = beats.tick() => {
-                    // Not waited for: an agent that does not read is cut off elsewhere.
-                    let _ = tx.try_send(Box::new(Ok(keepalive.clone())));
-                    continue;
-                }
-                _ = recheck.tick() => {
-                    // GitLab may be slow: the agent leaving or kas stopping still count.
-                    tokio::select! {
-                        biased;
-                        () = tx.closed() => return None,
-                        () = self.stop.until(Phase::Leaving) => return Some(leaving()),
-                        refused = self.token.refused() => match refused {
-                            Some(status) => return Some(status),
-                            None => continue,
-                        },
+                // Redis and GitLab may be slow: the agent leaving or kas stopping still count.
+                _ = beats.tick() => match first_of(tx, &mut self.stop, self.live_kas.count()).await {
+                    Ok(live_kas) => {
+                        let keepalive = ConfigurationResponse { live_kas, ..keepalive.clone() };
+                        // Not waited for: an agent that does not read is cut off elsewhere.
+                        let _ = tx.try_send(Box::new(Ok(keepalive)));
+                        continue;
                     }
-                }
+                    Err(end) => return end,
+                },
+                _ = recheck.tick() => match first_of(tx, &mut self.stop, self.token.refused()).await {
+                    Ok(None) => continue,
+                    Ok(refused) => return refused,
+                    Err(end) => return end,
+                },
                 () = closing.until(Phase::Closing), if !asked => "kas is shutting down",
                 () = &mut old, if !asked => "the connection reached agent.listen.max_connection_age",
             };
@@ -349,6 +350,26 @@ impl Ends {
             let _ = tx.try_send(Box::new(Ok(drain.clone())));
         }
     }
+}
+
+/// What `work` gives, unless the agent leaves first (`Err(None)`) or kas stops (`Err` with
+/// the status to close the stream with).
+async fn first_of<T>(
+    tx: &mpsc::Sender<Outgoing<ConfigurationResponse>>,
+    stop: &mut Stop,
+    work: impl Future<Output = T>,
+) -> Result<T, Option<Status>> {
+    tokio::select! {
+        biased;
+        () = tx.closed() => Err(None),
+        () = stop.until(Phase::Leaving) => Err(Some(leaving())),
+        done = work => Ok(done),
+    }
+}
+
+/// Why kas closes a replica's stream as it leaves.
+fn leaving() -> Status {
+    Status::unavailable("kas is shutting down: reconnect to another kas")
 }
 
 /// `age` less up to a tenth of it, drawn at random: agents that connected together are

@@ -216,7 +216,9 @@ impl KubernetesApiService {
         let upgrade =
             http_relay::wants_upgrade(req.headers()).then(|| hyper::upgrade::on(&mut req));
         let mut headers = http_relay::to_values(req.headers());
-        headers.remove(header::AUTHORIZATION.as_str());
+        // The caller's credentials and any identity it claims stay here: whom the agent
+        // acts as is the grant's to say.
+        headers.retain(|name, _| http_relay::caller_may_set(name));
         http_relay::check_size(&headers).map_err(Failure::HeadersTooLarge)?;
         let head = HttpRequest {
             kind: Some(http_request::Kind::Head(RequestHead {

@@ -12,25 +12,26 @@
 //! (one slow client must not hold up the others), and guards the decrypted stream as
 //! above once the handshake is done.
 
+#[cfg(not(madsim))]
+mod handshake;
 mod requests;
+
+#[cfg(not(madsim))]
+pub use handshake::{HandshakeLimits, Handshakes};
 
 pub use requests::{Activity, Busy, RequestTimeouts};
 
-use super::limits::Places;
 use super::metrics::Metrics;
-use kas_transport::ws::Io;
 use requests::RequestClock;
 use std::io;
 use std::net::SocketAddr;
 use std::pin::Pin;
-use std::sync::{Arc, Mutex};
+use std::sync::Arc;
 use std::task::{Context, Poll};
 use std::time::Duration;
 use tokio::io::{AsyncRead, AsyncWrite, ReadBuf};
 use tokio::net::{TcpListener, TcpStream};
-use tokio::sync::{Semaphore, mpsc};
 use tokio::time::{Instant, Sleep};
-use tokio_rustls::server::TlsStream;
 
 /// The bytes of the HTTP/2 connection preface, which every gRPC client sends first.
 const HTTP2_PREFACE_LEN: usize = 24;
@@ -40,13 +41,6 @@ const ACCEPT_LOG_EVERY: Duration = Duration::from_secs(5);
 
 /// How long accepting pauses after an error, so that a full file table does not spin.
 const ACCEPT_BACKOFF: Duration = Duration::from_millis(100);
-
-/// Handshakes under way at once on one listener; further connections are closed at once
-/// (a client left in the kernel's backlog would wait out its own timeout instead).
-const MAX_HANDSHAKES: usize = 1024;
-
-/// The first byte of every TLS connection (a handshake record).
-const TLS_HANDSHAKE_RECORD: u8 = 0x16;
 
 /// Logs one line per [`ACCEPT_LOG_EVERY`] and counts the rest.
 #[derive(Default)]
@@ -72,8 +66,10 @@ impl LogLimit {
 #[derive(Clone, Copy, Debug)]
 pub enum Guard {
     /// Send the HTTP/2 preface within this long.
+    #[cfg_attr(madsim, allow(dead_code))] // madsim's tonic accepts by itself
     Http2Preface(Duration),
     /// Never stay silent this long while kas waits to read (HTTP/1.1).
+    #[cfg_attr(madsim, allow(dead_code))] // the simulation has no observability listener
     ReadIdle(Duration),
     /// A listener whose requests may rightly stay silent (a watch, an upgraded exec
     /// session): timers run only while the connection has no request open (see
@@ -143,149 +139,11 @@ impl Acceptor {
     }
 
     /// The connections as the stream tonic serves.
+    #[cfg(not(madsim))] // madsim's tonic accepts by itself
     pub fn into_stream(self) -> impl futures::Stream<Item = io::Result<Guarded>> + Send {
         futures::stream::unfold(self, |mut a| async move {
             let (io, _) = a.next().await;
             Some((Ok(io), a))
-        })
-    }
-
-    /// The connections once their handshakes (see [`Handshakes`]) are done, within
-    /// `handshakes.timeout`; those that fail are counted, logged now and then, and closed.
-    ///
-    /// A connection must send its first byte within `limits.first_byte`; one source address
-    /// has at most `limits.per_address` connections in handshakes, and the listener at most
-    /// [`MAX_HANDSHAKES`]: beyond either, a connection is closed as soon as it is accepted.
-    /// So idle sockets cost their sender descriptors, not other clients' handshakes.
-    pub fn handshaking(mut self, handshakes: Handshakes) -> Incoming {
-        let local = self.listener.local_addr();
-        let (tx, rx) = mpsc::channel(64);
-        let limits = handshakes.limits;
-        let stage = Stage {
-            tls: handshakes.tls.map(tokio_rustls::TlsAcceptor::from),
-            websocket: handshakes.websocket,
-            limits,
-            guard: self.guard,
-            what: self.what,
-            metrics: self.metrics.clone(),
-            log_limit: Arc::default(),
-            local_addr: local.as_ref().ok().copied(),
-            tx,
-        };
-        let permits = Arc::new(Semaphore::new(MAX_HANDSHAKES));
-        let per_address = Places::new(limits.per_address);
-        tokio::spawn(async move {
-            loop {
-                let (stream, peer) = tokio::select! {
-                    c = self.accept_tcp() => c,
-                    () = stage.tx.closed() => return,
-                };
-                let Ok(permit) = permits.clone().try_acquire_owned() else {
-                    stage.failed(peer, "the listener has 1024 handshakes under way");
-                    continue;
-                };
-                let Some(place) = per_address.take(peer.ip()) else {
-                    stage.failed(peer, "listen.max_handshakes_per_address reached");
-                    continue;
-                };
-                let stage = stage.clone();
-                tokio::spawn(async move {
-                    stage.run(stream, peer).await;
-                    drop((permit, place));
-                });
-            }
-        });
-        Incoming { rx, local }
-    }
-}
-
-/// What each connection of a handshaking listener goes through, and where it goes then.
-#[derive(Clone)]
-struct Stage {
-    tls: Option<tokio_rustls::TlsAcceptor>,
-    websocket: bool,
-    limits: HandshakeLimits,
-    guard: Guard,
-    what: &'static str,
-    metrics: Metrics,
-    log_limit: Arc<Mutex<LogLimit>>,
-    local_addr: Option<SocketAddr>,
-    tx: mpsc::Sender<(Guarded<Accepted>, SocketAddr)>,
-}
-
-impl Stage {
-    /// Handshakes `stream` and hands it on, or counts and logs why it failed.
-    async fn run(self, stream: TcpStream, peer: SocketAddr) {
-        let info = tonic::transport::server::TcpConnectInfo {
-            local_addr: self.local_addr,
-            remote_addr: Some(peer),
-        };
-        let mut first = [0u8; 1];
-        let started = tokio::time::timeout(self.limits.first_byte, stream.peek(&mut first)).await;
-        if started.is_err() {
-            return self.failed(peer, "no first byte within listen.first_byte_timeout");
-        }
-        let done = tokio::time::timeout(self.limits.timeout, self.handshake(stream, info)).await;
-        let why = match done {
-            Ok(Ok(conn)) => {
-                let _ = self.tx.send((Guarded::new(conn, self.guard), peer)).await;
-                return;
-            }
-            Ok(Err(e)) => e.to_string(),
-            Err(_) => "no handshake within listen.handshake_timeout".into(),
-        };
-        self.failed(peer, &why);
-    }
-
-    /// Counts and now and then logs a connection closed before its handshake was done.
-    fn failed(&self, peer: SocketAddr, why: &str) {
-        self.metrics.handshake_error(self.what);
-        let allowed = self
-            .log_limit
-            .lock()
-            .unwrap_or_else(|p| p.into_inner())
-            .allow();
-        if let Some(unlogged) = allowed {
-            tracing::info!(
-                listener = self.what,
-                %peer,
-                error = %why,
-                similar_errors_not_logged = unlogged,
-                "handshake failed"
-            );
-        }
-    }
-
-    /// TLS (when configured), then the WebSocket upgrade (when enabled and asked for).
-    async fn handshake(
-        &self,
-        stream: TcpStream,
-        info: tonic::transport::server::TcpConnectInfo,
-    ) -> io::Result<Accepted> {
-        let io: Box<dyn Io> = match &self.tls {
-            Some(tls) => Box::new(handshake_tls(tls, stream).await?),
-            None => Box::new(stream),
-        };
-        let mut conn = Accepted {
-            io,
-            head: Vec::new(),
-            info: info.clone(),
-        };
-        if !self.websocket || conn.starts_with(b"PRI ").await? {
-            return Ok(conn);
-        }
-        let ws = kas_transport::ws::accept(conn, self.limits.timeout)
-            .await
-            .map_err(|e| {
-                io::Error::new(
-                    io::ErrorKind::InvalidData,
-                    format!("neither HTTP/2 nor a WebSocket upgrade: {e}"),
-                )
-            })?;
-        Ok(Accepted {
-            io: Box::new(ws),
-            head: Vec::new(),
-            info,
         })
     }
 }
@@ -321,17 +179,18 @@ pub async fn serve_http(
     listen: &crate::config::Listen,
     signal: impl Future<Output = ()> + Send + 'static,
 ) {
-    use hyper_util::rt::{TokioExecutor, TokioTimer};
-    let mut builder = hyper_util::server::conn::auto::Builder::new(TokioExecutor::new());
+    use kas_transport::rt::{Executor, Timer};
+    let mut builder = hyper_util::server::conn::auto::Builder::new(Executor::new());
     builder
         .http2()
-        .timer(TokioTimer::new())
+        .timer(Timer::new())
         .max_concurrent_streams(listen.max_concurrent_streams)
         .keep_alive_interval(listen.keepalive_interval)
         .keep_alive_timeout(listen.keepalive_timeout);
     let router = router.layer(axum::middleware::from_fn(hold_busy));
     match tls {
         None => serve_connections(acceptor, router, builder, signal).await,
+        #[cfg(not(madsim))]
         Some(tls) => {
             let incoming = acceptor.handshaking(Handshakes {
                 tls: Some(tls),
@@ -340,6 +199,9 @@ pub async fn serve_http(
             });
             serve_connections(incoming, router, builder, signal).await
         }
+        // The configuration check refuses TLS in the simulation.
+        #[cfg(madsim)]
+        Some(_) => tracing::error!("agent.kubernetes_api: TLS is not simulated"),
     }
 }
 
@@ -369,7 +231,7 @@ async fn hold_busy(
 async fn serve_connections<L, S>(
     mut listener: L,
     router: axum::Router,
-    builder: hyper_util::server::conn::auto::Builder<hyper_util::rt::TokioExecutor>,
+    builder: hyper_util::server::conn::auto::Builder<kas_transport::rt::Executor>,
     signal: impl Future<Output = ()> + Send + 'static,
 ) where
     L: axum::serve::Listener<Addr = SocketAddr, Io = Guarded<S>>,
@@ -402,163 +264,6 @@ async fn serve_connections<L, S>(
     }
     drop(listener);
     graceful.shutdown().await;
-}
-
-/// What a listener does with a connection before serving it.
-pub struct Handshakes {
-    /// TLS with this configuration.
-    pub tls: Option<Arc<rustls::ServerConfig>>,
-    /// Accept gRPC inside a WebSocket too (`listen.websocket`): a connection that starts
-    /// with an HTTP/1.1 request rather than the HTTP/2 preface is upgraded, and its
-    /// WebSocket carries the HTTP/2 connection.
-    pub websocket: bool,
-    /// Its limits.
-    pub limits: HandshakeLimits,
-}
-
-/// How long a connection may take over its handshakes, and how many one address may have
-/// under way.
-#[derive(Clone, Copy, Debug)]
-pub struct HandshakeLimits {
-    /// `listen.handshake_timeout`, for all of it.
-    pub timeout: Duration,
-    /// `listen.first_byte_timeout`, for its first byte.
-    pub first_byte: Duration,
-    /// `listen.max_handshakes_per_address`.
-    pub per_address: usize,
-}
-
-impl HandshakeLimits {
-    /// The limits `listen` configures.
-    pub fn of(listen: &crate::config::Listen) -> Self {
-        HandshakeLimits {
-            timeout: listen.handshake_timeout,
-            first_byte: listen.first_byte_timeout,
-            per_address: listen.max_handshakes_per_address,
-        }
-    }
-}
-
-/// A TLS handshake; a client that speaks plaintext first is named as such.
-async fn handshake_tls(
-    tls: &tokio_rustls::TlsAcceptor,
-    stream: TcpStream,
-) -> io::Result<TlsStream<TcpStream>> {
-    let mut first = [0u8; 1];
-    if stream.peek(&mut first).await? == 1 && first[0] != TLS_HANDSHAKE_RECORD {
-        return Err(io::Error::new(
-            io::ErrorKind::InvalidData,
-            format!(
-                "the client spoke plaintext (first byte {:#04x}) to a TLS listener: it must use TLS (grpcs:// or https://)",
-                first[0]
-            ),
-        ));
-    }
-    tls.accept(stream).await
-}
-
-/// A connection after its handshakes, with its addresses. While the handshakes tell what
-/// it speaks, the bytes read for that (`head`) are kept to be read again.
-pub struct Accepted {
-    io: Box<dyn Io>,
-    head: Vec<u8>,
-    info: tonic::transport::server::TcpConnectInfo,
-}
-
-impl Accepted {
-    /// True when the stream starts with `prefix` (read, and kept to be read again).
-    async fn starts_with(&mut self, prefix: &[u8]) -> io::Result<bool> {
-        use tokio::io::AsyncReadExt;
-        while self.head.len() < prefix.len() {
-            let mut b = [0u8; 8];
-            let want = prefix.len() - self.head.len();
-            let n = self.io.read(&mut b[..want]).await?;
-            if n == 0 {
-                return Err(io::ErrorKind::UnexpectedEof.into());
-            }
-            self.head.extend_from_slice(&b[..n]);
-        }
-        Ok(self.head == prefix)
-    }
-}
-
-impl AsyncRead for Accepted {
-    fn poll_read(
-        mut self: Pin<&mut Self>,
-        cx: &mut Context<'_>,
-        buf: &mut ReadBuf<'_>,
-    ) -> Poll<io::Result<()>> {
-        if !self.head.is_empty() {
-            let n = buf.remaining().min(self.head.len());
-            let rest = self.head.split_off(n);
-            buf.put_slice(&self.head);
-            self.head = rest;
-            return Poll::Ready(Ok(()));
-        }
-        Pin::new(&mut self.io).poll_read(cx, buf)
-    }
-}
-
-impl AsyncWrite for Accepted {
-    fn poll_write(
-        mut self: Pin<&mut Self>,
-        cx: &mut Context<'_>,
-        buf: &[u8],
-    ) -> Poll<io::Result<usize>> {
-        Pin::new(&mut self.io).poll_write(cx, buf)
-    }
-
-    fn poll_flush(mut self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<io::Result<()>> {
-        Pin::new(&mut self.io).poll_flush(cx)
-    }
-
-    fn poll_shutdown(mut self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<io::Result<()>> {
-        Pin::new(&mut self.io).poll_shutdown(cx)
-    }
-}
-
-impl tonic::transport::server::Connected for Accepted {
-    type ConnectInfo = tonic::transport::server::TcpConnectInfo;
-
-    fn connect_info(&self) -> Self::ConnectInfo {
-        self.info.clone()
-    }
-}
-
-/// A listener's connections, handshakes done (see [`Acceptor::handshaking`]).
-pub struct Incoming {
-    rx: mpsc::Receiver<(Guarded<Accepted>, SocketAddr)>,
-    local: io::Result<SocketAddr>,
-}
-
-impl Incoming {
-    /// The connections as the stream tonic serves.
-    pub fn into_stream(self) -> impl futures::Stream<Item = io::Result<Guarded<Accepted>>> + Send {
-        futures::stream::unfold(self.rx, |mut rx| async move {
-            let (io, _) = rx.recv().await?;
-            Some((Ok(io), rx))
-        })
-    }
-}
-
-impl axum::serve::Listener for Incoming {
-    type Io = Guarded<Accepted>;
-    type Addr = SocketAddr;
-
-    async fn accept(&mut self) -> (Self::Io, SocketAddr) {
-        match self.rx.recv().await {
-            Some(c) => c,
-            // The accepting task ends only when this receiver is gone.
-            None => std::future::pending().await,
-        }
-    }
-
-    fn local_addr(&self) -> io::Result<SocketAddr> {
-        self.local
-            .as_ref()
-            .map(|a| *a)
-            .map_err(|e| io::Error::new(e.kind(), e.to_string()))
-    }
 }
 
 /// A connection (TCP, or TLS over TCP) closed with `TimedOut` when it breaks its [`Guard`].
@@ -681,6 +386,7 @@ impl<S: AsyncWrite + Unpin> AsyncWrite for Guarded<S> {
     }
 }
 
+#[cfg(not(madsim))] // madsim's tonic accepts by itself
 impl<S: tonic::transport::server::Connected> tonic::transport::server::Connected for Guarded<S> {
     type ConnectInfo = S::ConnectInfo;
 
@@ -691,6 +397,7 @@ impl<S: tonic::transport::server::Connected> tonic::transport::server::Connected
 
 /// Raises the open-file limit to its hard limit, so that a kas holding many agents does
 /// not run out of descriptors at a low default; returns the limit now in force.
+#[cfg(not(madsim))]
 pub fn raise_open_files_limit() -> u64 {
     match rlimit::increase_nofile_limit(u64::MAX) {
         Ok(n) => n,

@@ -1,0 +1,157 @@
+//! Each agent replica's Kubernetes API server, behind agentk's production Kubernetes API
+//! module (`kas_agent::kubernetes_api`), which reaches it by HTTP/1.1 over an in-memory
+//! pipe (a cluster's API server is beside its agent, not across the faults). It answers as
+//! the checks need: it records each request's marker (the last segment of its path) as a
+//! delivery, names its pod in `x-pod`, and echoes the request's body as it streams in. The
+//! module is wrapped so that the simulation sees what kas sent the agent, and both reports
+//! a caller's credential or claimed identity that reached either (inv 12): kas must drop
+//! them (agentk drops them again, as defence in depth).
+
+use crate::truth::{Delivery, Truth};
+use kas_agent::kubernetes_api::{KUBERNETES_API_METHOD, UpRequest, Upstream};
+use kas_agent::modules::{Answer, Modules};
+use kas_proto::http::{HttpRequest, http_request};
+use kas_transport::http_relay::BoxError;
+use madsim::rand::{Rng, thread_rng};
+use prost::Message;
+use std::convert::Infallible;
+use std::sync::Arc;
+use std::time::Duration;
+use tokio::time::Instant;
+
+/// The token GitLab's simulated Kubernetes API callers present (`pat:<agent>:` before it),
+/// listed in each kas's `agent.kubernetes_api.tokens_file`.
+pub const USER_TOKEN: &str = "sim-user-token-0123456789";
+
+/// The tokens file: the user `sim` reaches every agent, impersonated.
+pub fn tokens_file() -> String {
+    format!(
+        "tokens:\n  - token: {USER_TOKEN}\n    kind: pat\n    agent_ids: [{}]\n    access_as: user\n    username: sim\n",
+        (1..=crate::gitlab::MAX_AGENT)
+            .map(|a| a.to_string())
+            .collect::<Vec<_>>()
+            .join(", ")
+    )
+}
+
+/// Whom kas tells the agent to act as for [`USER_TOKEN`].
+const IMPERSONATED: &str = "gitlab:user:sim";
+
+/// What a caller claims about itself in every request, and must never get through.
+pub const CLAIMED: &str = "claimed-by-the-caller";
+
+/// One replica's API server.
+#[derive(Clone)]
+struct ApiServer {
+    truth: Truth,
+    agent: i64,
+    replica: usize,
+    pod: Arc<str>,
+}
+
+/// Registers agentk's Kubernetes API module in `modules`, in front of this replica's API
+/// server, with what reaches the agent checked first.
+pub fn register(modules: &mut Modules, truth: Truth, agent: i64, replica: usize, pod: &str) {
+    let server = ApiServer {
+        truth: truth.clone(),
+        agent,
+        replica,
+        pod: pod.into(),
+    };
+    let upstream = Upstream::over(tower::service_fn(move |req: UpRequest| {
+        let server = server.clone();
+        async move { server.send(req).await }
+    }));
+    let inner = Modules::default().with_kubernetes_api(upstream);
+    modules.streaming(KUBERNETES_API_METHOD, move |requests| {
+        checked(&truth, agent, &inner, requests)
+    });
+}
+
+/// Hands the call to agentk's module, looking at the request head on the way.
+fn checked(
+    truth: &Truth,
+    agent: i64,
+    inner: &Modules,
+    mut requests: kas_agent::modules::Requests,
+) -> Answer {
+    let (tx, rx) = tokio::sync::mpsc::channel(4);
+    let truth = truth.clone();
+    tokio::spawn(async move {
+        let Some(first) = requests.recv().await else {
+            return;
+        };
+        if let Ok(Some(http_request::Kind::Head(head))) =
+            HttpRequest::decode(first.clone()).map(|m| m.kind)
+        {
+            for (name, values) in &head.headers {
+                if name == "authorization" || values.values.iter().any(|v| v.contains(CLAIMED)) {
+                    truth.violation(format!(
+                        "inv 12: kas sent agent {agent} the caller's header {name}: {:?} ({})",
+                        values.values, head.path
+                    ));
+                }
+            }
+        }
+        if tx.send(first).await.is_err() {
+            return;
+        }
+        while let Some(m) = requests.recv().await {
+            if tx.send(m).await.is_err() {
+                return;
+            }
+        }
+    });
+    inner.call(KUBERNETES_API_METHOD, rx)
+}
+
+impl ApiServer {
+    /// Sends `req` to this API server on a connection of its own.
+    async fn send(self, req: UpRequest) -> Result<http::Response<hyper::body::Incoming>, BoxError> {
+        let (client, server) = tokio::io::duplex(64 * 1024);
+        tokio::spawn(async move {
+            let service = hyper::service::service_fn(move |req| self.clone().answer(req));
+            let conn = hyper::server::conn::http1::Builder::new()
+                .serve_connection(hyper_util::rt::TokioIo::new(server), service);
+            let _ = conn.await;
+        });
+        let io = hyper_util::rt::TokioIo::new(client);
+        let (mut sender, conn) = hyper::client::conn::http1::handshake(io).await?;
+        tokio::spawn(async move {
+            let _ = conn.await;
+        });
+        Ok(sender.send_request(req).await?)
+    }
+
+    /// Records the request, checks who it came as, and echoes its body after 0-100 ms.
+    async fn answer(
+        self,
+        req: http::Request<hyper::body::Incoming>,
+    ) -> Result<http::Response<hyper::body::Incoming>, Infallible> {
+        let marker = req.uri().path().rsplit('/').next().unwrap_or_default();
+        for (name, value) in req.headers() {
+            let value = String::from_utf8_lossy(value.as_bytes());
+            let claimed = value.contains(CLAIMED) || value.contains(USER_TOKEN);
+            let identity = name == "impersonate-user" && value != IMPERSONATED;
+            if claimed || identity {
+                self.truth.violation(format!(
+                    "inv 12: agent {}'s API server got {name}: {value} ({marker})",
+                    self.agent
+                ));
+            }
+        }
+        self.truth.record(Delivery {
+            marker: marker.to_string(),
+            agent: self.agent,
+            replica: self.replica,
+            at: Instant::now(),
+        });
+        let took = Duration::from_millis(thread_rng().gen_range(0..100));
+        tokio::time::sleep(took).await;
+        let mut resp = http::Response::new(req.into_body());
+        if let Ok(pod) = http::HeaderValue::from_str(&self.pod) {
+            resp.headers_mut().insert("x-pod", pod);
+        }
+        Ok(resp)
+    }
+}
