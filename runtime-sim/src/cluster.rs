@@ -3,7 +3,8 @@
 //!
 //! Addresses: Redis `10.0.0.1:6379` (with Sentinel, its replica `10.0.0.4:6379` and the
 //! sentinels `10.0.0.5:26379`); kas `i` at `10.0.1.(i+1)` (agent 8150, api 8153,
-//! private 8155, observability 8151); agent replicas at `10.0.2.x`; callers at `10.0.3.x`.
+//! private 8155, observability 8151, Kubernetes API 8154); agent replicas at `10.0.2.x`;
+//! callers at `10.0.3.x`.
 
 use crate::gitlab::{GitLab, MAX_AGENT, token};
 use crate::redis::{NODES, RedisState, SENTINEL};
@@ -146,6 +147,11 @@ fn write_files() -> PathBuf {
     std::fs::create_dir_all(&dir).expect("temp dir");
     std::fs::write(dir.join("gitlab.secret"), "R2l0TGFi".repeat(8)).unwrap();
     std::fs::write(dir.join("kas.secret"), "S2FzS2Fz".repeat(8)).unwrap();
+    std::fs::write(
+        dir.join("user-tokens.yaml"),
+        crate::api_server::tokens_file(),
+    )
+    .unwrap();
     dir
 }
 
@@ -192,6 +198,14 @@ fn kas_config(i: usize, dir: &std::path::Path, spec: &ClusterSpec, sentinel: boo
         )
         .set("agent.max_tunnels_per_connection", crate::greedy::TUNNELS)
         .set("agent.heartbeat_timeout", "3s")
+        .set(
+            "agent.kubernetes_api.listen.address",
+            kas_addr(i, crate::kube_caller::PORT).to_string(),
+        )
+        .path(
+            "agent.kubernetes_api.tokens_file",
+            &dir.join("user-tokens.yaml"),
+        )
         .set("redis.key_prefix", "kas")
         .set("redis.timeout", "1s")
         .set("redis.pubsub_wakeups", spec.pubsub_wakeups)

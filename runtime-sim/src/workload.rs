@@ -1,11 +1,14 @@
 //! GitLab's calls during a scenario: each call goes to a random kas for a random agent
 //! (connected, absent or late) with a random deadline, some pinned to one replica's
 //! connection, a quarter of them log streams (server-streaming) and an eighth two-way
-//! exchanges (the Kubernetes API's streaming call, echoed) rather than pod lists, and its
+//! exchanges (the Kubernetes API's streaming call, echoed by the agent's API server, half
+//! of them HTTP requests to kas's Kubernetes API listener) rather than pod lists, and its
 //! outcome is recorded.
 
 use crate::cluster::kas_addr;
+use crate::kube_caller;
 use crate::planted_bug::{Bug, planted};
+use futures::FutureExt;
 use kas_auth::jwt::Secret;
 use kas_client::api_client::ApiClient;
 use madsim::rand::{Rng, thread_rng};
@@ -91,8 +94,16 @@ pub async fn pinned(
                     // Past this the checker reports it (inv 2); a hung exchange must not
                     // hang the run.
                     let limit = timeout + crate::bounds::STREAM_BOUND + Duration::from_secs(10);
-                    let two_way =
-                        exchange(&api, routed_to, connection, &marker, &mut echo_mismatch);
+                    let mismatch = &mut echo_mismatch;
+                    // Half through kas's Kubernetes API listener (which names no replica),
+                    // half as GitLab's own calls.
+                    let two_way = if connection.is_none() && thread_rng().gen_bool(0.5) {
+                        let http =
+                            kube_caller::exchange(kas, routed_to, &marker, timeout, mismatch);
+                        http.boxed()
+                    } else {
+                        exchange(&api, routed_to, connection, &marker, mismatch).boxed()
+                    };
                     tokio::time::timeout(limit, two_way)
                         .await
                         .unwrap_or_else(|_| {

@@ -228,8 +228,8 @@ impl KubernetesApiService {
                 impersonation: grant.impersonation,
             })),
         };
-        let wait =
-            request_timeout(&path).map_or(self.routing_timeout, |t| t.min(self.routing_timeout));
+        let asked = request_timeout(&path);
+        let wait = asked.map_or(self.routing_timeout, |t| t.min(self.routing_timeout));
         // A request without a body (most: a get, a watch, a log) goes whole, its close-send
         // too, so that a forward need not wait to hear the call delivered before the agent
         // has all of it; another streams its body, an upgrade's the upgraded bytes.
@@ -268,9 +268,12 @@ impl KubernetesApiService {
             .submit(id, Origin::Public, call)
             .map_err(Failure::Call)?;
         let cancel = CancelOnDrop::new(self.engine.clone(), id);
-        // The head may take the API server as long as it takes once the call is delivered.
+        // The caller's `?timeout=` bounds its wait for the response head too, as it bounds
+        // the request in kube-apiserver (a silent agent held a caller that asked for 1 s for
+        // good); without one, the head may take as long as the API server takes.
+        let head_by = asked.map(|t| clock::now() + t);
         let mut from_agent = Answer {
-            reply: Reply::new(agent, rx, cancel, None, true),
+            reply: Reply::new(agent, rx, cancel, head_by, true),
             _open: open,
             _busy: req.extensions().get::<Busy>().cloned(),
         };
