@@ -2,12 +2,18 @@
 //! module (`kas_agent::kubernetes_api`), which reaches it by HTTP/1.1 over an in-memory
 //! pipe (a cluster's API server is beside its agent, not across the faults). It answers as
 //! the checks need: it records each request's marker (the last segment of its path) as a
-//! delivery, names its pod in `x-pod`, and echoes the request's body as it streams in. The
+//! delivery, names its pod in `x-pod`, and echoes the request's body as it streams in (or
+//! the bytes of an upgraded connection, as an exec session; or sends a watch's events). The
 //! module is wrapped so that the simulation sees what kas sent the agent, and both reports
 //! a caller's credential or claimed identity that reached either (inv 12): kas must drop
 //! them (agentk drops them again, as defence in depth).
 
 use crate::truth::{Delivery, Truth};
+use bytes::Bytes;
+use http_body_util::combinators::UnsyncBoxBody;
+use http_body_util::{BodyExt, Empty, StreamBody};
+use hyper::body::{Frame, Incoming};
+use hyper_util::rt::TokioIo;
 use kas_agent::kubernetes_api::{KUBERNETES_API_METHOD, UpRequest, Upstream};
 use kas_agent::modules::{Answer, Modules};
 use kas_proto::http::{HttpRequest, http_request};
@@ -107,28 +113,33 @@ fn checked(
 
 impl ApiServer {
     /// Sends `req` to this API server on a connection of its own.
-    async fn send(self, req: UpRequest) -> Result<http::Response<hyper::body::Incoming>, BoxError> {
+    async fn send(self, req: UpRequest) -> Result<http::Response<Incoming>, BoxError> {
         let (client, server) = tokio::io::duplex(64 * 1024);
         tokio::spawn(async move {
             let service = hyper::service::service_fn(move |req| self.clone().answer(req));
             let conn = hyper::server::conn::http1::Builder::new()
-                .serve_connection(hyper_util::rt::TokioIo::new(server), service);
+                .serve_connection(TokioIo::new(server), service)
+                .with_upgrades();
             let _ = conn.await;
         });
-        let io = hyper_util::rt::TokioIo::new(client);
-        let (mut sender, conn) = hyper::client::conn::http1::handshake(io).await?;
+        let (mut sender, conn) =
+            hyper::client::conn::http1::handshake(TokioIo::new(client)).await?;
         tokio::spawn(async move {
-            let _ = conn.await;
+            let _ = conn.with_upgrades().await;
         });
         Ok(sender.send_request(req).await?)
     }
 
-    /// Records the request, checks who it came as, and echoes its body after 0-100 ms.
+    /// Records the request and checks who it came as; after 0-100 ms, answers an upgrade
+    /// (exec) by echoing the upgraded bytes, a watch (`x-sim-events: N`) with N events
+    /// 0-300 ms apart, anything else by echoing its body as it streams in.
     async fn answer(
         self,
-        req: http::Request<hyper::body::Incoming>,
-    ) -> Result<http::Response<hyper::body::Incoming>, Infallible> {
-        let marker = req.uri().path().rsplit('/').next().unwrap_or_default();
+        req: http::Request<Incoming>,
+    ) -> Result<http::Response<Body>, Infallible> {
+        let path = req.uri().path();
+        let marker = path.strip_suffix("/exec").unwrap_or(path);
+        let marker = marker.rsplit('/').next().unwrap_or_default().to_string();
         for (name, value) in req.headers() {
             let value = String::from_utf8_lossy(value.as_bytes());
             let claimed = value.contains(CLAIMED) || value.contains(USER_TOKEN);
@@ -141,17 +152,79 @@ impl ApiServer {
             }
         }
         self.truth.record(Delivery {
-            marker: marker.to_string(),
+            marker: marker.clone(),
             agent: self.agent,
             replica: self.replica,
             at: Instant::now(),
         });
         let took = Duration::from_millis(thread_rng().gen_range(0..100));
         tokio::time::sleep(took).await;
-        let mut resp = http::Response::new(req.into_body());
+        let events = req
+            .headers()
+            .get(EVENTS)
+            .and_then(|v| v.to_str().ok()?.parse::<usize>().ok());
+        let mut resp = if req.headers().contains_key(http::header::UPGRADE) {
+            echo_upgraded(req)
+        } else if let Some(n) = events {
+            http::Response::new(watch(marker, n))
+        } else {
+            http::Response::new(req.into_body().map_err(BoxError::from).boxed_unsync())
+        };
         if let Ok(pod) = http::HeaderValue::from_str(&self.pod) {
             resp.headers_mut().insert("x-pod", pod);
         }
         Ok(resp)
     }
+}
+
+/// A response body.
+type Body = UnsyncBoxBody<Bytes, BoxError>;
+
+/// The header that makes a GET a watch of this many events.
+pub const EVENTS: &str = "x-sim-events";
+
+/// The `i`th event of the watch `marker`, as its caller expects it.
+pub fn event(marker: &str, i: usize) -> String {
+    format!("{{\"type\":\"MODIFIED\",\"object\":\"{marker}/{i}\"}}\n")
+}
+
+/// A watch's `n` events, 0-300 ms apart, then its end.
+fn watch(marker: String, n: usize) -> Body {
+    let (tx, rx) = tokio::sync::mpsc::channel::<Result<Frame<Bytes>, BoxError>>(1);
+    tokio::spawn(async move {
+        for i in 0..n {
+            let gap = Duration::from_millis(thread_rng().gen_range(0..300));
+            tokio::time::sleep(gap).await;
+            if tx
+                .send(Ok(Frame::data(event(&marker, i).into())))
+                .await
+                .is_err()
+            {
+                return;
+            }
+        }
+    });
+    StreamBody::new(tokio_stream::wrappers::ReceiverStream::new(rx)).boxed_unsync()
+}
+
+/// `101 Switching Protocols`, then every byte the caller sends, back, until it closes.
+fn echo_upgraded(req: http::Request<Incoming>) -> http::Response<Body> {
+    let upgrade = req.headers().get(http::header::UPGRADE).cloned();
+    tokio::spawn(async move {
+        let Ok(io) = hyper::upgrade::on(req).await else {
+            return;
+        };
+        let (mut reader, mut writer) = tokio::io::split(TokioIo::new(io));
+        let _ = tokio::io::copy(&mut reader, &mut writer).await;
+    });
+    let mut resp = http::Response::new(Empty::new().map_err(BoxError::from).boxed_unsync());
+    *resp.status_mut() = http::StatusCode::SWITCHING_PROTOCOLS;
+    resp.headers_mut().insert(
+        http::header::CONNECTION,
+        http::HeaderValue::from_static("upgrade"),
+    );
+    if let Some(u) = upgrade {
+        resp.headers_mut().insert(http::header::UPGRADE, u);
+    }
+    resp
 }

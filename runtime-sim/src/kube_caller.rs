@@ -1,8 +1,9 @@
 //! GitLab's callers of kas's Kubernetes API listener (`agent.kubernetes_api`): HTTP/1.1
 //! over the simulated network, a bearer token naming the agent, and identity headers the
 //! caller claims for itself, which must never get through (inv 12, see `api_server`).
-//! Each request streams a body of 1-4 pieces, 0-50 ms apart, that the agent's API server
-//! echoes: what comes back must be all of it, or the caller must see an error (inv 8).
+//! A request streams a body of 1-4 pieces, 0-50 ms apart, that the agent's API server
+//! echoes, or watches 1-5 events, or opens an exec session whose bytes are echoed: what
+//! comes back must be all of it, or the caller must see an error (inv 8).
 
 use crate::api_server::{CLAIMED, USER_TOKEN};
 use crate::cluster::kas_addr;
@@ -21,9 +22,21 @@ use tonic::{Code, Status};
 /// The port of each kas's Kubernetes API listener.
 pub const PORT: u16 = 8154;
 
+/// What a request asks of the agent's API server.
+#[derive(Clone, Copy)]
+enum Shape {
+    /// A POST whose body is echoed as it streams.
+    Echo,
+    /// A watch of 1-5 events (`kubectl get -w`, `logs -f`).
+    Watch(usize),
+    /// An exec session: upgraded, its bytes echoed.
+    Exec,
+}
+
 /// One request to `agent` through kas `kas`, asking kas to wait at most `timeout` for the
-/// agent (`?timeout=`, as kubectl's `--request-timeout`). The pod that answered; `mismatch`
-/// says how the echo differed from the body sent when the response ended whole.
+/// agent (`?timeout=`, as kubectl's `--request-timeout`): an echoed body, a watch or an
+/// exec session. The pod that answered; `mismatch` says how what came back differed from
+/// what was expected when the response ended whole.
 pub async fn exchange(
     kas: usize,
     agent: i64,
@@ -31,10 +44,6 @@ pub async fn exchange(
     timeout: Duration,
     mismatch: &mut Option<String>,
 ) -> Result<String, Status> {
-    let unavailable = |what: &str, e: &dyn std::error::Error| {
-        let cause = e.source().map(|c| format!(" ({c:?})")).unwrap_or_default();
-        Status::unavailable(format!("{what}: {e}{cause}"))
-    };
     let stream = tokio::net::TcpStream::connect(kas_addr(kas, PORT))
         .await
         .map_err(|e| unavailable("connect", &e))?;
@@ -46,28 +55,36 @@ pub async fn exchange(
         .await
         .map_err(|e| unavailable("handshake", &e))?;
     tokio::spawn(async move {
-        let _ = conn.await;
+        let _ = conn.with_upgrades().await;
     });
+    let shape = match thread_rng().gen_range(0..4) {
+        0 => Shape::Watch(thread_rng().gen_range(1..=5)),
+        1 => Shape::Exec,
+        _ => Shape::Echo,
+    };
     let pieces: Vec<Bytes> = (0..thread_rng().gen_range(1..=4))
         .map(|i| Bytes::from(format!("{marker}/{i};")))
         .collect();
-    let sent: Vec<u8> = pieces.concat();
     let (tx, rx) = tokio::sync::mpsc::channel::<Result<Frame<Bytes>, Infallible>>(4);
-    tokio::spawn(async move {
-        for p in pieces {
-            let gap = Duration::from_millis(thread_rng().gen_range(0..50));
-            tokio::time::sleep(gap).await;
-            if tx.send(Ok(Frame::data(p))).await.is_err() {
-                return;
-            }
+    // Only a POST to echo has a body: a watch and an exec's upgrade have none, as kubectl's.
+    let body = match shape {
+        Shape::Echo => {
+            let stream = tokio_stream::wrappers::ReceiverStream::new(rx);
+            http_body_util::StreamBody::new(stream).boxed_unsync()
         }
-    });
-    let body = http_body_util::StreamBody::new(tokio_stream::wrappers::ReceiverStream::new(rx));
-    let path = format!(
-        "/api/v1/namespaces/default/pods/{marker}?timeout={}ms",
-        timeout.as_millis()
-    );
-    let req = http::Request::post(path)
+        Shape::Watch(_) | Shape::Exec => http_body_util::Empty::new().boxed_unsync(),
+    };
+    let query = format!("timeout={}ms", timeout.as_millis());
+    let pod_path = format!("/api/v1/namespaces/default/pods/{marker}");
+    let req = match shape {
+        Shape::Echo => http::Request::post(format!("{pod_path}?{query}")),
+        Shape::Watch(n) => http::Request::get(format!("{pod_path}?watch=1&{query}"))
+            .header(crate::api_server::EVENTS, n),
+        Shape::Exec => http::Request::post(format!("{pod_path}/exec?{query}"))
+            .header("connection", "Upgrade")
+            .header("upgrade", "SPDY/3.1"),
+    };
+    let req = req
         .header("host", "kas")
         .header("authorization", format!("Bearer pat:{agent}:{USER_TOKEN}"))
         .header("impersonate-user", CLAIMED)
@@ -76,7 +93,19 @@ pub async fn exchange(
         .header("x-remote-user", CLAIMED)
         .body(body)
         .map_err(|e| Status::internal(e.to_string()))?;
-    let resp = sender
+    let sent: Vec<u8> = pieces.concat();
+    if matches!(shape, Shape::Echo) {
+        tokio::spawn(async move {
+            for p in pieces {
+                let gap = Duration::from_millis(thread_rng().gen_range(0..50));
+                tokio::time::sleep(gap).await;
+                if tx.send(Ok(Frame::data(p))).await.is_err() {
+                    return;
+                }
+            }
+        });
+    }
+    let mut resp = sender
         .send_request(req)
         .await
         .map_err(|e| unavailable("request", &e))?;
@@ -86,22 +115,62 @@ pub async fn exchange(
         .get("x-pod")
         .and_then(|v| v.to_str().ok())
         .map(str::to_owned);
-    let body = resp.into_body().collect().await;
-    let body = body
-        .map_err(|e| unavailable("response body", &e))?
-        .to_bytes();
-    if !status.is_success() {
-        let text = String::from_utf8_lossy(&body);
-        return Err(Status::new(code(status), format!("HTTP {status}: {text}")));
-    }
-    if body != sent {
+    let got = if let (Shape::Exec, http::StatusCode::SWITCHING_PROTOCOLS) = (shape, status) {
+        let io = hyper::upgrade::on(&mut resp)
+            .await
+            .map_err(|e| unavailable("upgrade", &e))?;
+        exec(io, &sent).await?
+    } else {
+        let body = resp.into_body().collect().await;
+        let body = body
+            .map_err(|e| unavailable("response body", &e))?
+            .to_bytes();
+        if !status.is_success() {
+            let text = String::from_utf8_lossy(&body);
+            return Err(Status::new(code(status), format!("HTTP {status}: {text}")));
+        }
+        body.to_vec()
+    };
+    let expected = match shape {
+        Shape::Watch(n) => (0..n)
+            .map(|i| crate::api_server::event(marker, i))
+            .collect::<String>()
+            .into_bytes(),
+        Shape::Echo | Shape::Exec => sent,
+    };
+    if got != expected {
         *mismatch = Some(format!(
-            "echoed {:?}, sent {:?}",
-            String::from_utf8_lossy(&body),
-            String::from_utf8_lossy(&sent)
+            "got {:?}, expected {:?}",
+            String::from_utf8_lossy(&got),
+            String::from_utf8_lossy(&expected)
         ));
     }
     pod.ok_or_else(|| Status::internal("the response named no pod"))
+}
+
+/// An exec session: sends `sent` 0-50 ms a piece apart, reads as many bytes back, closes.
+async fn exec(io: hyper::upgrade::Upgraded, sent: &[u8]) -> Result<Vec<u8>, Status> {
+    use tokio::io::{AsyncReadExt, AsyncWriteExt};
+    let (mut reader, mut writer) = tokio::io::split(hyper_util::rt::TokioIo::new(io));
+    let mut got = vec![0; sent.len()];
+    let send = async {
+        for piece in sent.chunks(8) {
+            let gap = Duration::from_millis(thread_rng().gen_range(0..50));
+            tokio::time::sleep(gap).await;
+            writer.write_all(piece).await?;
+            writer.flush().await?;
+        }
+        Ok::<_, io::Error>(())
+    };
+    let (sent, read) = tokio::join!(send, reader.read_exact(&mut got));
+    sent.and(read.map(drop))
+        .map_err(|e| unavailable("exec session", &e))?;
+    Ok(got)
+}
+
+fn unavailable(what: &str, e: &dyn std::error::Error) -> Status {
+    let cause = e.source().map(|c| format!(" ({c})")).unwrap_or_default();
+    Status::unavailable(format!("{what}: {e}{cause}"))
 }
 
 /// The gRPC code the checks read for kas's HTTP status, as kas maps one to the other.

@@ -405,9 +405,11 @@ pub async fn relay_upgraded<In: Half, Out: Half>(
             }
             m = next::<In>(incoming), if incoming_open => match m?.map(Half::into_piece) {
                 Some(Some(Piece::Upgrade(bytes))) => {
-                    writer
-                        .write_all(&bytes)
-                        .await
+                    // Flushed: a writer that buffers (TLS may; the simulation's TCP does)
+                    // would otherwise hold an interactive session's bytes.
+                    let written = writer.write_all(&bytes).await;
+                    written
+                        .and(writer.flush().await)
                         .map_err(|e| format!("the upgraded connection broke: {e}"))?;
                 }
                 Some(_) => return Err("an HTTP message out of place in an upgraded stream".into()),
