@@ -29,14 +29,16 @@ use tokio::time::Instant;
 /// listed in each kas's `agent.kubernetes_api.tokens_file`.
 pub const USER_TOKEN: &str = "sim-user-token-0123456789";
 
-/// The tokens file: the user `sim` reaches every agent, impersonated.
+/// The tokens file: the user `sim` reaches any agent, impersonated; the greedy caller
+/// (see `greedy_caller`) reaches its agent, which acts as itself for it.
 pub fn tokens_file() -> String {
+    // Every agent id the runs use, the absent agent's (99) included: its calls wait for it.
+    let agents: Vec<String> = (1..=100).map(|a: i64| a.to_string()).collect();
     format!(
-        "tokens:\n  - token: {USER_TOKEN}\n    kind: pat\n    agent_ids: [{}]\n    access_as: user\n    username: sim\n",
-        (1..=crate::gitlab::MAX_AGENT)
-            .map(|a| a.to_string())
-            .collect::<Vec<_>>()
-            .join(", ")
+        "tokens:\n  - token: {USER_TOKEN}\n    kind: pat\n    agent_ids: [{}]\n    access_as: user\n    username: sim\n  - token: {}\n    kind: pat\n    agent_ids: [{}]\n    username: greedy\n",
+        agents.join(", "),
+        crate::greedy_caller::TOKEN,
+        crate::greedy_caller::CROWDED,
     )
 }
 
@@ -188,12 +190,14 @@ pub fn event(marker: &str, i: usize) -> String {
     format!("{{\"type\":\"MODIFIED\",\"object\":\"{marker}/{i}\"}}\n")
 }
 
-/// A watch's `n` events, 0-300 ms apart, then its end.
+/// A watch's `n` events, 0-300 ms apart, then its end; a long one's (a greedy caller's
+/// held watches) 1-3 s apart, which keeps the simulation quick.
 fn watch(marker: String, n: usize) -> Body {
     let (tx, rx) = tokio::sync::mpsc::channel::<Result<Frame<Bytes>, BoxError>>(1);
+    let gaps = if n > 100 { 1_000..3_000 } else { 0..300 };
     tokio::spawn(async move {
         for i in 0..n {
-            let gap = Duration::from_millis(thread_rng().gen_range(0..300));
+            let gap = Duration::from_millis(thread_rng().gen_range(gaps.clone()));
             tokio::time::sleep(gap).await;
             if tx
                 .send(Ok(Frame::data(event(&marker, i).into())))

@@ -346,7 +346,8 @@ impl Cluster {
         let (ha, kas_count) = (self.ha, self.kas_count);
         // Half the replicas keep one tunnel only: a call then waits for it or takes
         // another replica's, and a pinned call must not.
-        let one_tunnel = thread_rng().gen_bool(0.5);
+        // (The greedy caller's agent keeps as many as kas allows.)
+        let one_tunnel = agent != crate::greedy_caller::CROWDED && thread_rng().gen_bool(0.5);
         // The delay applies to the first start only.
         let delay = Arc::new(AtomicU64::new(
             u64::try_from(delay.as_millis()).unwrap_or(u64::MAX),

@@ -7,6 +7,7 @@
 
 use crate::api_server::{CLAIMED, USER_TOKEN};
 use crate::cluster::kas_addr;
+use crate::workload::Call;
 use bytes::Bytes;
 use http_body_util::BodyExt;
 use hyper::body::Frame;
@@ -17,10 +18,34 @@ use std::pin::Pin;
 use std::task::{Context, Poll};
 use std::time::Duration;
 use tokio::io::{AsyncRead, AsyncWrite, ReadBuf};
+use tokio::time::Instant;
 use tonic::{Code, Status};
 
 /// The port of each kas's Kubernetes API listener.
 pub const PORT: u16 = 8154;
+
+/// One request (see [`exchange`]) as a call the checks judge; a hung one is cut past the
+/// bound the checker holds it to.
+pub async fn call(kas: usize, agent: i64, marker: String, timeout: Duration) -> Call {
+    let started = Instant::now();
+    let mut mismatch = None;
+    let limit = timeout + crate::bounds::STREAM_BOUND + Duration::from_secs(10);
+    let result = tokio::time::timeout(limit, exchange(kas, agent, &marker, timeout, &mut mismatch))
+        .await
+        .unwrap_or_else(|_| Err(Status::deadline_exceeded("the exchange hung")));
+    Call {
+        marker,
+        kas,
+        agent,
+        replica: None,
+        started,
+        timeout,
+        took: started.elapsed(),
+        result: result.map_err(|s| (s.code(), s.message().to_string())),
+        echo_mismatch: mismatch,
+        two_way: true,
+    }
+}
 
 /// What a request asks of the agent's API server.
 #[derive(Clone, Copy)]

@@ -16,6 +16,8 @@ pub mod gitlab;
 #[cfg(madsim)]
 pub mod greedy;
 #[cfg(madsim)]
+pub mod greedy_caller;
+#[cfg(madsim)]
 pub mod kube_caller;
 #[cfg(madsim)]
 pub mod planted_bug;

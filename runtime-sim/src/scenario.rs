@@ -4,6 +4,7 @@
 
 use crate::checker::{self, HalfOpen, Outage, Revocation, Stall, Stats};
 use crate::cluster::{AgentSpec, Cluster, ClusterSpec, Script};
+use crate::greedy_caller;
 use crate::redis::{MAX_REPLICATION_LAG, SHARDS};
 use crate::store_back;
 use crate::truth::pod_name;
@@ -998,11 +999,48 @@ pub async fn run(scenario: Scenario) -> Report {
     let start = Instant::now();
     // One caller node for every phase.
     let caller = cluster.caller();
+    // Where every call is judged, a greedy Kubernetes API caller crowds one more agent.
+    let judged = scenario == Scenario::Steady && !points.iter().any(|p| p.is_fault());
+    let greedy = judged.then(|| {
+        let kas = thread_rng().gen_range(0..spec.kas);
+        cluster.add_agent(greedy_caller::CROWDED, 0, kas, Duration::ZERO);
+        agents.push(AgentSpec {
+            agent: greedy_caller::CROWDED,
+            replicas: vec![kas],
+        });
+        let until = start + FAULTY - Duration::from_secs(4);
+        caller.spawn(async move {
+            tokio::time::sleep(Duration::from_secs(2)).await;
+            greedy_caller::run(kas, until).await
+        })
+    });
     let (mut calls, log) =
         faulty_phase(scenario, &cluster, &caller, &spec, &agents, every, start).await;
+    let mut violations = log.violations.clone();
+    // Requests GitLab's callers made besides `calls`.
+    let mut uncounted = 0;
+    if let Some(greedy) = greedy {
+        let crowding = greedy.await.expect("the greedy caller runs");
+        for c in crowding.probes.iter().filter(|c| c.result.is_err()) {
+            violations.push(format!(
+                "inv 10: {} for agent {} through kas{} failed while a greedy caller held {} watches on it: {:?}",
+                c.marker, c.agent, c.kas, crowding.held, c.result
+            ));
+        }
+        if crowding.held != greedy_caller::SHARE {
+            violations.push(format!(
+                "inv 10: a greedy caller was given {} watches on agent {}, not {} (all but a quarter of the {} tunnels its one connection may open)",
+                crowding.held,
+                greedy_caller::CROWDED,
+                greedy_caller::SHARE,
+                crate::greedy::TUNNELS
+            ));
+        }
+        calls.extend(crowding.probes);
+        uncounted = crowding.asked;
+    }
     // The fault points are faults too: off for the healed phase (timing points stay on).
     kas_server::buggify::heal();
-    let mut violations = log.violations.clone();
     if scenario.ha() {
         let ha: Vec<i64> = spec.agents.iter().map(|a| a.agent).collect();
         let from = start + Duration::from_secs(1);
@@ -1020,7 +1058,7 @@ pub async fn run(scenario: Scenario) -> Report {
         let until = Instant::now();
         violations.extend(checker::check_available(&homes, &ha, &log.outages, until));
     }
-    if scenario == Scenario::Steady && !points.iter().any(|p| p.is_fault()) {
+    if judged {
         // Calls in the first second may find kas not yet listening.
         let settled: Vec<Call> = calls
             .iter()
@@ -1044,7 +1082,7 @@ pub async fn run(scenario: Scenario) -> Report {
         violations.extend(checker::check_holds(&calls, &holds, &log.stalls));
     }
     violations.extend(checker::check_revoked(&log.revocations, &truth));
-    violations.extend(leaks_left(&cluster, calls.len()).await);
+    violations.extend(leaks_left(&cluster, calls.len() + uncounted).await);
     violations.extend(cluster.truth.violations());
     if !violations.is_empty() {
         violations.push(format!("(buggify points on in this run: {points:?})"));

@@ -1,0 +1,108 @@
+//! A greedy Kubernetes API caller: through one kas, it opens watches on one agent until kas
+//! gives it no more, and holds them, while another caller's requests to that agent through
+//! the same kas, one every 250 ms, must each be answered (inv 10: no caller can hold all
+//! of an agent's tunnels; kas leaves a quarter of those the agent may open to others), and
+//! it must have been given exactly its share.
+//! Run in the steady runs without failing fault points, where every call is judged.
+
+use crate::cluster::kas_addr;
+use crate::kube_caller::{self, PORT};
+use crate::workload::Call;
+use http_body_util::{BodyExt, Empty};
+use std::time::Duration;
+use tokio::task::JoinHandle;
+use tokio::time::Instant;
+
+/// The agent the greedy caller crowds: one replica keeping as many tunnels as kas allows.
+pub const CROWDED: i64 = 59;
+
+/// The greedy caller's token (`pat:59:` before it), the agent acting as itself for it.
+pub const TOKEN: &str = "greedy-user-token-0123456789";
+
+/// What one caller may hold of the tunnels one connection may open (16): all but a
+/// quarter. kas holds back its next request (it may not take the last free tunnel either).
+pub const SHARE: usize = crate::greedy::TUNNELS - crate::greedy::TUNNELS / 4;
+
+/// More than the per-agent request limit (32): the tunnels' share stops it first.
+const MOST: usize = 40;
+
+/// How long another caller's request may take.
+const PROBE_TIMEOUT: Duration = Duration::from_secs(3);
+
+/// A held watch: its task reads the events until aborted.
+struct Held(JoinHandle<()>);
+
+impl Drop for Held {
+    fn drop(&mut self) {
+        self.0.abort();
+    }
+}
+
+/// What came of a greedy caller's run.
+pub struct Crowding {
+    /// The other caller's requests.
+    pub probes: Vec<Call>,
+    /// Watches held meanwhile.
+    pub held: usize,
+    /// Watches asked for (kas counts each it routed).
+    pub asked: usize,
+}
+
+/// Crowds [`CROWDED`] through kas `kas` until `until`.
+pub async fn run(kas: usize, until: Instant) -> Crowding {
+    let mut held = Vec::new();
+    let mut asked = 0;
+    while held.len() < MOST {
+        asked += 1;
+        match watch(kas).await {
+            Some(h) => held.push(h),
+            None => break,
+        }
+    }
+    let mut calls = Vec::new();
+    while Instant::now() < until {
+        let marker = format!("probe-{}", calls.len());
+        calls.push(kube_caller::call(kas, CROWDED, marker, PROBE_TIMEOUT).await);
+        tokio::time::sleep(Duration::from_millis(250)).await;
+    }
+    Crowding {
+        probes: calls,
+        held: held.len(),
+        asked,
+    }
+}
+
+/// Opens one endless watch; `None` once kas holds it back for a second or refuses it.
+async fn watch(kas: usize) -> Option<Held> {
+    let stream = tokio::net::TcpStream::connect(kas_addr(kas, PORT))
+        .await
+        .ok()?;
+    let io = hyper_util::rt::TokioIo::new(stream);
+    let (mut sender, conn) = hyper::client::conn::http1::handshake(io).await.ok()?;
+    let req = http::Request::get(format!(
+        "/api/v1/namespaces/default/pods/greedy-{}?watch=1&timeout=1s",
+        madsim::rand::random::<u64>()
+    ))
+    .header("host", "kas")
+    .header("authorization", format!("Bearer pat:{CROWDED}:{TOKEN}"))
+    .header(crate::api_server::EVENTS, 1_000_000)
+    .body(Empty::<bytes::Bytes>::new())
+    .ok()?;
+    let task = tokio::spawn(async move {
+        let _ = conn.await;
+    });
+    let resp = tokio::time::timeout(Duration::from_secs(3), sender.send_request(req))
+        .await
+        .ok()?
+        .ok()?;
+    if !resp.status().is_success() {
+        task.abort();
+        return None;
+    }
+    let read = tokio::spawn(async move {
+        let _conn = Held(task);
+        let mut body = resp.into_body();
+        while let Some(Ok(_)) = body.frame().await {}
+    });
+    Some(Held(read))
+}
