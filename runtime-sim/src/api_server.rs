@@ -8,6 +8,7 @@
 //! a caller's credential or claimed identity that reached either (inv 12): kas must drop
 //! them (agentk drops them again, as defence in depth).
 
+use crate::callers::{CLAIMED, IMPERSONATED, USER_TOKEN};
 use crate::truth::{Delivery, Truth};
 use bytes::Bytes;
 use http_body_util::combinators::UnsyncBoxBody;
@@ -24,29 +25,6 @@ use std::convert::Infallible;
 use std::sync::Arc;
 use std::time::Duration;
 use tokio::time::Instant;
-
-/// The token GitLab's simulated Kubernetes API callers present (`pat:<agent>:` before it),
-/// listed in each kas's `agent.kubernetes_api.tokens_file`.
-pub const USER_TOKEN: &str = "sim-user-token-0123456789";
-
-/// The tokens file: the user `sim` reaches any agent, impersonated; the greedy caller
-/// (see `greedy_caller`) reaches its agent, which acts as itself for it.
-pub fn tokens_file() -> String {
-    // Every agent id the runs use, the absent agent's (99) included: its calls wait for it.
-    let agents: Vec<String> = (1..=100).map(|a: i64| a.to_string()).collect();
-    format!(
-        "tokens:\n  - token: {USER_TOKEN}\n    kind: pat\n    agent_ids: [{}]\n    access_as: user\n    username: sim\n  - token: {}\n    kind: pat\n    agent_ids: [{}]\n    username: greedy\n",
-        agents.join(", "),
-        crate::greedy_caller::TOKEN,
-        crate::greedy_caller::CROWDED,
-    )
-}
-
-/// Whom kas tells the agent to act as for [`USER_TOKEN`].
-const IMPERSONATED: &str = "gitlab:user:sim";
-
-/// What a caller claims about itself in every request, and must never get through.
-pub const CLAIMED: &str = "claimed-by-the-caller";
 
 /// One replica's API server.
 #[derive(Clone)]

@@ -147,11 +147,7 @@ fn write_files() -> PathBuf {
     std::fs::create_dir_all(&dir).expect("temp dir");
     std::fs::write(dir.join("gitlab.secret"), "R2l0TGFi".repeat(8)).unwrap();
     std::fs::write(dir.join("kas.secret"), "S2FzS2Fz".repeat(8)).unwrap();
-    std::fs::write(
-        dir.join("user-tokens.yaml"),
-        crate::api_server::tokens_file(),
-    )
-    .unwrap();
+    std::fs::write(dir.join("user-tokens.yaml"), crate::callers::tokens_file()).unwrap();
     dir
 }
 
@@ -167,6 +163,9 @@ fn sim_store(config: &Config) -> Store {
     let store = RedisStore::over(&topology, dial.clone(), dial, r.timeout);
     Store::new(store.expect("the simulated Redis node's address"))
 }
+
+/// The port of each kas's Kubernetes API listener.
+pub const KUBERNETES_API_PORT: u16 = 8154;
 
 /// A simulated kas's configuration: production defaults (the 60 s `subscription_linger`
 /// included) but for the short record TTL that lets a run see records expire; the master
@@ -200,7 +199,7 @@ fn kas_config(i: usize, dir: &std::path::Path, spec: &ClusterSpec, sentinel: boo
         .set("agent.heartbeat_timeout", "3s")
         .set(
             "agent.kubernetes_api.listen.address",
-            kas_addr(i, crate::kube_caller::PORT).to_string(),
+            kas_addr(i, KUBERNETES_API_PORT).to_string(),
         )
         .path(
             "agent.kubernetes_api.tokens_file",
@@ -347,7 +346,7 @@ impl Cluster {
         // Half the replicas keep one tunnel only: a call then waits for it or takes
         // another replica's, and a pinned call must not.
         // (The greedy caller's agent keeps as many as kas allows.)
-        let one_tunnel = agent != crate::greedy_caller::CROWDED && thread_rng().gen_bool(0.5);
+        let one_tunnel = agent != crate::callers::CROWDED && thread_rng().gen_bool(0.5);
         // The delay applies to the first start only.
         let delay = Arc::new(AtomicU64::new(
             u64::try_from(delay.as_millis()).unwrap_or(u64::MAX),
@@ -380,7 +379,9 @@ impl Cluster {
                 // Reconnect delays capped at 4 s (the default cap is 60 s), so that the
                 // healed phase may expect every agent back within its settle time.
                 options.reconnect.max = RECONNECT_MAX;
-                let modules = Arc::new(truth.module(agent, replica, &pod));
+                let mut modules = truth.module(agent, replica, &pod);
+                crate::api_server::register(&mut modules, truth.clone(), agent, replica, &pod);
+                let modules = Arc::new(modules);
                 let (stop, shutdown) = tokio::sync::watch::channel(false);
                 let delay = Duration::from_millis(delay.swap(0, Ordering::Relaxed));
                 let truth = truth.clone();

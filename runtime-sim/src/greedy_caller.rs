@@ -5,19 +5,14 @@
 //! it must have been given exactly its share.
 //! Run in the steady runs without failing fault points, where every call is judged.
 
-use crate::cluster::kas_addr;
-use crate::kube_caller::{self, PORT};
+use crate::callers::{CROWDED, GREEDY_TOKEN};
+use crate::cluster::{KUBERNETES_API_PORT, kas_addr};
+use crate::kube_caller;
 use crate::workload::Call;
 use http_body_util::{BodyExt, Empty};
 use std::time::Duration;
 use tokio::task::JoinHandle;
 use tokio::time::Instant;
-
-/// The agent the greedy caller crowds: one replica keeping as many tunnels as kas allows.
-pub const CROWDED: i64 = 59;
-
-/// The greedy caller's token (`pat:59:` before it), the agent acting as itself for it.
-pub const TOKEN: &str = "greedy-user-token-0123456789";
 
 /// What one caller may hold of the tunnels one connection may open (16): all but a
 /// quarter. kas holds back its next request (it may not take the last free tunnel either).
@@ -62,7 +57,7 @@ pub async fn run(kas: usize, until: Instant) -> Crowding {
     let mut calls = Vec::new();
     while Instant::now() < until {
         let marker = format!("probe-{}", calls.len());
-        calls.push(kube_caller::call(kas, CROWDED, marker, PROBE_TIMEOUT).await);
+        calls.push(probe(kas, marker).await);
         tokio::time::sleep(Duration::from_millis(250)).await;
     }
     Crowding {
@@ -72,9 +67,36 @@ pub async fn run(kas: usize, until: Instant) -> Crowding {
     }
 }
 
+/// Another caller's request to [`CROWDED`] (see `kube_caller::exchange`), as a call the
+/// checks judge; a hung one is cut past the bound the checker holds it to.
+async fn probe(kas: usize, marker: String) -> Call {
+    let (agent, timeout) = (CROWDED, PROBE_TIMEOUT);
+    let started = Instant::now();
+    let mut mismatch = None;
+    let limit = timeout + crate::bounds::STREAM_BOUND + Duration::from_secs(10);
+    let result = tokio::time::timeout(
+        limit,
+        kube_caller::exchange(kas, agent, &marker, timeout, &mut mismatch),
+    )
+    .await
+    .unwrap_or_else(|_| Err(tonic::Status::deadline_exceeded("the exchange hung")));
+    Call {
+        marker,
+        kas,
+        agent,
+        replica: None,
+        started,
+        timeout,
+        took: started.elapsed(),
+        result: result.map_err(|s| (s.code(), s.message().to_string())),
+        echo_mismatch: mismatch,
+        two_way: true,
+    }
+}
+
 /// Opens one endless watch; `None` once kas holds it back for a second or refuses it.
 async fn watch(kas: usize) -> Option<Held> {
-    let stream = tokio::net::TcpStream::connect(kas_addr(kas, PORT))
+    let stream = tokio::net::TcpStream::connect(kas_addr(kas, KUBERNETES_API_PORT))
         .await
         .ok()?;
     let io = hyper_util::rt::TokioIo::new(stream);
@@ -84,7 +106,10 @@ async fn watch(kas: usize) -> Option<Held> {
         madsim::rand::random::<u64>()
     ))
     .header("host", "kas")
-    .header("authorization", format!("Bearer pat:{CROWDED}:{TOKEN}"))
+    .header(
+        "authorization",
+        format!("Bearer pat:{CROWDED}:{GREEDY_TOKEN}"),
+    )
     .header(crate::api_server::EVENTS, 1_000_000)
     .body(Empty::<bytes::Bytes>::new())
     .ok()?;

@@ -5,9 +5,8 @@
 //! echoes, or watches 1-5 events, or opens an exec session whose bytes are echoed: what
 //! comes back must be all of it, or the caller must see an error (inv 8).
 
-use crate::api_server::{CLAIMED, USER_TOKEN};
-use crate::cluster::kas_addr;
-use crate::workload::Call;
+use crate::callers::{CLAIMED, USER_TOKEN};
+use crate::cluster::{KUBERNETES_API_PORT, kas_addr};
 use bytes::Bytes;
 use http_body_util::BodyExt;
 use hyper::body::Frame;
@@ -18,34 +17,7 @@ use std::pin::Pin;
 use std::task::{Context, Poll};
 use std::time::Duration;
 use tokio::io::{AsyncRead, AsyncWrite, ReadBuf};
-use tokio::time::Instant;
 use tonic::{Code, Status};
-
-/// The port of each kas's Kubernetes API listener.
-pub const PORT: u16 = 8154;
-
-/// One request (see [`exchange`]) as a call the checks judge; a hung one is cut past the
-/// bound the checker holds it to.
-pub async fn call(kas: usize, agent: i64, marker: String, timeout: Duration) -> Call {
-    let started = Instant::now();
-    let mut mismatch = None;
-    let limit = timeout + crate::bounds::STREAM_BOUND + Duration::from_secs(10);
-    let result = tokio::time::timeout(limit, exchange(kas, agent, &marker, timeout, &mut mismatch))
-        .await
-        .unwrap_or_else(|_| Err(Status::deadline_exceeded("the exchange hung")));
-    Call {
-        marker,
-        kas,
-        agent,
-        replica: None,
-        started,
-        timeout,
-        took: started.elapsed(),
-        result: result.map_err(|s| (s.code(), s.message().to_string())),
-        echo_mismatch: mismatch,
-        two_way: true,
-    }
-}
 
 /// What a request asks of the agent's API server.
 #[derive(Clone, Copy)]
@@ -69,7 +41,7 @@ pub async fn exchange(
     timeout: Duration,
     mismatch: &mut Option<String>,
 ) -> Result<String, Status> {
-    let stream = tokio::net::TcpStream::connect(kas_addr(kas, PORT))
+    let stream = tokio::net::TcpStream::connect(kas_addr(kas, KUBERNETES_API_PORT))
         .await
         .map_err(|e| unavailable("connect", &e))?;
     let io = hyper_util::rt::TokioIo::new(Flushed {

@@ -8,6 +8,8 @@ pub mod api_server;
 #[cfg(madsim)]
 pub mod bounds;
 #[cfg(madsim)]
+pub mod callers;
+#[cfg(madsim)]
 pub mod checker;
 #[cfg(madsim)]
 pub mod cluster;

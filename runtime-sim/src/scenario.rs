@@ -1003,9 +1003,9 @@ pub async fn run(scenario: Scenario) -> Report {
     let judged = scenario == Scenario::Steady && !points.iter().any(|p| p.is_fault());
     let greedy = judged.then(|| {
         let kas = thread_rng().gen_range(0..spec.kas);
-        cluster.add_agent(greedy_caller::CROWDED, 0, kas, Duration::ZERO);
+        cluster.add_agent(crate::callers::CROWDED, 0, kas, Duration::ZERO);
         agents.push(AgentSpec {
-            agent: greedy_caller::CROWDED,
+            agent: crate::callers::CROWDED,
             replicas: vec![kas],
         });
         let until = start + FAULTY - Duration::from_secs(4);
@@ -1031,7 +1031,7 @@ pub async fn run(scenario: Scenario) -> Report {
             violations.push(format!(
                 "inv 10: a greedy caller was given {} watches on agent {}, not {} (all but a quarter of the {} tunnels its one connection may open)",
                 crowding.held,
-                greedy_caller::CROWDED,
+                crate::callers::CROWDED,
                 greedy_caller::SHARE,
                 crate::greedy::TUNNELS
             ));

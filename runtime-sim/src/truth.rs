@@ -97,7 +97,6 @@ impl Truth {
             });
             async move { Ok(ReceiverStream::new(rx)) }
         });
-        crate::api_server::register(&mut modules, log.clone(), agent, replica, &pod);
         modules.unary(PODS_LIST, move |req: ListRequest| {
             log.record(Delivery {
                 marker: req.namespace,
