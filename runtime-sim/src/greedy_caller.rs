@@ -6,7 +6,6 @@
 //! Run in the steady runs without failing fault points, where every call is judged.
 
 use crate::callers::{CROWDED, GREEDY_TOKEN};
-use crate::cluster::{KUBERNETES_API_PORT, kas_addr};
 use crate::kube_caller;
 use crate::workload::Call;
 use http_body_util::{BodyExt, Empty};
@@ -96,10 +95,7 @@ async fn probe(kas: usize, marker: String) -> Call {
 
 /// Opens one endless watch; `None` once kas holds it back for a second or refuses it.
 async fn watch(kas: usize) -> Option<Held> {
-    let stream = tokio::net::TcpStream::connect(kas_addr(kas, KUBERNETES_API_PORT))
-        .await
-        .ok()?;
-    let io = hyper_util::rt::TokioIo::new(stream);
+    let io = kube_caller::dial(kas).await.ok()?;
     let (mut sender, conn) = hyper::client::conn::http1::handshake(io).await.ok()?;
     let req = http::Request::get(format!(
         "/api/v1/namespaces/default/pods/greedy-{}?watch=1&timeout=1s",

@@ -41,13 +41,7 @@ pub async fn exchange(
     timeout: Duration,
     mismatch: &mut Option<String>,
 ) -> Result<String, Status> {
-    let stream = tokio::net::TcpStream::connect(kas_addr(kas, KUBERNETES_API_PORT))
-        .await
-        .map_err(|e| unavailable("connect", &e))?;
-    let io = hyper_util::rt::TokioIo::new(Flushed {
-        stream,
-        unflushed: false,
-    });
+    let io = dial(kas).await.map_err(|e| unavailable("connect", &e))?;
     let (mut sender, conn) = hyper::client::conn::http1::handshake(io)
         .await
         .map_err(|e| unavailable("handshake", &e))?;
@@ -184,11 +178,22 @@ fn code(status: http::StatusCode) -> Code {
     }
 }
 
-/// A simulated TCP stream that flushes only what was written: madsim's fails a flush with
-/// nothing to send once the peer has closed, where a real socket's does nothing (hyper's
-/// client flushes after the last body chunk, and a kas that had answered and closed the
-/// connection by then failed the caller's read of that answer).
-struct Flushed {
+/// A connection to kas `kas`'s Kubernetes API listener, for hyper.
+pub async fn dial(kas: usize) -> io::Result<hyper_util::rt::TokioIo<Flushed>> {
+    let stream = tokio::net::TcpStream::connect(kas_addr(kas, KUBERNETES_API_PORT)).await?;
+    Ok(hyper_util::rt::TokioIo::new(Flushed {
+        stream,
+        unflushed: false,
+    }))
+}
+
+/// A simulated TCP stream that flushes only what was written. madsim's sends a message for
+/// every flush, an empty one too, which wakes the peer: hyper flushes at each poll, so two
+/// hyper ends of a held connection (a watch) sent each other empty messages for as long as
+/// it lasted (three quarters of a run's instructions with a greedy caller's watches), and
+/// once the peer has closed, an empty flush fails where a real socket's does nothing (a
+/// kas that had answered and closed failed the caller's read of that answer).
+pub struct Flushed {
     stream: tokio::net::TcpStream,
     unflushed: bool,
 }
