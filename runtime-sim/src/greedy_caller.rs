@@ -7,7 +7,7 @@
 
 use crate::callers::{CROWDED, GREEDY_TOKEN};
 use crate::kube_caller;
-use crate::workload::Call;
+use crate::workload::{self, Call};
 use http_body_util::{BodyExt, Empty};
 use std::time::Duration;
 use tokio::task::JoinHandle;
@@ -67,18 +67,13 @@ pub async fn run(kas: usize, until: Instant) -> Crowding {
 }
 
 /// Another caller's request to [`CROWDED`] (see `kube_caller::exchange`), as a call the
-/// checks judge; a hung one is cut past the bound the checker holds it to.
+/// checks judge.
 async fn probe(kas: usize, marker: String) -> Call {
     let (agent, timeout) = (CROWDED, PROBE_TIMEOUT);
     let started = Instant::now();
     let mut mismatch = None;
-    let limit = timeout + crate::bounds::STREAM_BOUND + Duration::from_secs(10);
-    let result = tokio::time::timeout(
-        limit,
-        kube_caller::exchange(kas, agent, &marker, timeout, &mut mismatch),
-    )
-    .await
-    .unwrap_or_else(|_| Err(tonic::Status::deadline_exceeded("the exchange hung")));
+    let exchange = kube_caller::exchange(kas, agent, &marker, timeout, &mut mismatch);
+    let result = workload::bounded(timeout, exchange).await;
     Call {
         marker,
         kas,

@@ -91,9 +91,6 @@ pub async fn pinned(
             let answer = match kind {
                 Kind::Logs => logs(&api, routed_to, connection, &marker).await,
                 Kind::Exchange => {
-                    // Past this the checker reports it (inv 2); a hung exchange must not
-                    // hang the run.
-                    let limit = timeout + crate::bounds::STREAM_BOUND + Duration::from_secs(10);
                     let mismatch = &mut echo_mismatch;
                     // Half through kas's Kubernetes API listener (which names no replica),
                     // half as GitLab's own calls.
@@ -104,11 +101,7 @@ pub async fn pinned(
                     } else {
                         exchange(&api, routed_to, connection, &marker, mismatch).boxed()
                     };
-                    tokio::time::timeout(limit, two_way)
-                        .await
-                        .unwrap_or_else(|_| {
-                            Err(tonic::Status::deadline_exceeded("the exchange hung"))
-                        })
+                    bounded(timeout, two_way).await
                 }
                 Kind::List => {
                     let pods = api.pods(routed_to, connection, &marker).await;
@@ -133,6 +126,18 @@ pub async fn pinned(
         echo_mismatch,
         two_way: kind == Kind::Exchange,
     }
+}
+
+/// A two-way call with timeout `timeout`, cut off past the bound the checker holds it to
+/// (inv 2 reports it then): a hung exchange must not hang the run.
+pub async fn bounded<T>(
+    timeout: Duration,
+    two_way: impl Future<Output = Result<T, tonic::Status>>,
+) -> Result<T, tonic::Status> {
+    let limit = timeout + crate::bounds::STREAM_BOUND + Duration::from_secs(10);
+    tokio::time::timeout(limit, two_way)
+        .await
+        .unwrap_or_else(|_| Err(tonic::Status::deadline_exceeded("the exchange hung")))
 }
 
 /// A two-way exchange: the head, then 1-4 body pieces sent 0-50 ms apart while the echo
