@@ -2,12 +2,12 @@
 //! running kas-server's and kas-agent's production code, plus GitLab caller nodes.
 //!
 //! Addresses: Redis `10.0.0.1:6379` (with Sentinel, its replica `10.0.0.4:6379` and the
-//! sentinels `10.0.0.5:26379`); kas `i` at `10.0.1.(i+1)` (agent 8150, api 8153,
+//! sentinels `10.0.0.5:26379`; a Redis Cluster's masters at `10.0.0.11-13:6379`); kas `i` at `10.0.1.(i+1)` (agent 8150, api 8153,
 //! private 8155, observability 8151, Kubernetes API 8154); agent replicas at `10.0.2.x`;
 //! callers at `10.0.3.x`.
 
 use crate::gitlab::{GitLab, MAX_AGENT, token};
-use crate::redis::{NODES, RedisState, SENTINEL};
+use crate::redis::{NODES, RedisState, SENTINEL, SHARDS, shard_address};
 use crate::redis_dial::SimDial;
 use crate::truth::{Truth, pod_name};
 use kas_agent::AgentOptions;
@@ -93,8 +93,11 @@ pub struct Cluster {
     /// Each kas's report of its last graceful stop.
     pub stopped: Vec<StopSlot>,
     /// The Redis nodes ([`crate::redis::NODES`]): the master alone, or with Sentinel a
-    /// replica too; [`Cluster::redis_master`] is the one serving now.
+    /// replica too ([`Cluster::redis_master`] is the one serving now); or a Redis
+    /// Cluster's shards' masters, in shard order.
     pub redis_nodes: Vec<NodeHandle>,
+    /// How the kas reach Redis.
+    pub redis_mode: RedisMode,
     /// The kas nodes, by index.
     pub kas_nodes: Vec<NodeHandle>,
     /// Agent replica nodes: (agent, replica index, node).
@@ -167,10 +170,21 @@ fn sim_store(config: &Config) -> Store {
 /// The port of each kas's Kubernetes API listener.
 pub const KUBERNETES_API_PORT: u16 = 8154;
 
+/// How the kas reach Redis in a run.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum RedisMode {
+    /// One server.
+    Server,
+    /// The master Sentinel names, with a replica it may promote.
+    Sentinel,
+    /// A Redis Cluster of [`SHARDS`] masters.
+    Cluster,
+}
+
 /// A simulated kas's configuration: production defaults (the 60 s `subscription_linger`
-/// included) but for the short record TTL that lets a run see records expire; the master
-/// found through Sentinel, or at the one Redis node.
-fn kas_config(i: usize, dir: &std::path::Path, spec: &ClusterSpec, sentinel: bool) -> Config {
+/// included) but for the short record TTL that lets a run see records expire; Redis as
+/// `mode` says.
+fn kas_config(i: usize, dir: &std::path::Path, spec: &ClusterSpec, mode: RedisMode) -> Config {
     let listen = [8150, 8153, 8155, 8151].map(|port| kas_addr(i, port));
     let text = ConfigWriter::kas_in(dir, listen)
         // Agent tokens resolved through GitLab (the simulation's, see `gitlab`), cached for
@@ -209,25 +223,31 @@ fn kas_config(i: usize, dir: &std::path::Path, spec: &ClusterSpec, sentinel: boo
         .set("redis.timeout", "1s")
         .set("redis.pubsub_wakeups", spec.pubsub_wakeups)
         .duration("shutdown_grace", spec.grace);
-    let text = if sentinel {
-        text.set("redis.sentinel.master_name", crate::redis::MASTER_NAME)
-            .set("redis.sentinel.addresses", vec![SENTINEL.to_string()])
-    } else {
-        text.set("redis.server.address", NODES[0].to_string())
+    let text = match mode {
+        RedisMode::Sentinel => text
+            .set("redis.sentinel.master_name", crate::redis::MASTER_NAME)
+            .set("redis.sentinel.addresses", vec![SENTINEL.to_string()]),
+        RedisMode::Server => text.set("redis.server.address", NODES[0].to_string()),
+        RedisMode::Cluster => text.set(
+            "redis.cluster.addresses",
+            (0..SHARDS)
+                .map(|s| shard_address(s).to_string())
+                .collect::<Vec<_>>(),
+        ),
     }
     .text();
     Config::parse(&text, &format!("kas{i}.yaml")).unwrap_or_else(|e| panic!("{e}"))
 }
 
 impl Cluster {
-    /// The Redis node that is the master now.
+    /// The Redis node that is the master now (on a cluster, a random shard's).
     pub fn redis_master(&self) -> &NodeHandle {
-        &self.redis_nodes[self.redis.master()]
-    }
-
-    /// Whether kas find the master through Sentinel (there is a replica to promote).
-    pub fn sentinel(&self) -> bool {
-        self.redis_nodes.len() > 1
+        match self.redis_mode {
+            RedisMode::Cluster => {
+                &self.redis_nodes[thread_rng().gen_range(0..self.redis_nodes.len())]
+            }
+            _ => &self.redis_nodes[self.redis.master()],
+        }
     }
 
     /// Creates every node; they start at once.
@@ -239,20 +259,39 @@ impl Cluster {
         let truth = Truth::default();
         let health: Vec<HealthSlot> = (0..spec.kas).map(|_| HealthSlot::default()).collect();
         let stopped: Vec<StopSlot> = (0..spec.kas).map(|_| StopSlot::default()).collect();
-        // Half the runs find the master through Sentinel, with a replica it may promote.
-        let sentinel = thread_rng().gen_bool(0.5);
-        let redis_nodes = (0..if sentinel { 2 } else { 1 })
-            .map(|i| {
-                let state = redis.clone();
-                handle
-                    .create_node()
-                    .name(format!("redis{i}"))
-                    .ip(NODES[i].ip())
-                    .init(move || state.clone().serve(i))
-                    .build()
+        // A third of the runs find the master through Sentinel, with a replica it may
+        // promote; a third run on a Redis Cluster.
+        let redis_mode = [RedisMode::Server, RedisMode::Sentinel, RedisMode::Cluster]
+            [thread_rng().gen_range(0..3)];
+        let redis_nodes = match redis_mode {
+            RedisMode::Cluster => (0..SHARDS)
+                .map(|shard| {
+                    let state = redis.clone();
+                    handle
+                        .create_node()
+                        .name(format!("redis-shard{shard}"))
+                        .ip(shard_address(shard).ip())
+                        .init(move || state.clone().serve_shard(shard))
+                        .build()
+                })
+                .collect(),
+            _ => (0..if redis_mode == RedisMode::Sentinel {
+                2
+            } else {
+                1
             })
-            .collect();
-        if sentinel {
+                .map(|i| {
+                    let state = redis.clone();
+                    handle
+                        .create_node()
+                        .name(format!("redis{i}"))
+                        .ip(NODES[i].ip())
+                        .init(move || state.clone().serve(i))
+                        .build()
+                })
+                .collect(),
+        };
+        if redis_mode == RedisMode::Sentinel {
             let state = redis.clone();
             handle
                 .create_node()
@@ -263,7 +302,7 @@ impl Cluster {
         }
         let kas_nodes = (0..spec.kas)
             .map(|i| {
-                let config = kas_config(i, &dir, spec, sentinel);
+                let config = kas_config(i, &dir, spec, redis_mode);
                 let (slot, stop_slot) = (health[i].clone(), stopped[i].clone());
                 let gitlab = gitlab.clone();
                 handle
@@ -311,6 +350,7 @@ impl Cluster {
             kas_count: spec.kas,
             stopped,
             redis_nodes,
+            redis_mode,
             kas_nodes,
             agent_nodes: Vec::new(),
             gitlab_secret: Secret::load(&dir.join("gitlab.secret")).expect("secret"),

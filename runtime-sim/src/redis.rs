@@ -4,21 +4,25 @@
 //! with key expiry (passive on access, active every 100 ms), and fire-and-forget pub-sub (a
 //! subscriber that is not connected misses messages; every publication is logged for the
 //! checker). A restart of the node loses every key and script, as a Redis without
-//! persistence does; a failover keeps what its replica had (see [`Replica`]). The node
-//! also stands for a Redis Cluster of [`SHARDS`] masters, one of which may fail over alone
-//! ([`RedisState::fail_shard`]): a command that needs its keys fails, and a script fails at
-//! the first such key, keeping what it wrote before. Latency is injected per request
-//! through [`RedisKnobs`].
+//! persistence does; a failover keeps what its replica had (see [`Replica`]). The data also
+//! serves a Redis Cluster of [`SHARDS`] masters, one node each ([`RedisState::serve_shard`]):
+//! a node serves the keys of its slots ([`slots`]) and redirects the others (`MOVED`,
+//! `ASK` while a range moves), a script fails at the first key its node does not serve,
+//! keeping what it wrote before, and sharded pub-sub lives on the channel's shard. A
+//! shard's master may fail over alone ([`RedisState::fail_shard`]). Latency is injected
+//! per request through [`RedisKnobs`].
 
 mod resp;
 mod script;
+pub mod slots;
 
 pub use self::resp::Reply;
 use self::script::Scripts;
+use self::slots::SlotTable;
+pub use self::slots::{SHARDS, shard_address};
 use kas_core::tracker::KeyWrite;
 use kas_server::buggify::{self, Point};
 use kas_server::store::Keyspace;
-use kas_server::store::slot::{SLOTS, slot};
 use madsim::rand::{Rng, thread_rng};
 use std::collections::{BTreeMap, BTreeSet, VecDeque};
 use std::net::SocketAddr;
@@ -71,15 +75,6 @@ impl RedisKnobs {
 /// master did. Sentinel may promote a replica that was cut off from its master for a
 /// while (up to ten times `down-after-milliseconds`), so seconds of writes can go.
 pub const MAX_REPLICATION_LAG: Duration = Duration::from_secs(8);
-
-/// The masters of the cluster the node stands for; they split the slots in even ranges,
-/// as `redis-cli --cluster create` does.
-pub const SHARDS: u16 = 3;
-
-/// The shard serving `key`, or a channel named like it.
-pub fn shard(key: &str) -> u16 {
-    slot(key) / SLOTS.div_ceil(SHARDS)
-}
 
 /// The answer to a request that needs a shard whose master is down.
 fn shard_down(shard: u16) -> Reply {
@@ -140,12 +135,32 @@ pub struct Db {
     /// When the data last changed behind the clients' backs (a failover's lost writes,
     /// records lost without a word).
     disturbed: Option<Instant>,
+    /// On a cluster, which shard serves each slot.
+    slots: SlotTable,
 }
 
 #[derive(Debug)]
 struct Subscriber {
     channels: BTreeSet<String>,
     queue: mpsc::UnboundedSender<Reply>,
+    /// The shard whose node it is connected to, if it subscribed with `SSUBSCRIBE`.
+    shard: Option<u16>,
+}
+
+/// Where a command arrives on a cluster: the shard's node, and whether it follows `ASKING`.
+#[derive(Clone, Copy, Debug)]
+pub struct At {
+    shard: u16,
+    asking: bool,
+}
+
+/// Which node a connection reached.
+#[derive(Clone, Copy, Debug)]
+enum Role {
+    /// One of [`NODES`]: the single server or Sentinel's master, or its replica.
+    Node(usize),
+    /// A cluster shard's master.
+    Shard(u16),
 }
 
 /// The UTF-8 text of an argument (keys, fields and channels are text here).
@@ -185,7 +200,12 @@ impl Db {
         self.down
             .as_ref()
             .map(|(s, _)| *s)
-            .filter(|s| shard(name) == *s)
+            .filter(|s| self.slots.owner(name) == *s)
+    }
+
+    /// The shard serving `key` (or a channel named like it).
+    pub fn shard(&self, key: &str) -> u16 {
+        self.slots.owner(key)
     }
 
     /// A command on the data, sent by a client or by a script's `redis.call`.
@@ -194,7 +214,7 @@ impl Db {
         let Some(key) = args.get(1).map(|k| text(k)) else {
             return wrong_arity(&name);
         };
-        if name != "PUBLISH"
+        if !name.ends_with("PUBLISH")
             && let Some(down) = self.down_for(&key)
         {
             return shard_down(down);
@@ -239,24 +259,31 @@ impl Db {
                     .push_back((now, Effect::Pexpire(key, ttl)));
                 Reply::Int(i64::from(set))
             }
-            "PUBLISH" if rest.len() == 1 => {
+            "PUBLISH" | "SPUBLISH" if rest.len() == 1 => {
                 self.published.push((now, key.clone()));
-                Reply::Int(self.publish(&key, rest[0].clone()))
+                Reply::Int(self.publish(&key, rest[0].clone(), name == "SPUBLISH"))
             }
-            "HGETALL" | "HDEL" | "HSET" | "PEXPIRE" | "PUBLISH" => wrong_arity(&name),
+            "HGETALL" | "HDEL" | "HSET" | "PEXPIRE" | "PUBLISH" | "SPUBLISH" => wrong_arity(&name),
             _ => Reply::Error(format!("ERR unknown command '{}'", name.to_lowercase())),
         }
     }
 
-    /// `SUBSCRIBE channel` on the connection that is (or becomes) `subscriber`.
+    /// `SUBSCRIBE channel` (or on a shard's node `SSUBSCRIBE`) on the connection that is
+    /// (or becomes) `subscriber`.
     fn subscribe(
         &mut self,
         subscriber: &mut Option<u64>,
         queue: &mpsc::UnboundedSender<Reply>,
         channel: String,
+        shard: Option<u16>,
     ) -> Reply {
         if let Some(down) = self.down_for(&channel) {
             return shard_down(down);
+        }
+        if let Some(shard) = shard
+            && let Err(refusal) = self.slots.check_channel(shard, &channel, false)
+        {
+            return refusal.reply();
         }
         let id = *subscriber.get_or_insert_with(|| {
             self.next_subscriber += 1;
@@ -265,38 +292,51 @@ impl Db {
         let s = self.subscribers.entry(id).or_insert_with(|| Subscriber {
             channels: BTreeSet::new(),
             queue: queue.clone(),
+            shard,
         });
         s.channels.insert(channel.clone());
         let count = s.channels.len() as i64;
+        let kind = if shard.is_some() {
+            "ssubscribe"
+        } else {
+            "subscribe"
+        };
         Reply::Array(vec![
-            Reply::bulk("subscribe"),
+            Reply::bulk(kind),
             Reply::bulk(channel),
             Reply::Int(count),
         ])
     }
 
-    /// `UNSUBSCRIBE channel`.
-    fn unsubscribe(&mut self, subscriber: Option<u64>, channel: String) -> Reply {
+    /// `UNSUBSCRIBE channel` (`SUNSUBSCRIBE` when `sharded`).
+    fn unsubscribe(&mut self, subscriber: Option<u64>, channel: String, sharded: bool) -> Reply {
         let s = subscriber.and_then(|id| self.subscribers.get_mut(&id));
         let count = s.map_or(0, |s| {
             s.channels.remove(&channel);
             s.channels.len() as i64
         });
+        let kind = if sharded {
+            "sunsubscribe"
+        } else {
+            "unsubscribe"
+        };
         Reply::Array(vec![
-            Reply::bulk("unsubscribe"),
+            Reply::bulk(kind),
             Reply::bulk(channel),
             Reply::Int(count),
         ])
     }
 
-    /// Pushes `payload` to the subscribers of `channel`; how many there were.
-    fn publish(&mut self, channel: &str, payload: Vec<u8>) -> i64 {
+    /// Pushes `payload` to the subscribers of `channel` (the sharded ones for `SPUBLISH`);
+    /// how many there were.
+    fn publish(&mut self, channel: &str, payload: Vec<u8>, sharded: bool) -> i64 {
         let mut n = 0;
+        let kind = if sharded { "smessage" } else { "message" };
         for s in self.subscribers.values() {
-            if s.channels.contains(channel) {
+            if s.channels.contains(channel) && s.shard.is_some() == sharded {
                 n += 1;
                 let _ = s.queue.send(Reply::Array(vec![
-                    Reply::bulk("message"),
+                    Reply::bulk(kind),
                     Reply::bulk(channel),
                     Reply::Bulk(payload.clone()),
                 ]));
@@ -343,18 +383,30 @@ impl RedisState {
         self.db.lock().unwrap_or_else(|p| p.into_inner())
     }
 
-    /// Answers one command that is not about pub-sub.
-    fn command(&self, args: &[Vec<u8>], now: Instant) -> Reply {
+    /// Answers one command that is not about pub-sub, arriving at a cluster's node `at`
+    /// or (`None`) at the single server.
+    fn command(&self, args: &[Vec<u8>], now: Instant, at: Option<At>) -> Reply {
         let name = text(&args[0]).to_uppercase();
         let mut scripts = self.scripts.lock().unwrap_or_else(|p| p.into_inner());
         let mut db = self.lock();
+        // Whether the node serves `key`, or the redirection it answers.
+        let served = |db: &Db, command: &[u8], key: &[u8]| match at {
+            Some(at) if text(command).to_lowercase().ends_with("publish") => {
+                db.slots.check_channel(at.shard, &text(key), at.asking)
+            }
+            Some(at) => db.slots.check(at.shard, &text(key), at.asking),
+            None => Ok(()),
+        };
         let (sha, args) = match (name.as_str(), args.len()) {
             // `PING` goes to every master.
             ("PING", 1) => {
                 return match &db.down {
-                    Some((down, _)) => shard_down(*down),
-                    None => Reply::Status("PONG"),
+                    Some((down, _)) if at.is_none_or(|at| at.shard == *down) => shard_down(*down),
+                    _ => Reply::Status("PONG"),
                 };
+            }
+            ("CLUSTER", 2) if text(&args[1]).eq_ignore_ascii_case("slots") && at.is_some() => {
+                return db.slots.slots_reply();
             }
             ("SCRIPT", 3) if text(&args[1]).eq_ignore_ascii_case("load") => {
                 return Reply::bulk(scripts.load(&args[2]));
@@ -362,6 +414,12 @@ impl RedisState {
             ("EVALSHA", 3..) => (args[1].clone(), &args[2..]),
             ("EVAL", 3..) => (scripts.load(&args[1]).into_bytes(), &args[2..]),
             ("PING" | "SCRIPT" | "EVALSHA" | "EVAL", _) => return wrong_arity(&name),
+            (_, 2..) => {
+                if let Err(refusal) = served(&db, &args[0], &args[1]) {
+                    return refusal.reply();
+                }
+                return db.data(args, now);
+            }
             _ => return db.data(args, now),
         };
         let Some(numkeys) = text(&args[0])
@@ -372,15 +430,25 @@ impl RedisState {
             return Reply::Error("ERR Number of keys can't be greater than number of args".into());
         };
         let (keys, argv) = args[1..].split_at(numkeys);
+        if let Some(Err(refusal)) = keys.first().map(|k| served(&db, b"", k)) {
+            return refusal.reply();
+        }
         // Now and then a script fails as a Redis Cluster's does when a slot moved: at the
         // first command on a key past the first few, before anything of that key is written.
         let mut keys_left =
             buggify::fires(Point::RedisPartialBatch).then(|| thread_rng().gen_range(1..=3usize));
         let mut touched: Vec<Vec<u8>> = Vec::new();
         let ran = scripts.run(&sha, keys, argv, &mut |call| {
+            if let Some(key) = call.get(1)
+                && served(&db, &call[0], key).is_err()
+            {
+                return Reply::Error(
+                    "ERR Script attempted to access a non local key in a cluster node".into(),
+                );
+            }
             if let Some(left) = keys_left.as_mut()
                 && let Some(key) = call.get(1)
-                && !text(&call[0]).eq_ignore_ascii_case("publish")
+                && !text(&call[0]).to_lowercase().ends_with("publish")
                 && !touched.contains(key)
             {
                 if *left == 0 {
@@ -419,7 +487,7 @@ impl RedisState {
         db.down = Some((shard, db.replica.keyspace.clone()));
         db.disturbed = Some(now);
         for s in db.subscribers.values() {
-            if s.channels.iter().any(|c| self::shard(c) == shard) {
+            if s.channels.iter().any(|c| db.slots.owner(c) == shard) {
                 let _ = s.queue.send(shard_down(shard));
             }
         }
@@ -462,8 +530,10 @@ impl RedisState {
             return;
         };
         db.disturbed = Some(Instant::now());
+        let db = &mut *db;
+        let slots = &db.slots;
         db.keyspace
-            .restore(&promoted, |key| self::shard(key) == shard);
+            .restore(&promoted, |key| slots.owner(key) == shard);
         // The new masters' replicas start in step with them.
         db.replica = Replica {
             keyspace: db.keyspace.clone(),
@@ -533,45 +603,125 @@ impl RedisState {
         ])
     }
 
+    /// Empties the data, or starts it with the promoted replica's keys after
+    /// [`Self::fail_over`]: a restart of the master.
+    fn start_afresh(&self) {
+        let mut db = self.lock();
+        let keyspace = db.next_start.take().unwrap_or_default();
+        *db = Db::default();
+        *self.scripts.lock().unwrap_or_else(|p| p.into_inner()) = Scripts::default();
+        db.replica.keyspace = keyspace.clone();
+        db.keyspace = keyspace;
+        db.disturbed = Some(Instant::now());
+    }
+
+    /// Expires keys every 100 ms, and lets the replica catch up, while the node lives.
+    fn spawn_sweeper(&self) {
+        let sweeper = self.clone();
+        tokio::spawn(async move {
+            loop {
+                tokio::time::sleep(Duration::from_millis(100)).await;
+                let now = Instant::now();
+                let mut db = sweeper.lock();
+                db.keyspace.sweep(now);
+                db.replica
+                    .catch_up(now.checked_sub(MAX_REPLICATION_LAG).unwrap_or(now));
+            }
+        });
+    }
+
     /// Runs node `index` of [`NODES`] (the node's init). The master starts empty, or with
     /// the promoted replica's keys after [`Self::fail_over`]; the other answers every
     /// command as a replica that takes no writes. Serves forever.
     pub async fn serve(self, index: usize) {
         if self.master() == index {
-            let mut db = self.lock();
-            let keyspace = db.next_start.take().unwrap_or_default();
-            *db = Db::default();
-            *self.scripts.lock().unwrap_or_else(|p| p.into_inner()) = Scripts::default();
-            db.replica.keyspace = keyspace.clone();
-            db.keyspace = keyspace;
-            db.disturbed = Some(Instant::now());
+            self.start_afresh();
         }
         let endpoint = Endpoint::bind(NODES[index])
             .await
             .expect("redis node binds its address");
         if self.master() == index {
-            let sweeper = self.clone();
-            tokio::spawn(async move {
-                loop {
-                    tokio::time::sleep(Duration::from_millis(100)).await;
-                    let now = Instant::now();
-                    let mut db = sweeper.lock();
-                    db.keyspace.sweep(now);
-                    db.replica
-                        .catch_up(now.checked_sub(MAX_REPLICATION_LAG).unwrap_or(now));
-                }
-            });
+            self.spawn_sweeper();
         }
         while let Ok((tx, rx, _)) = endpoint.accept1().await {
-            tokio::spawn(self.clone().connection(index, tx, rx));
+            tokio::spawn(self.clone().connection(Role::Node(index), tx, rx));
+        }
+    }
+
+    /// Empties the whole cluster (call it with every shard's node down): a restart of all.
+    pub fn restart_cluster(&self) {
+        self.start_afresh();
+    }
+
+    /// Runs shard `shard`'s master (the node's init) over the shared data; shard 0's also
+    /// expires keys. Serves forever.
+    pub async fn serve_shard(self, shard: u16) {
+        let endpoint = Endpoint::bind(shard_address(shard))
+            .await
+            .expect("a cluster node binds its address");
+        if shard == 0 {
+            self.spawn_sweeper();
+        }
+        while let Ok((tx, rx, _)) = endpoint.accept1().await {
+            tokio::spawn(self.clone().connection(Role::Shard(shard), tx, rx));
+        }
+    }
+
+    /// Moves the slots of `key`'s range (`width` slots from its slot) to another shard,
+    /// over `lasting`: the keys go over in four steps, then the target owns the range.
+    pub async fn move_slots(&self, key: &str, width: u16, to: u16, lasting: Duration) {
+        let first = kas_server::store::slot::slot(key);
+        let last = first
+            .saturating_add(width)
+            .min(kas_server::store::slot::SLOTS - 1);
+        {
+            let mut db = self.lock();
+            // One owner for the whole range: it ends where the first slot's range ends.
+            let from = db.slots.owner(key);
+            let last = (first..=last)
+                .take_while(|s| db.slots.owner_of_slot(*s) == from)
+                .last()
+                .unwrap_or(first);
+            let to = if to == from { (to + 1) % SHARDS } else { to };
+            db.slots.start_move(first..=last, to);
+        }
+        for step in 1..=4 {
+            tokio::time::sleep(lasting / 4).await;
+            self.lock().slots.advance(step * 250);
+        }
+        let mut db = self.lock();
+        let Some((range, from)) = db.slots.finish_move() else {
+            return;
+        };
+        // The source's sharded subscribers of the range are unsubscribed, as Redis does.
+        for s in db.subscribers.values_mut() {
+            if s.shard != Some(from) {
+                continue;
+            }
+            let gone: Vec<String> = s
+                .channels
+                .iter()
+                .filter(|c| range.contains(&kas_server::store::slot::slot(c)))
+                .cloned()
+                .collect();
+            for channel in gone {
+                s.channels.remove(&channel);
+                let _ = s.queue.send(Reply::Array(vec![
+                    Reply::bulk("sunsubscribe"),
+                    Reply::bulk(channel),
+                    Reply::Int(s.channels.len() as i64),
+                ]));
+            }
         }
     }
 
     /// Serves one connection: commands in order, each answered; once subscribed, also
     /// pushes messages. An error answer closes a subscriber's connection.
-    async fn connection(self, index: usize, tx: Sender, mut rx: Receiver) {
+    async fn connection(self, role: Role, tx: Sender, mut rx: Receiver) {
         let (queue, mut pushed) = mpsc::unbounded_channel();
         let mut subscriber: Option<u64> = None;
+        // The last command was `ASKING`.
+        let mut asking = false;
         loop {
             let reply = tokio::select! {
                 biased;
@@ -582,15 +732,23 @@ impl RedisState {
                     if !latency.is_zero() {
                         tokio::time::sleep(latency).await;
                     }
-                    match resp::command(&bytes) {
-                        Ok(args) if args.is_empty() => Reply::Error("ERR empty command".into()),
+                    let at = match role {
+                        Role::Shard(shard) => Some(At { shard, asking: std::mem::take(&mut asking) }),
+                        Role::Node(_) => None,
+                    };
+                    match (resp::command(&bytes), role) {
+                        (Ok(args), _) if args.is_empty() => Reply::Error("ERR empty command".into()),
                         // A replica takes no writes, and no subscriber here: its
                         // subscribers would hear the master's messages only late.
-                        Ok(_) if self.master() != index => Reply::Error(
+                        (Ok(_), Role::Node(index)) if self.master() != index => Reply::Error(
                             "READONLY You can't write against a read only replica.".into(),
                         ),
-                        Ok(args) => self.answer(&args, &mut subscriber, &queue),
-                        Err(e) => Reply::Error(e),
+                        (Ok(args), Role::Shard(_)) if args.len() == 1 && text(&args[0]).eq_ignore_ascii_case("asking") => {
+                            asking = true;
+                            Reply::Status("OK")
+                        }
+                        (Ok(args), _) => self.answer(&args, at, &mut subscriber, &queue),
+                        (Err(e), _) => Reply::Error(e),
                     }
                 }
                 Some(message) = pushed.recv() => message,
@@ -610,24 +768,37 @@ impl RedisState {
     fn answer(
         &self,
         args: &[Vec<u8>],
+        at: Option<At>,
         subscriber: &mut Option<u64>,
         queue: &mpsc::UnboundedSender<Reply>,
     ) -> Reply {
         let name = text(&args[0]).to_uppercase();
-        match (name.as_str(), args.len()) {
-            ("SUBSCRIBE", 2) => self.lock().subscribe(subscriber, queue, text(&args[1])),
-            ("UNSUBSCRIBE", 2) => self.lock().unsubscribe(*subscriber, text(&args[1])),
-            ("SUBSCRIBE" | "UNSUBSCRIBE", _) => wrong_arity(&name),
+        let shard = at.map(|at| at.shard);
+        match (name.as_str(), args.len(), shard) {
+            ("SUBSCRIBE", 2, None) | ("SSUBSCRIBE", 2, Some(_)) => {
+                self.lock()
+                    .subscribe(subscriber, queue, text(&args[1]), shard)
+            }
+            ("UNSUBSCRIBE", 2, None) | ("SUNSUBSCRIBE", 2, Some(_)) => {
+                self.lock()
+                    .unsubscribe(*subscriber, text(&args[1]), shard.is_some())
+            }
+            ("SUBSCRIBE" | "UNSUBSCRIBE" | "SSUBSCRIBE" | "SUNSUBSCRIBE", 2, _) => Reply::Error(
+                format!("ERR '{}' is not served on this node", name.to_lowercase()),
+            ),
+            ("SUBSCRIBE" | "UNSUBSCRIBE" | "SSUBSCRIBE" | "SUNSUBSCRIBE", ..) => wrong_arity(&name),
             // A subscriber's `PING` is answered in pub-sub's form.
-            ("PING", 1) if subscriber.is_some() => match self.command(args, Instant::now()) {
-                Reply::Status(_) => Reply::Array(vec![Reply::bulk("pong"), Reply::bulk("")]),
-                other => other,
-            },
+            ("PING", 1, _) if subscriber.is_some() => {
+                match self.command(args, Instant::now(), at) {
+                    Reply::Status(_) => Reply::Array(vec![Reply::bulk("pong"), Reply::bulk("")]),
+                    other => other,
+                }
+            }
             _ if subscriber.is_some() => Reply::Error(format!(
                 "ERR Can't execute '{}': only (P|S)SUBSCRIBE / (P|S)UNSUBSCRIBE / PING / QUIT / RESET are allowed in this context",
                 name.to_lowercase()
             )),
-            _ => self.command(args, Instant::now()),
+            _ => self.command(args, Instant::now(), at),
         }
     }
 }
@@ -639,7 +810,7 @@ mod tests {
     /// Sends `cmd` as a client packs it and reads the answer as one parses it.
     fn send(node: &RedisState, cmd: &redis::Cmd) -> Reply {
         let args = resp::command(&cmd.get_packed_command()).expect("a packed command parses");
-        node.command(&args, Instant::now())
+        node.command(&args, Instant::now(), None)
     }
 
     #[madsim::test]

@@ -1,24 +1,21 @@
 //! How the production Redis store reaches the simulated Redis node: each command's bytes,
 //! as redis-rs packed them, go over `madsim::net` on a connection of their own, and the
 //! node's RESP answer comes back to redis-rs's parser. Subscriber connections speak RESP
-//! too, through the store's own pub-sub loop. The faults of a client's side (a failed or
+//! too (`SUBSCRIBE`, or a cluster's `SSUBSCRIBE`), under the store's own pub-sub loop. The faults of a client's side (a failed or
 //! slow command, pub-sub messages broken off, duplicated, late or reordered) are injected
 //! here.
 
 use crate::planted_bug::{Bug, planted};
 use futures::future::BoxFuture;
 use kas_server::buggify::{self, Point};
-use kas_server::store::pubsub::{self, Connection, Pushed, Transport};
-use kas_server::store::{
-    Dial, MasterAddress, NodeConn, NodeConnection, PubSubCommand, PubSubEvent, StoreError,
-};
+use kas_server::store::pubsub::Pushed;
+use kas_server::store::{Dial, NodeConn, NodeConnection, NodeSubscriber, StoreError};
 use redis::{Cmd, RedisError, RedisFuture, Value};
-use std::collections::VecDeque;
+use std::collections::{BTreeSet, VecDeque};
 use std::net::SocketAddr;
 use std::sync::Arc;
 use std::time::Duration;
 use tokio::net::{Endpoint, Receiver, Sender};
-use tokio::sync::mpsc;
 use tokio::time::Instant;
 
 /// Dials the simulated Redis node; each command times out after `timeout`.
@@ -67,14 +64,23 @@ impl Dial for SimDial {
         })))
     }
 
-    fn run_pubsub(
+    fn subscriber(
         &self,
-        master: MasterAddress,
-        timeout: Duration,
-        cmds: mpsc::UnboundedReceiver<PubSubCommand>,
-        events: mpsc::Sender<PubSubEvent>,
-    ) -> BoxFuture<'static, ()> {
-        Box::pin(pubsub::run(SimPubSub { master }, timeout, cmds, events))
+        address: String,
+        sharded: bool,
+    ) -> BoxFuture<'static, Result<Box<dyn NodeSubscriber>, StoreError>> {
+        Box::pin(async move {
+            let (tx, rx) = connect(self::address(&address)?).await.map_err(err)?;
+            Ok(Box::new(SimSubscriber {
+                tx,
+                rx,
+                sharded,
+                leaving: BTreeSet::new(),
+                queued: VecDeque::new(),
+                behind: None,
+                late: None,
+            }) as Box<dyn NodeSubscriber>)
+        })
     }
 }
 
@@ -86,6 +92,17 @@ struct SimConnection {
 
 impl NodeConnection for SimConnection {
     fn query<'a>(&'a self, cmd: &'a Cmd) -> RedisFuture<'a, Value> {
+        self.exchange(cmd, false)
+    }
+
+    fn query_asking<'a>(&'a self, cmd: &'a Cmd) -> RedisFuture<'a, Value> {
+        self.exchange(cmd, true)
+    }
+}
+
+impl SimConnection {
+    /// Sends `cmd` (after `ASKING`, when `asking`) on a connection of its own.
+    fn exchange<'a>(&'a self, cmd: &'a Cmd, asking: bool) -> RedisFuture<'a, Value> {
         Box::pin(async move {
             if buggify::fires(Point::RedisFailure) {
                 return Err(broken("failed (buggify)"));
@@ -93,6 +110,11 @@ impl NodeConnection for SimConnection {
             let exchange = async {
                 buggify::pause(Point::RedisLatency).await;
                 let (tx, mut rx) = connect(self.server).await?;
+                if asking {
+                    tx.send(Box::new(redis::cmd("ASKING").get_packed_command()))
+                        .await?;
+                    receive(&mut rx).await?.extract_error()?;
+                }
                 tx.send(Box::new(cmd.get_packed_command())).await?;
                 let reply = receive(&mut rx).await?;
                 // Applied, and answered late: whoever waits on it acts on a past store.
@@ -108,37 +130,20 @@ impl NodeConnection for SimConnection {
     }
 }
 
-/// Opens subscriber connections to the node the store names.
-struct SimPubSub {
-    master: MasterAddress,
-}
-
-/// A subscriber connection to the simulated Redis node.
+/// A subscriber connection to a simulated Redis node.
 struct SimSubscriber {
     tx: Sender,
     rx: Receiver,
+    /// `SSUBSCRIBE` rather than `SUBSCRIBE`.
+    sharded: bool,
+    /// Channels this side dropped: any other unsubscribed means the slot moved away.
+    leaving: BTreeSet<String>,
     /// Messages to hand over before reading more: a duplicate, a message held back.
     queued: VecDeque<(String, Vec<u8>)>,
     /// A message held back until the one after it (or the instant given) has arrived.
     behind: Option<(Instant, String, Vec<u8>)>,
     /// A message held back until the instant given; nothing after it is read before.
     late: Option<(Instant, String, Vec<u8>)>,
-}
-
-impl Transport for SimPubSub {
-    type Conn = SimSubscriber;
-
-    async fn connect(&self) -> Result<SimSubscriber, StoreError> {
-        let server = address(&(self.master)().await?)?;
-        let (tx, rx) = connect(server).await.map_err(err)?;
-        Ok(SimSubscriber {
-            tx,
-            rx,
-            queued: VecDeque::new(),
-            behind: None,
-            late: None,
-        })
-    }
 }
 
 impl SimSubscriber {
@@ -174,72 +179,93 @@ impl SimSubscriber {
     }
 }
 
-impl Connection for SimSubscriber {
-    async fn subscribe(&mut self, channels: Vec<String>) -> Result<(), StoreError> {
-        for ch in channels {
-            buggify::pause(Point::SubscribeLate).await;
-            self.send(redis::cmd("SUBSCRIBE").arg(ch)).await?;
-        }
-        Ok(())
+impl NodeSubscriber for SimSubscriber {
+    fn subscribe(&mut self, channels: Vec<String>) -> BoxFuture<'_, Result<(), StoreError>> {
+        Box::pin(async move {
+            let command = if self.sharded {
+                "SSUBSCRIBE"
+            } else {
+                "SUBSCRIBE"
+            };
+            for ch in channels {
+                buggify::pause(Point::SubscribeLate).await;
+                self.leaving.remove(&ch);
+                self.send(redis::cmd(command).arg(ch)).await?;
+            }
+            Ok(())
+        })
     }
 
-    async fn unsubscribe(&mut self, channel: String) -> Result<(), StoreError> {
-        self.send(redis::cmd("UNSUBSCRIBE").arg(channel)).await
+    fn unsubscribe(&mut self, channel: String) -> BoxFuture<'_, Result<(), StoreError>> {
+        Box::pin(async move {
+            let command = if self.sharded {
+                "SUNSUBSCRIBE"
+            } else {
+                "UNSUBSCRIBE"
+            };
+            self.leaving.insert(channel.clone());
+            self.send(redis::cmd(command).arg(channel)).await
+        })
     }
 
-    async fn ping(&mut self) -> Result<(), StoreError> {
-        self.send(&redis::cmd("PING")).await
+    fn ping(&mut self) -> BoxFuture<'_, Result<(), StoreError>> {
+        Box::pin(async move { self.send(&redis::cmd("PING")).await })
     }
 
     /// Cancel-safe, as the relay's `select!` needs: state changes only after the last
     /// await of each path.
-    async fn next(&mut self) -> Result<Pushed, StoreError> {
-        loop {
-            if let Some((channel, payload)) = self.queued.pop_front() {
-                return Ok(Pushed::Message(channel, payload));
-            }
-            if let Some((at, ..)) = &self.late {
-                tokio::time::sleep_until(*at).await;
-                let (_, channel, payload) = self.late.take().expect("held above");
-                return Ok(self.deliver(channel, payload));
-            }
-            let reply = match self.reply().await? {
-                Ok(reply) => reply,
-                Err(held) => return Ok(held),
-            };
-            return Ok(match push(reply.extract_error().map_err(err)?)? {
-                Push::Subscribed(ch) => Pushed::Subscribed(ch),
-                Push::Pong => Pushed::Pong,
-                Push::Unsubscribed => continue,
-                Push::Message(..) if planted() == Bug::DropWakeup => continue,
-                Push::Message(..) if buggify::fires(Point::PubSubBreak) => {
-                    return Err(err("connection broken (buggify)"));
+    fn next(&mut self) -> BoxFuture<'_, Result<Pushed, StoreError>> {
+        Box::pin(async move {
+            loop {
+                if let Some((channel, payload)) = self.queued.pop_front() {
+                    return Ok(Pushed::Message(channel, payload));
                 }
-                Push::Message(channel, payload) => {
-                    if let Some(d) = buggify::delay(Point::PubSubDelay) {
-                        self.late = Some((Instant::now() + d, channel, payload));
-                        continue;
-                    }
-                    if self.behind.is_none() && buggify::fires(Point::PubSubReorder) {
-                        let until = Instant::now() + Duration::from_millis(500);
-                        self.behind = Some((until, channel, payload));
-                        continue;
-                    }
-                    let out = self.deliver(channel, payload);
-                    if let Some((_, channel, payload)) = self.behind.take() {
-                        self.queued.push_back((channel, payload));
-                    }
-                    out
+                if let Some((at, ..)) = &self.late {
+                    tokio::time::sleep_until(*at).await;
+                    let (_, channel, payload) = self.late.take().expect("held above");
+                    return Ok(self.deliver(channel, payload));
                 }
-            });
-        }
+                let reply = match self.reply().await? {
+                    Ok(reply) => reply,
+                    Err(held) => return Ok(held),
+                };
+                return Ok(match push(reply.extract_error().map_err(err)?)? {
+                    Push::Subscribed(ch) => Pushed::Subscribed(ch),
+                    Push::Pong => Pushed::Pong,
+                    Push::Unsubscribed(ch) if self.leaving.remove(&ch) => continue,
+                    Push::Unsubscribed(ch) => {
+                        return Err(err(format!("the node unsubscribed {ch}: its slot moved")));
+                    }
+                    Push::Message(..) if planted() == Bug::DropWakeup => continue,
+                    Push::Message(..) if buggify::fires(Point::PubSubBreak) => {
+                        return Err(err("connection broken (buggify)"));
+                    }
+                    Push::Message(channel, payload) => {
+                        if let Some(d) = buggify::delay(Point::PubSubDelay) {
+                            self.late = Some((Instant::now() + d, channel, payload));
+                            continue;
+                        }
+                        if self.behind.is_none() && buggify::fires(Point::PubSubReorder) {
+                            let until = Instant::now() + Duration::from_millis(500);
+                            self.behind = Some((until, channel, payload));
+                            continue;
+                        }
+                        let out = self.deliver(channel, payload);
+                        if let Some((_, channel, payload)) = self.behind.take() {
+                            self.queued.push_back((channel, payload));
+                        }
+                        out
+                    }
+                });
+            }
+        })
     }
 }
 
 /// What a subscriber connection is pushed.
 enum Push {
     Subscribed(String),
-    Unsubscribed,
+    Unsubscribed(String),
     Message(String, Vec<u8>),
     Pong,
 }
@@ -258,14 +284,140 @@ fn push(value: Value) -> Result<Push, StoreError> {
         && let Some(kind) = items.first().and_then(text)
     {
         match (kind.as_str(), items.get(1).and_then(text), items.get(2)) {
-            ("subscribe", Some(ch), Some(_)) => return Ok(Push::Subscribed(ch)),
-            ("unsubscribe", Some(_), Some(_)) => return Ok(Push::Unsubscribed),
+            ("subscribe" | "ssubscribe", Some(ch), Some(_)) => return Ok(Push::Subscribed(ch)),
+            ("unsubscribe" | "sunsubscribe", Some(ch), Some(_)) => {
+                return Ok(Push::Unsubscribed(ch));
+            }
             ("pong", Some(_), None) => return Ok(Push::Pong),
-            ("message", Some(ch), Some(Value::BulkString(payload))) => {
+            ("message" | "smessage", Some(ch), Some(Value::BulkString(payload))) => {
                 return Ok(Push::Message(ch, payload.clone()));
             }
             _ => {}
         }
     }
     Err(err(format!("unexpected push {value:?}")))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::redis::{RedisState, SHARDS, shard_address};
+    use kas_core::tracker::{KeyExpiry, KeyWrite};
+    use kas_server::store::{PubSubCommand, PubSubEvent, RedisStore, RedisTopology, Store};
+    use tokio::sync::mpsc;
+
+    fn write(key: &str, value: &str, publish: Vec<(String, Vec<u8>)>) -> KeyWrite {
+        KeyWrite {
+            key: key.to_string(),
+            delete: Vec::new(),
+            set: vec![("f".to_string(), value.as_bytes().to_vec())],
+            expire: KeyExpiry::Keep,
+            publish,
+            announce: Vec::new(),
+        }
+    }
+
+    async fn next_event(events: &mut mpsc::Receiver<PubSubEvent>) -> PubSubEvent {
+        tokio::time::timeout(Duration::from_secs(10), events.recv())
+            .await
+            .expect("a pub-sub event within 10 s")
+            .expect("the loop runs")
+    }
+
+    /// The production store's cluster client against the simulated cluster: batches over
+    /// many slots, reads and sharded pub-sub keep working while a slot's keys go over to
+    /// another shard (`ASK`) and after it moved (`MOVED`); its sharded subscriber breaks
+    /// when its channel's slot moves away and comes back on the new owner.
+    #[madsim::test]
+    async fn the_production_store_follows_a_simulated_cluster_through_a_slot_move() {
+        let handle = madsim::runtime::Handle::current();
+        let state = RedisState::default();
+        for shard in 0..SHARDS {
+            let state = state.clone();
+            handle
+                .create_node()
+                .name(format!("shard{shard}"))
+                .ip(shard_address(shard).ip())
+                .init(move || state.clone().serve_shard(shard))
+                .build();
+        }
+        let client = handle
+            .create_node()
+            .name("client")
+            .ip("10.0.9.1".parse().unwrap())
+            .build();
+        client
+            .spawn(async move {
+                let seeds = (0..SHARDS).map(|s| shard_address(s).to_string()).collect();
+                let dial = Arc::new(SimDial {
+                    timeout: Duration::from_secs(1),
+                });
+                let redis = RedisStore::over(
+                    &RedisTopology::Cluster(seeds),
+                    dial.clone(),
+                    dial,
+                    Duration::from_secs(1),
+                )
+                .expect("a cluster store");
+                let store = Store::new(redis.clone());
+                // 20 keys of one slot (the one that moves), 40 of others.
+                let keys: Vec<String> = (0..20)
+                    .map(|i| format!("k{i}:{{moving}}"))
+                    .chain((0..40).map(|i| format!("other{i}")))
+                    .collect();
+                let channel = "events:{moving}".to_string();
+                let (cmds, rx) = mpsc::unbounded_channel();
+                let (tx, mut events) = mpsc::channel(16);
+                kas_server::store::Backend::spawn_pubsub(&redis, rx, tx);
+                cmds.send(PubSubCommand::Subscribe(channel.clone())).unwrap();
+                assert!(matches!(next_event(&mut events).await, PubSubEvent::Up));
+                assert!(matches!(next_event(&mut events).await, PubSubEvent::Subscribed(c) if c == channel));
+
+                let batch = |value: &str| -> Vec<KeyWrite> {
+                    keys.iter()
+                        .map(|k| write(k, value, Vec::new()))
+                        .chain([write(
+                            "k0:{moving}",
+                            value,
+                            vec![(channel.clone(), value.as_bytes().to_vec())],
+                        )])
+                        .collect()
+                };
+                store.execute(&batch("a")).await.expect("a batch over every shard");
+                assert!(matches!(next_event(&mut events).await, PubSubEvent::Message { payload, .. } if payload == b"a"));
+
+                let mover = state.clone();
+                let to = (state.with_db(|db| db.shard("k0:{moving}")) + 1) % SHARDS;
+                let moving = tokio::spawn(async move {
+                    mover
+                        .move_slots("k0:{moving}", 0, to, Duration::from_secs(4))
+                        .await
+                });
+                // Half the slot's keys are over: some answered at the source, some after
+                // `ASK` at the target.
+                tokio::time::sleep(Duration::from_millis(2_500)).await;
+                store.execute(&batch("b")).await.expect("a batch while the slot moves");
+                for k in &keys {
+                    let fields = store.read(k).await.expect("a read while the slot moves");
+                    assert_eq!(fields, [("f".to_string(), b"b".to_vec())], "{k}");
+                }
+                moving.await.unwrap();
+                // The slot's subscribers at the source are unsubscribed: the subscriber
+                // breaks and comes back on the new owner.
+                assert!(matches!(next_event(&mut events).await, PubSubEvent::Message { payload, .. } if payload == b"b"));
+                assert!(matches!(next_event(&mut events).await, PubSubEvent::Down));
+                assert!(matches!(next_event(&mut events).await, PubSubEvent::Up));
+                assert!(matches!(next_event(&mut events).await, PubSubEvent::Subscribed(c) if c == channel));
+                store.execute(&batch("c")).await.expect("a batch after the slot moved");
+                assert!(matches!(next_event(&mut events).await, PubSubEvent::Message { payload, .. } if payload == b"c"));
+                for k in &keys {
+                    let fields = store.read(k).await.expect("a read after the slot moved");
+                    assert_eq!(fields, [("f".to_string(), b"c".to_vec())], "{k}");
+                }
+                store.ping().await.expect("every master answers");
+                drop(cmds);
+            })
+            .await
+            .unwrap();
+    }
 }

@@ -3,7 +3,7 @@
 //! that connects are delivered, and how fast) and leaks.
 
 use crate::checker::{self, HalfOpen, Outage, Revocation, Stall, Stats};
-use crate::cluster::{AgentSpec, Cluster, ClusterSpec, Script};
+use crate::cluster::{AgentSpec, Cluster, ClusterSpec, RedisMode, Script};
 use crate::greedy_caller;
 use crate::redis::{MAX_REPLICATION_LAG, SHARDS};
 use crate::store_back;
@@ -254,7 +254,7 @@ async fn faults(
             await_homed(cluster, homed).await;
         }
         tokio::time::sleep(random_ms(500, 3_000)).await;
-        let fault = kinds[thread_rng().gen_range(0..kinds.len())];
+        let fault = kinds[thread_rng().gen_range(0..kinds.len())].on(cluster.redis_mode);
         let kas = thread_rng().gen_range(0..cluster.kas_nodes.len());
         let lasting = random_ms(500, 4_000);
         log.count += 1;
@@ -324,12 +324,36 @@ async fn faults(
                 });
                 madsim::time::advance(jump);
             }
+            Fault::RestartRedis if cluster.redis_mode == RedisMode::Cluster => {
+                // Every shard's master at once, and the data with them.
+                for node in &cluster.redis_nodes {
+                    handle.kill(node.id());
+                }
+                cluster.redis.restart_cluster();
+                tokio::time::sleep(random_ms(10, 500)).await;
+                for node in &cluster.redis_nodes {
+                    handle.restart(node.id());
+                }
+            }
             Fault::RestartRedis => {
                 // Kill first: a bare restart keeps the node's sockets bound.
                 let master = cluster.redis_master().id();
                 handle.kill(master);
                 tokio::time::sleep(random_ms(10, 500)).await;
                 handle.restart(master);
+            }
+            Fault::MoveSlots => {
+                // Some agent's slot and up to 40 after it (or a random key's), to a random
+                // shard, over the fault's time.
+                let key = match thread_rng().gen_bool(0.5) {
+                    true => Keys::new("kas").agent(AgentId(
+                        agents[thread_rng().gen_range(0..agents.len())].agent,
+                    )),
+                    false => format!("key{}", thread_rng().gen_range(0..100_000)),
+                };
+                let to = thread_rng().gen_range(0..SHARDS);
+                let width = thread_rng().gen_range(0..=40);
+                cluster.redis.move_slots(&key, width, to, lasting).await;
             }
             Fault::FailoverRedis | Fault::FailoverShard => {
                 fail_over(cluster, fault, lasting, &mut log).await;
@@ -543,7 +567,7 @@ async fn fail_over(cluster: &Cluster, fault: Fault, lasting: Duration, log: &mut
         handle.kill(master);
         cluster.redis.fail_over(lost);
         tokio::time::sleep(outage).await;
-        if cluster.sentinel() {
+        if cluster.redis_mode == RedisMode::Sentinel {
             promote_replica(cluster, master).await;
         } else {
             handle.restart(master);
@@ -552,13 +576,18 @@ async fn fail_over(cluster: &Cluster, fault: Fault, lasting: Duration, log: &mut
         let shard = match gone {
             Some(i) if thread_rng().gen_bool(2.0 / 3.0) => {
                 let agent = AgentId(cluster.agent_nodes[i].0);
-                crate::redis::shard(&Keys::new("kas").agent(agent))
+                let key = Keys::new("kas").agent(agent);
+                cluster.redis.with_db(|db| db.shard(&key))
             }
             _ => thread_rng().gen_range(0..SHARDS),
         };
+        // The shard's master goes, every connection with it; its replica takes over.
+        let node = cluster.redis_nodes[usize::from(shard)].id();
+        handle.kill(node);
         cluster.redis.fail_shard(shard, lost);
         tokio::time::sleep(outage).await;
         cluster.redis.promote();
+        handle.restart(node);
     }
     if slow {
         tokio::time::sleep(random_ms(0, 1_000)).await;
@@ -890,6 +919,8 @@ async fn stop_gracefully(cluster: &Cluster, kas: usize) -> Vec<String> {
 /// A kind of fault.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 enum Fault {
+    /// A range of a Redis Cluster's slots moved to another shard (`ASK`, then `MOVED`).
+    MoveSlots,
     KillKas,
     StopKas,
     Clog,
@@ -914,11 +945,29 @@ impl Fault {
         use Fault::*;
         matches!(
             self,
-            ClogRedis | RestartRedis | FailoverRedis | FailoverShard | SlowRedis | LoseRecords
+            ClogRedis
+                | RestartRedis
+                | FailoverRedis
+                | FailoverShard
+                | MoveSlots
+                | SlowRedis
+                | LoseRecords
         )
     }
 
-    const ALL: [Fault; 16] = [
+    /// The fault as Redis in `mode` can have it: a failover is the master's, or on a
+    /// cluster one shard's; slots move only on a cluster (elsewhere the master fails over).
+    fn on(self, mode: RedisMode) -> Fault {
+        use Fault::*;
+        match (self, mode == RedisMode::Cluster) {
+            (FailoverShard | MoveSlots, false) => FailoverRedis,
+            (FailoverRedis, true) => FailoverShard,
+            (fault, _) => fault,
+        }
+    }
+
+    const ALL: [Fault; 17] = [
+        Fault::MoveSlots,
         Fault::KillKas,
         Fault::StopKas,
         Fault::Clog,
@@ -948,6 +997,7 @@ fn fault_kinds(scenario: Scenario) -> Vec<Fault> {
             RestartRedis,
             FailoverRedis,
             FailoverShard,
+            MoveSlots,
             SlowRedis,
             LoseRecords,
         ],

@@ -15,7 +15,8 @@ pub mod slot;
 
 pub use self::memory::{Keyspace, MemoryStore};
 pub use self::redis::{
-    Dial, MasterAddress, NodeConn, NodeConnection, RedisAuth, RedisStore, RedisTopology,
+    Dial, MasterAddress, NodeConn, NodeConnection, NodeSubscriber, RedisAuth, RedisStore,
+    RedisTopology,
 };
 
 use futures::future::BoxFuture;

@@ -7,15 +7,14 @@ mod cluster;
 mod dial;
 mod sentinel;
 
-pub use self::dial::{Dial, MasterAddress, NodeConn, NodeConnection};
+use self::cluster::Cluster;
+pub use self::dial::{Dial, MasterAddress, NodeConn, NodeConnection, NodeSubscriber};
 use self::sentinel::Sentinel;
 use super::pubsub;
 use super::{Backend, Fields, PubSubCommand, PubSubEvent, StoreError};
 use crate::config::RedisTls;
 use ::redis::aio::{ConnectionManager, ConnectionManagerConfig};
-use ::redis::cluster::ClusterClientBuilder;
-use ::redis::cluster_async::ClusterConnection;
-use ::redis::{Client, Script, Value};
+use ::redis::{Client, RedisResult, Script, Value};
 use futures::future::BoxFuture;
 use kas_core::Time;
 use kas_core::tracker::{KeyExpiry, KeyWrite};
@@ -159,15 +158,7 @@ enum Target {
         dial: Arc<dyn Dial>,
     },
     Sentinel(Arc<Sentinel>),
-    Cluster {
-        settings: NodeSettings,
-        nodes: Vec<String>,
-        /// Made on first use (it connects at once), then kept: it follows the cluster.
-        conn: Box<tokio::sync::OnceCell<ClusterConnection>>,
-        /// Which master serves each slot: asked on first use, asked again after a
-        /// script call failed (a slot may have moved).
-        owners: std::sync::Mutex<Option<Arc<cluster::SlotOwners>>>,
-    },
+    Cluster(Arc<Cluster>),
 }
 
 /// [`WRITE_BATCH`]'s TTL argument: milliseconds, negative when only a `set` that created
@@ -297,29 +288,14 @@ impl NodeSettings {
             .set_max_delay(Duration::from_secs(2));
         ConnectionManager::new_lazy_with_config(self.client(address)?, config).map_err(redis_error)
     }
-
-    /// A cluster client's builder, from `nodes`.
-    fn cluster(&self, nodes: &[String]) -> Result<ClusterClientBuilder, StoreError> {
-        let infos = nodes
-            .iter()
-            .map(|n| self.info(n))
-            .collect::<Result<Vec<_>, _>>()?;
-        let mut builder = ClusterClientBuilder::new(infos)
-            .connection_timeout(self.timeout)
-            .response_timeout(self.timeout)
-            .retries(3);
-        if let Some(certs) = &self.tls {
-            builder = builder.certs(certs.clone());
-        }
-        Ok(builder)
-    }
 }
 
-/// A connection commands go over.
+/// A connection commands go over: a node's, or a Cluster node's after an `ASK` (each
+/// command preceded by `ASKING`).
 #[derive(Clone)]
 enum Conn {
     Node(NodeConn),
-    Cluster(ClusterConnection),
+    Asking(NodeConn),
 }
 
 impl ::redis::aio::ConnectionLike for Conn {
@@ -329,7 +305,7 @@ impl ::redis::aio::ConnectionLike for Conn {
     ) -> ::redis::RedisFuture<'a, Value> {
         match self {
             Conn::Node(c) => c.req_packed_command(cmd),
-            Conn::Cluster(c) => c.req_packed_command(cmd),
+            Conn::Asking(c) => c.0.query_asking(cmd),
         }
     }
 
@@ -339,17 +315,12 @@ impl ::redis::aio::ConnectionLike for Conn {
         offset: usize,
         count: usize,
     ) -> ::redis::RedisFuture<'a, Vec<Value>> {
-        match self {
-            Conn::Node(c) => c.req_packed_commands(pipeline, offset, count),
-            Conn::Cluster(c) => c.req_packed_commands(pipeline, offset, count),
-        }
+        let (Conn::Node(c) | Conn::Asking(c)) = self;
+        c.req_packed_commands(pipeline, offset, count)
     }
 
     fn get_db(&self) -> i64 {
-        match self {
-            Conn::Node(c) => c.get_db(),
-            Conn::Cluster(c) => c.get_db(),
-        }
+        0
     }
 }
 
@@ -389,23 +360,18 @@ impl RedisStore {
                 Self::over(topology, Arc::new(settings), Arc::new(sentinels), timeout)
             }
             RedisTopology::Cluster(nodes) => {
-                settings.cluster(nodes)?.build().map_err(redis_error)?;
-                Ok(Self::with_target(
-                    Target::Cluster {
-                        settings,
-                        nodes: nodes.clone(),
-                        conn: Box::default(),
-                        owners: std::sync::Mutex::default(),
-                    },
-                    timeout,
-                ))
+                for n in nodes {
+                    settings.info(n)?;
+                }
+                let dial = Arc::new(settings);
+                Self::over(topology, dial.clone(), dial, timeout)
             }
         }
     }
 
-    /// The store of a single server or of Sentinel's master, reaching the nodes through
-    /// `nodes` and the sentinels through `sentinels` (the simulation's network, or TCP). A
-    /// Redis Cluster is reached through redis-rs's own cluster client only ([`Self::new`]).
+    /// The store of a single server, Sentinel's master or a Cluster, reaching the nodes
+    /// through `nodes` and the sentinels through `sentinels` (the simulation's network, or
+    /// TCP).
     pub fn over(
         topology: &RedisTopology,
         nodes: Arc<dyn Dial>,
@@ -429,10 +395,8 @@ impl RedisStore {
                 nodes,
                 timeout,
             ))),
-            RedisTopology::Cluster(_) => {
-                return Err(StoreError(
-                    "redis.cluster is reached through redis-rs's cluster client only".into(),
-                ));
+            RedisTopology::Cluster(seeds) => {
+                Target::Cluster(Arc::new(Cluster::new(seeds.clone(), nodes)))
             }
         };
         Ok(Self::with_target(target, timeout))
@@ -440,7 +404,7 @@ impl RedisStore {
 
     fn with_target(target: Target, timeout: Duration) -> Self {
         let shebang = match target {
-            Target::Cluster { .. } => CROSS_SLOT,
+            Target::Cluster(_) => CROSS_SLOT,
             _ => "",
         };
         let script = |code| Arc::new(Script::new(&format!("{shebang}{code}")));
@@ -452,33 +416,14 @@ impl RedisStore {
         }
     }
 
-    /// The connection for the next command.
+    /// The connection for the next command on a single server or Sentinel's master.
     async fn conn(&self) -> Result<Conn, StoreError> {
         match &*self.target {
             Target::Server { conn, .. } => Ok(Conn::Node(conn.clone())),
             Target::Sentinel(s) => s.conn().await.map(Conn::Node),
-            Target::Cluster {
-                settings,
-                nodes,
-                conn,
-                ..
-            } => {
-                let connect = async {
-                    let client = settings.cluster(nodes)?.build().map_err(redis_error)?;
-                    tokio::time::timeout(self.timeout, client.get_async_connection())
-                        .await
-                        .map_err(|_| {
-                            StoreError(format!(
-                                "connect: no cluster node of {nodes:?} answered within {:?}",
-                                self.timeout
-                            ))
-                        })?
-                        .map_err(redis_error)
-                };
-                Ok(Conn::Cluster(
-                    conn.get_or_try_init(|| connect).await?.clone(),
-                ))
-            }
+            Target::Cluster(_) => Err(StoreError(
+                "a cluster's commands go to the master of their key".into(),
+            )),
         }
     }
 
@@ -493,41 +438,15 @@ impl RedisStore {
     }
 
     fn cluster(&self) -> bool {
-        matches!(&*self.target, Target::Cluster { .. })
-    }
-
-    /// `items` in the groups one script call may take: all together, or on a cluster one
-    /// group per master.
-    async fn groups<'a, T>(
-        &self,
-        conn: &Conn,
-        items: &[&'a T],
-        key: impl Fn(&T) -> &str,
-    ) -> Result<Vec<Vec<&'a T>>, StoreError> {
-        let Target::Cluster { owners, .. } = &*self.target else {
-            return Ok(vec![items.to_vec()]);
-        };
-        let known = owners.lock().unwrap_or_else(|p| p.into_inner()).clone();
-        let map = match known {
-            Some(map) => map,
-            None => {
-                let answer = ::redis::cmd("CLUSTER")
-                    .arg("SLOTS")
-                    .query_async::<Value>(&mut conn.clone())
-                    .await;
-                let map = Arc::new(cluster::SlotOwners::parse(&self.outcome(answer)?)?);
-                *owners.lock().unwrap_or_else(|p| p.into_inner()) = Some(map.clone());
-                map
-            }
-        };
-        Ok(map.group(items, key))
+        matches!(&*self.target, Target::Cluster(_))
     }
 
     /// Runs `call` on `items` in the groups one script call may take, at most `max` items
-    /// a call, all at once, and sums what the calls return. On a cluster, the items of
-    /// calls that failed are grouped again by a fresh slot map and run once more: a slot
-    /// may have moved (the script fails at a key its node does not serve, before writing
-    /// it), and the scripts are safe to run again.
+    /// a call, all at once, and sums what the calls return. On a cluster, a group per
+    /// master by the slot map; the items of calls that failed are then made again one by
+    /// one, each at its key's master by a fresh map, following a redirection: a slot may
+    /// have moved (the script fails at a key its node does not serve, before writing it),
+    /// and the scripts are safe to run again.
     async fn run_grouped<'a, T, F>(
         &self,
         items: &'a [T],
@@ -536,39 +455,55 @@ impl RedisStore {
         call: impl Fn(Conn, &[&'a T]) -> F,
     ) -> Result<usize, StoreError>
     where
-        F: Future<Output = Result<usize, StoreError>>,
+        F: Future<Output = RedisResult<usize>>,
     {
-        let conn = self.conn().await?;
-        let mut todo: Vec<&T> = items.iter().collect();
-        let mut total = 0;
-        let mut again = self.cluster();
-        loop {
-            let groups = self.groups(&conn, &todo, key).await?;
-            let chunks: Vec<&[&T]> = groups.iter().flat_map(|g| g.chunks(max)).collect();
-            let calls = chunks.iter().map(|c| call(conn.clone(), c));
-            let mut failed = Vec::new();
-            let mut error = None;
-            for (chunk, outcome) in chunks.iter().zip(futures::future::join_all(calls).await) {
-                match outcome {
-                    Ok(n) => total += n,
-                    Err(e) => {
-                        failed.extend_from_slice(chunk);
-                        error.get_or_insert(e);
-                    }
-                }
+        let all: Vec<&T> = items.iter().collect();
+        let call = &call;
+        let Target::Cluster(cluster) = &*self.target else {
+            let conn = self.conn().await?;
+            let calls = all.chunks(max).map(|c| call(conn.clone(), c));
+            let mut total = 0;
+            for outcome in futures::future::join_all(calls).await {
+                total += self.outcome(outcome)?;
             }
-            let Some(error) = error else {
-                return Ok(total);
+            return Ok(total);
+        };
+        let map = cluster.map().await?;
+        let groups = map.group(&all, key);
+        let chunks: Vec<(Option<&str>, &[&T])> = groups
+            .iter()
+            .flat_map(|(master, g)| g.chunks(max).map(|c| (*master, c)))
+            .collect();
+        let calls = chunks.iter().map(|(master, chunk)| async move {
+            let Some(master) = master else {
+                return Err(StoreError("a slot no cluster master serves".into()));
             };
-            if let Target::Cluster { owners, .. } = &*self.target {
-                *owners.lock().unwrap_or_else(|p| p.into_inner()) = None;
+            let outcome = call(Conn::Node(cluster.node(master)?), chunk).await;
+            outcome.map_err(redis_error)
+        });
+        let mut total = 0;
+        let mut failed = Vec::new();
+        for ((_, chunk), outcome) in chunks.iter().zip(futures::future::join_all(calls).await) {
+            match outcome {
+                Ok(n) => total += n,
+                Err(_) => failed.extend_from_slice(chunk),
             }
-            if !again {
-                return Err(error);
-            }
-            again = false;
-            todo = failed;
         }
+        if failed.is_empty() {
+            return Ok(total);
+        }
+        cluster.forget();
+        let again = failed.iter().map(|item| async {
+            let one = std::slice::from_ref(item);
+            cluster
+                .at_owner(key(item), |conn| call(conn, one))
+                .await?
+                .map_err(redis_error)
+        });
+        for outcome in futures::future::join_all(again).await {
+            total += outcome?;
+        }
+        Ok(total)
     }
 
     /// Writes the batch with one `EVALSHA` per group (see [`WRITE_BATCH`]).
@@ -599,7 +534,7 @@ impl RedisStore {
                     }
                 }
             }
-            async move { self.outcome(inv.invoke_async::<usize>(&mut conn).await) }
+            async move { inv.invoke_async::<usize>(&mut conn).await }
         };
         let keys = self
             .run_grouped(writes, |w| &w.key, usize::MAX, write)
@@ -615,12 +550,16 @@ impl RedisStore {
     }
 
     pub(super) async fn read(&self, key: &str) -> Result<Vec<(String, Vec<u8>)>, StoreError> {
-        let mut conn = self.conn().await?;
-        let all = ::redis::cmd("HGETALL")
-            .arg(key)
-            .query_async(&mut conn)
-            .await;
-        self.outcome(all)
+        let hgetall = |mut conn: Conn| async move {
+            ::redis::cmd("HGETALL")
+                .arg(key)
+                .query_async(&mut conn)
+                .await
+        };
+        match &*self.target {
+            Target::Cluster(cluster) => cluster.at_owner(key, hgetall).await?.map_err(redis_error),
+            _ => self.outcome(hgetall(self.conn().await?).await),
+        }
     }
 
     /// Deletes the expired fields of `keys` at `now`: one `EVALSHA` per 256 keys (of one
@@ -632,12 +571,15 @@ impl RedisStore {
             for k in chunk {
                 inv.arg(k.as_str());
             }
-            async move { self.outcome(inv.invoke_async::<usize>(&mut conn).await) }
+            async move { inv.invoke_async::<usize>(&mut conn).await }
         };
         self.run_grouped(keys, String::as_str, 256, collect).await
     }
 
     pub(super) async fn ping(&self) -> Result<(), StoreError> {
+        if let Target::Cluster(cluster) = &*self.target {
+            return cluster.ping().await;
+        }
         let mut conn = self.conn().await?;
         let pong = ::redis::cmd("PING").query_async::<()>(&mut conn).await;
         self.outcome(pong)
@@ -649,14 +591,14 @@ impl RedisStore {
         events: mpsc::Sender<PubSubEvent>,
     ) {
         let timeout = self.timeout;
-        match &*self.target {
+        let (dial, master): (Arc<dyn Dial>, MasterAddress) = match &*self.target {
             Target::Server { address, dial, .. } => {
                 let address = address.clone();
                 let master: MasterAddress = Arc::new(move || {
                     let address = address.clone();
                     Box::pin(async move { Ok(address) })
                 });
-                tokio::spawn(dial.run_pubsub(master, timeout, cmds, events));
+                (dial.clone(), master)
             }
             Target::Sentinel(s) => {
                 let sentinel = s.clone();
@@ -664,15 +606,34 @@ impl RedisStore {
                     let sentinel = sentinel.clone();
                     Box::pin(async move { sentinel.master_address().await })
                 });
-                tokio::spawn(s.nodes().run_pubsub(master, timeout, cmds, events));
+                (s.nodes(), master)
             }
-            Target::Cluster {
-                settings, nodes, ..
-            } => {
-                let transport = cluster::ClusterPubSub(settings.clone(), nodes.clone());
+            Target::Cluster(cluster) => {
+                let transport = cluster::ShardedPubSub(cluster.clone());
                 tokio::spawn(pubsub::run(transport, timeout, cmds, events));
+                return;
             }
-        }
+        };
+        tokio::spawn(pubsub::run(
+            MasterPubSub { dial, master },
+            timeout,
+            cmds,
+            events,
+        ));
+    }
+}
+
+/// Opens subscriber connections to the master (the one address, or Sentinel's).
+struct MasterPubSub {
+    dial: Arc<dyn Dial>,
+    master: MasterAddress,
+}
+
+impl pubsub::Transport for MasterPubSub {
+    type Conn = Box<dyn NodeSubscriber>;
+
+    async fn connect(&self) -> Result<Box<dyn NodeSubscriber>, StoreError> {
+        self.dial.subscriber((self.master)().await?, false).await
     }
 }
 

@@ -119,8 +119,8 @@ impl Sentinel {
     }
 
     /// How the master is reached.
-    pub(super) fn nodes(&self) -> &dyn Dial {
-        &*self.node_dial
+    pub(super) fn nodes(&self) -> Arc<dyn Dial> {
+        self.node_dial.clone()
     }
 
     /// Asks each sentinel in turn for the master's `host:port`.
