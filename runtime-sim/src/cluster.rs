@@ -264,17 +264,7 @@ impl Cluster {
         let redis_mode = [RedisMode::Server, RedisMode::Sentinel, RedisMode::Cluster]
             [thread_rng().gen_range(0..3)];
         let redis_nodes = match redis_mode {
-            RedisMode::Cluster => (0..SHARDS)
-                .map(|shard| {
-                    let state = redis.clone();
-                    handle
-                        .create_node()
-                        .name(format!("redis-shard{shard}"))
-                        .ip(shard_address(shard).ip())
-                        .init(move || state.clone().serve_shard(shard))
-                        .build()
-                })
-                .collect(),
+            RedisMode::Cluster => redis.shard_nodes(),
             _ => (0..if redis_mode == RedisMode::Sentinel {
                 2
             } else {

@@ -5,7 +5,7 @@
 //! subscriber that is not connected misses messages; every publication is logged for the
 //! checker). A restart of the node loses every key and script, as a Redis without
 //! persistence does; a failover keeps what its replica had (see [`Replica`]). The data also
-//! serves a Redis Cluster of [`SHARDS`] masters, one node each ([`RedisState::serve_shard`]):
+//! serves a Redis Cluster of [`SHARDS`] masters, one node each ([`RedisState::shard_nodes`]):
 //! a node serves the keys of its slots ([`slots`]) and redirects the others (`MOVED`,
 //! `ASK` while a range moves), a script fails at the first key its node does not serve,
 //! keeping what it wrote before, and sharded pub-sub lives on the channel's shard. A
@@ -23,7 +23,9 @@ pub use self::slots::{SHARDS, shard_address};
 use kas_core::tracker::KeyWrite;
 use kas_server::buggify::{self, Point};
 use kas_server::store::Keyspace;
+use kas_server::store::slot::{SLOTS, slot};
 use madsim::rand::{Rng, thread_rng};
+use madsim::runtime::{Handle, NodeHandle};
 use std::collections::{BTreeMap, BTreeSet, VecDeque};
 use std::net::SocketAddr;
 use std::net::{IpAddr, Ipv4Addr};
@@ -149,7 +151,7 @@ struct Subscriber {
 
 /// Where a command arrives on a cluster: the shard's node, and whether it follows `ASKING`.
 #[derive(Clone, Copy, Debug)]
-pub struct At {
+struct At {
     shard: u16,
     asking: bool,
 }
@@ -604,8 +606,9 @@ impl RedisState {
     }
 
     /// Empties the data, or starts it with the promoted replica's keys after
-    /// [`Self::fail_over`]: a restart of the master.
-    fn start_afresh(&self) {
+    /// [`Self::fail_over`]: a restart of the master (or, with every shard's node down, of
+    /// the whole cluster).
+    pub fn start_afresh(&self) {
         let mut db = self.lock();
         let keyspace = db.next_start.take().unwrap_or_default();
         *db = Db::default();
@@ -648,14 +651,24 @@ impl RedisState {
         }
     }
 
-    /// Empties the whole cluster (call it with every shard's node down): a restart of all.
-    pub fn restart_cluster(&self) {
-        self.start_afresh();
+    /// Creates the node of each shard's master, in shard order; they start at once.
+    pub fn shard_nodes(&self) -> Vec<NodeHandle> {
+        (0..SHARDS)
+            .map(|shard| {
+                let state = self.clone();
+                Handle::current()
+                    .create_node()
+                    .name(format!("redis-shard{shard}"))
+                    .ip(shard_address(shard).ip())
+                    .init(move || state.clone().serve_shard(shard))
+                    .build()
+            })
+            .collect()
     }
 
     /// Runs shard `shard`'s master (the node's init) over the shared data; shard 0's also
     /// expires keys. Serves forever.
-    pub async fn serve_shard(self, shard: u16) {
+    async fn serve_shard(self, shard: u16) {
         let endpoint = Endpoint::bind(shard_address(shard))
             .await
             .expect("a cluster node binds its address");
@@ -670,10 +683,8 @@ impl RedisState {
     /// Moves the slots of `key`'s range (`width` slots from its slot) to another shard,
     /// over `lasting`: the keys go over in four steps, then the target owns the range.
     pub async fn move_slots(&self, key: &str, width: u16, to: u16, lasting: Duration) {
-        let first = kas_server::store::slot::slot(key);
-        let last = first
-            .saturating_add(width)
-            .min(kas_server::store::slot::SLOTS - 1);
+        let first = slot(key);
+        let last = first.saturating_add(width).min(SLOTS - 1);
         {
             let mut db = self.lock();
             // One owner for the whole range: it ends where the first slot's range ends.
@@ -701,7 +712,7 @@ impl RedisState {
             let gone: Vec<String> = s
                 .channels
                 .iter()
-                .filter(|c| range.contains(&kas_server::store::slot::slot(c)))
+                .filter(|c| range.contains(&slot(c)))
                 .cloned()
                 .collect();
             for channel in gone {

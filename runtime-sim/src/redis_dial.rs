@@ -330,18 +330,9 @@ mod tests {
     /// when its channel's slot moves away and comes back on the new owner.
     #[madsim::test]
     async fn the_production_store_follows_a_simulated_cluster_through_a_slot_move() {
-        let handle = madsim::runtime::Handle::current();
         let state = RedisState::default();
-        for shard in 0..SHARDS {
-            let state = state.clone();
-            handle
-                .create_node()
-                .name(format!("shard{shard}"))
-                .ip(shard_address(shard).ip())
-                .init(move || state.clone().serve_shard(shard))
-                .build();
-        }
-        let client = handle
+        state.shard_nodes();
+        let client = madsim::runtime::Handle::current()
             .create_node()
             .name("client")
             .ip("10.0.9.1".parse().unwrap())

@@ -324,37 +324,8 @@ async fn faults(
                 });
                 madsim::time::advance(jump);
             }
-            Fault::RestartRedis if cluster.redis_mode == RedisMode::Cluster => {
-                // Every shard's master at once, and the data with them.
-                for node in &cluster.redis_nodes {
-                    handle.kill(node.id());
-                }
-                cluster.redis.restart_cluster();
-                tokio::time::sleep(random_ms(10, 500)).await;
-                for node in &cluster.redis_nodes {
-                    handle.restart(node.id());
-                }
-            }
-            Fault::RestartRedis => {
-                // Kill first: a bare restart keeps the node's sockets bound.
-                let master = cluster.redis_master().id();
-                handle.kill(master);
-                tokio::time::sleep(random_ms(10, 500)).await;
-                handle.restart(master);
-            }
-            Fault::MoveSlots => {
-                // Some agent's slot and up to 40 after it (or a random key's), to a random
-                // shard, over the fault's time.
-                let key = match thread_rng().gen_bool(0.5) {
-                    true => Keys::new("kas").agent(AgentId(
-                        agents[thread_rng().gen_range(0..agents.len())].agent,
-                    )),
-                    false => format!("key{}", thread_rng().gen_range(0..100_000)),
-                };
-                let to = thread_rng().gen_range(0..SHARDS);
-                let width = thread_rng().gen_range(0..=40);
-                cluster.redis.move_slots(&key, width, to, lasting).await;
-            }
+            Fault::RestartRedis => restart_redis(cluster).await,
+            Fault::MoveSlots => move_slots(cluster, agents, lasting).await,
             Fault::FailoverRedis | Fault::FailoverShard => {
                 fail_over(cluster, fault, lasting, &mut log).await;
             }
@@ -502,6 +473,42 @@ fn lose_records(cluster: &Cluster, agents: &[AgentSpec], kas: usize) {
         2 => key == agent_key && (field == id || field.ends_with(&suffix)),
         _ => key == agent_key,
     });
+}
+
+/// Restarts Redis, which keeps nothing: the master, or every shard's master at once.
+async fn restart_redis(cluster: &Cluster) {
+    let handle = Handle::current();
+    let nodes: Vec<_> = match cluster.redis_mode {
+        RedisMode::Cluster => cluster.redis_nodes.iter().map(|n| n.id()).collect(),
+        _ => vec![cluster.redis_master().id()],
+    };
+    // Kill first: a bare restart keeps the node's sockets bound.
+    for node in &nodes {
+        handle.kill(*node);
+    }
+    // A master's node empties the data as it starts; the shards' nodes share it.
+    if cluster.redis_mode == RedisMode::Cluster {
+        cluster.redis.start_afresh();
+    }
+    tokio::time::sleep(random_ms(10, 500)).await;
+    for node in nodes {
+        handle.restart(node);
+    }
+}
+
+/// Moves some agent's slot and up to 40 after it (or a random key's) to a random shard,
+/// over `lasting`.
+async fn move_slots(cluster: &Cluster, agents: &[AgentSpec], lasting: Duration) {
+    let key = match thread_rng().gen_bool(0.5) {
+        true => {
+            let agent = agents[thread_rng().gen_range(0..agents.len())].agent;
+            Keys::new("kas").agent(AgentId(agent))
+        }
+        false => format!("key{}", thread_rng().gen_range(0..100_000)),
+    };
+    let to = thread_rng().gen_range(0..SHARDS);
+    let width = thread_rng().gen_range(0..=40);
+    cluster.redis.move_slots(&key, width, to, lasting).await;
 }
 
 /// Fails Redis over (`fault`: the one master, or one Cluster shard's) to a replica that

@@ -15,8 +15,7 @@ pub mod slot;
 
 pub use self::memory::{Keyspace, MemoryStore};
 pub use self::redis::{
-    Dial, MasterAddress, NodeConn, NodeConnection, NodeSubscriber, RedisAuth, RedisStore,
-    RedisTopology,
+    Dial, NodeConn, NodeConnection, NodeSubscriber, RedisAuth, RedisStore, RedisTopology,
 };
 
 use futures::future::BoxFuture;

@@ -8,7 +8,7 @@ mod dial;
 mod sentinel;
 
 use self::cluster::Cluster;
-pub use self::dial::{Dial, MasterAddress, NodeConn, NodeConnection, NodeSubscriber};
+pub use self::dial::{Dial, NodeConn, NodeConnection, NodeSubscriber};
 use self::sentinel::Sentinel;
 use super::pubsub;
 use super::{Backend, Fields, PubSubCommand, PubSubEvent, StoreError};
@@ -495,10 +495,7 @@ impl RedisStore {
         cluster.forget();
         let again = failed.iter().map(|item| async {
             let one = std::slice::from_ref(item);
-            cluster
-                .at_owner(key(item), |conn| call(conn, one))
-                .await?
-                .map_err(redis_error)
+            cluster.at_owner(key(item), |conn| call(conn, one)).await
         });
         for outcome in futures::future::join_all(again).await {
             total += outcome?;
@@ -557,7 +554,7 @@ impl RedisStore {
                 .await
         };
         match &*self.target {
-            Target::Cluster(cluster) => cluster.at_owner(key, hgetall).await?.map_err(redis_error),
+            Target::Cluster(cluster) => cluster.at_owner(key, hgetall).await,
             _ => self.outcome(hgetall(self.conn().await?).await),
         }
     }
@@ -591,49 +588,48 @@ impl RedisStore {
         events: mpsc::Sender<PubSubEvent>,
     ) {
         let timeout = self.timeout;
-        let (dial, master): (Arc<dyn Dial>, MasterAddress) = match &*self.target {
-            Target::Server { address, dial, .. } => {
-                let address = address.clone();
-                let master: MasterAddress = Arc::new(move || {
-                    let address = address.clone();
-                    Box::pin(async move { Ok(address) })
-                });
-                (dial.clone(), master)
-            }
-            Target::Sentinel(s) => {
-                let sentinel = s.clone();
-                let master: MasterAddress = Arc::new(move || {
-                    let sentinel = sentinel.clone();
-                    Box::pin(async move { sentinel.master_address().await })
-                });
-                (s.nodes(), master)
-            }
+        let transport = match &*self.target {
+            Target::Server { address, dial, .. } => MasterPubSub {
+                dial: dial.clone(),
+                master: Master::At(address.clone()),
+            },
+            Target::Sentinel(s) => MasterPubSub {
+                dial: s.nodes(),
+                master: Master::Named(s.clone()),
+            },
             Target::Cluster(cluster) => {
                 let transport = cluster::ShardedPubSub(cluster.clone());
                 tokio::spawn(pubsub::run(transport, timeout, cmds, events));
                 return;
             }
         };
-        tokio::spawn(pubsub::run(
-            MasterPubSub { dial, master },
-            timeout,
-            cmds,
-            events,
-        ));
+        tokio::spawn(pubsub::run(transport, timeout, cmds, events));
     }
 }
 
-/// Opens subscriber connections to the master (the one address, or Sentinel's).
+/// Where the master is at each attempt.
+enum Master {
+    /// The one server's address.
+    At(String),
+    /// The one the sentinels name.
+    Named(Arc<Sentinel>),
+}
+
+/// Opens subscriber connections to the master.
 struct MasterPubSub {
     dial: Arc<dyn Dial>,
-    master: MasterAddress,
+    master: Master,
 }
 
 impl pubsub::Transport for MasterPubSub {
     type Conn = Box<dyn NodeSubscriber>;
 
     async fn connect(&self) -> Result<Box<dyn NodeSubscriber>, StoreError> {
-        self.dial.subscriber((self.master)().await?, false).await
+        let address = match &self.master {
+            Master::At(address) => address.clone(),
+            Master::Named(sentinel) => sentinel.master_address().await?,
+        };
+        self.dial.subscriber(address, false).await
     }
 }
 

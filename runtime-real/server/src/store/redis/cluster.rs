@@ -197,7 +197,7 @@ impl Cluster {
         &self,
         key: &str,
         call: impl Fn(Conn) -> F,
-    ) -> Result<RedisResult<T>, StoreError>
+    ) -> Result<T, StoreError>
     where
         F: Future<Output = RedisResult<T>>,
     {
@@ -206,7 +206,7 @@ impl Cluster {
         for _ in 0..REDIRECTIONS {
             let answer = call(conn).await;
             let Some((ask, address)) = answer.as_ref().err().and_then(redirection) else {
-                return Ok(answer);
+                return answer.map_err(super::redis_error);
             };
             if !ask {
                 self.forget();
@@ -218,7 +218,7 @@ impl Cluster {
                 Conn::Node(node)
             };
         }
-        Ok(call(conn).await)
+        call(conn).await.map_err(super::redis_error)
     }
 
     /// `PING` to every master: a dead shard fails it.

@@ -57,10 +57,6 @@ impl Connection for Box<dyn NodeSubscriber> {
     }
 }
 
-/// Where the master is at each attempt: a fixed address, or the one the sentinels name.
-pub type MasterAddress =
-    Arc<dyn Fn() -> BoxFuture<'static, Result<String, StoreError>> + Send + Sync>;
-
 /// How the store reaches Redis nodes.
 pub trait Dial: Send + Sync + 'static {
     /// A command connection to the node at `address`, connecting lazily.
@@ -247,8 +243,9 @@ impl ShardSubscriber {
         })
     }
 
-    /// Sends `cmd` (about one channel) and reads its answer: the confirmation, which
-    /// redis-rs also hands to the push channel, or the refusal (`MOVED`).
+    /// Sends `cmd` and reads its answer: for a command about one channel, the
+    /// confirmation (which redis-rs also hands to the push channel) or the refusal
+    /// (`MOVED`).
     async fn send(&mut self, cmd: &Cmd) -> Result<(), StoreError> {
         self.conn
             .send_packed_command(cmd)
@@ -278,10 +275,7 @@ impl NodeSubscriber for ShardSubscriber {
 
     fn ping(&mut self) -> BoxFuture<'_, Result<(), StoreError>> {
         Box::pin(async move {
-            self.conn
-                .send_packed_command(&::redis::cmd("PING"))
-                .await
-                .map_err(redis_error)?;
+            self.send(&::redis::cmd("PING")).await?;
             self.answered.push_back(Pushed::Pong);
             Ok(())
         })
