@@ -292,9 +292,17 @@ pub fn check_hops(kas: usize, metrics: &str) -> Vec<String> {
 
 /// Calls from GitLab that kas `metrics` counts as routed (all outcomes and hops).
 pub fn routed(metrics: &str) -> f64 {
+    total(metrics, "kas_routed_requests_total")
+}
+
+/// The sum of counter `family` over all its labels in `metrics`.
+pub fn total(metrics: &str, family: &str) -> f64 {
     metrics
         .lines()
-        .filter(|l| l.starts_with("kas_routed_requests_total{"))
+        .filter(|l| {
+            l.strip_prefix(family)
+                .is_some_and(|rest| rest.starts_with(['{', ' ']))
+        })
         .filter_map(|l| l.rsplit_once(' ')?.1.parse::<f64>().ok())
         .sum()
 }

@@ -325,7 +325,7 @@ async fn faults(
                 madsim::time::advance(jump);
             }
             Fault::RestartRedis => restart_redis(cluster).await,
-            Fault::MoveSlots => move_slots(cluster, agents, lasting).await,
+            Fault::MoveSlots => move_slots(cluster, agents, lasting, &mut log).await,
             Fault::FailoverRedis | Fault::FailoverShard => {
                 fail_over(cluster, fault, lasting, &mut log).await;
             }
@@ -497,9 +497,18 @@ async fn restart_redis(cluster: &Cluster) {
 }
 
 /// Moves some agent's slot and up to 40 after it (or a random key's) to a random shard,
-/// over `lasting`.
-async fn move_slots(cluster: &Cluster, agents: &[AgentSpec], lasting: Duration) {
-    let key = match thread_rng().gen_bool(0.5) {
+/// over `lasting`. Half the moves, always of an agent's slot, are judged (inv 13): the
+/// fault points are off from [`SETTLED`] before the move until [`SETTLED`] after it, and no
+/// kas may count a store error meanwhile, since a cluster client follows `MOVED` and
+/// `ASK` rather than failing.
+async fn move_slots(
+    cluster: &Cluster,
+    agents: &[AgentSpec],
+    lasting: Duration,
+    log: &mut FaultLog,
+) {
+    let judged = thread_rng().gen_bool(0.5);
+    let key = match judged || thread_rng().gen_bool(0.5) {
         true => {
             let agent = agents[thread_rng().gen_range(0..agents.len())].agent;
             Keys::new("kas").agent(AgentId(agent))
@@ -508,7 +517,47 @@ async fn move_slots(cluster: &Cluster, agents: &[AgentSpec], lasting: Duration) 
     };
     let to = thread_rng().gen_range(0..SHARDS);
     let width = thread_rng().gen_range(0..=40);
+    if !judged {
+        cluster.redis.move_slots(&key, width, to, lasting).await;
+        return;
+    }
+    let rates = kas_server::buggify::rates();
+    kas_server::buggify::disable();
+    tokio::time::sleep(SETTLED).await;
+    let before = store_errors(cluster);
     cluster.redis.move_slots(&key, width, to, lasting).await;
+    tokio::time::sleep(SETTLED).await;
+    let after = store_errors(cluster);
+    kas_server::buggify::restore(rates);
+    for (kas, (before, after)) in before.into_iter().zip(after).enumerate() {
+        if after > before {
+            log.violations.push(format!(
+                "inv 13: kas{kas} counted {} store errors while slots of {key:?} moved over {lasting:?} and nothing else failed",
+                after - before
+            ));
+        }
+    }
+}
+
+/// How long a store operation may take with no fault point on: one Redis request
+/// redirected twice, each within kas's Redis timeout (1 s).
+const SETTLED: Duration = Duration::from_secs(3);
+
+/// Each kas's store errors counted so far (its `redis_errors_total`).
+fn store_errors(cluster: &Cluster) -> Vec<f64> {
+    cluster
+        .health
+        .iter()
+        .map(|slot| {
+            let metrics = slot
+                .lock()
+                .unwrap_or_else(|p| p.into_inner())
+                .as_ref()
+                .map(|h| h.metrics_text())
+                .unwrap_or_default();
+            checker::total(&metrics, "kas_redis_errors_total")
+        })
+        .collect()
 }
 
 /// Fails Redis over (`fault`: the one master, or one Cluster shard's) to a replica that

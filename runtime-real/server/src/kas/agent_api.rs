@@ -7,6 +7,7 @@ use super::live_kas::LiveKas;
 use super::replicas::Replicas;
 use super::stopping::{Phase, Stop};
 use super::tunnel::{self, OutboundStream, Outgoing, Tunnel};
+use futures::future::{Fuse, FusedFuture, FutureExt};
 use kas_auth::agent_auth::{AgentAuth, AgentIdentity, AuthError};
 use kas_core::frame_sequence::{Direction, FrameSequence, StreamKind};
 use kas_core::node::NodeInput;
@@ -288,8 +289,9 @@ struct Ends {
     token: Recheck,
     /// A message goes to the agent this often.
     keepalive: Duration,
-    /// Counted again for each keepalive: an agent that connected while it counted fewer
-    /// kas (others starting, or their records lost with a Redis failover) learns of more.
+    /// Told again in each keepalive (as last read): an agent that connected while it
+    /// counted fewer kas (others starting, or their records lost with a Redis failover)
+    /// learns of more.
     live_kas: Arc<LiveKas>,
 }
 
@@ -298,45 +300,57 @@ impl Ends {
     /// status to close it with): kas leaves, or GitLab no longer accepts the token. Once
     /// kas drains, or the connection is `age` old, the agent is asked to move with
     /// `drain`. The ask is sent without waiting: an agent that does not read its stream
-    /// is cut off with the rest.
+    /// is cut off with the rest. Keepalives wait on neither Redis nor GitLab: the token
+    /// is rechecked beside them and the live kas count is the last one read, so that a
+    /// slow store or GitLab never silences the link (`redis-restart` seed 123 once: a
+    /// count read through a failing Redis Cluster shard held keepalives back 2.25 s, and
+    /// the agents gave their links up as dead).
     async fn hold(
-        mut self,
+        self,
         tx: &mpsc::Sender<Outgoing<ConfigurationResponse>>,
         drain: ConfigurationResponse,
     ) -> Option<Status> {
-        let old = tokio::time::sleep(self.age);
+        let Ends {
+            mut stop,
+            age,
+            token,
+            keepalive: every_beat,
+            live_kas,
+        } = self;
+        let old = tokio::time::sleep(age);
         tokio::pin!(old);
-        let every = self.token.every;
+        let every = token.every;
         let mut recheck = tokio::time::interval_at(tokio::time::Instant::now() + every, every);
         recheck.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
+        let mut checking = std::pin::pin!(token.refused().fuse());
+        checking.set(Fuse::terminated());
         let keepalive = ConfigurationResponse {
             keepalive_millis: drain.keepalive_millis,
             ..ConfigurationResponse::default()
         };
-        let beat = tokio::time::Instant::now() + self.keepalive;
-        let mut beats = tokio::time::interval_at(beat, self.keepalive);
+        let beat = tokio::time::Instant::now() + every_beat;
+        let mut beats = tokio::time::interval_at(beat, every_beat);
         beats.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
         let mut asked = false;
-        let mut closing = self.stop.clone();
+        let mut closing = stop.clone();
         loop {
             let why = tokio::select! {
                 biased;
                 () = tx.closed() => return None,
-                () = self.stop.until(Phase::Leaving) => return Some(leaving()),
-                // Redis and GitLab may be slow: the agent leaving or kas stopping still count.
-                _ = beats.tick() => match first_of(tx, &mut self.stop, self.live_kas.count()).await {
-                    Ok(live_kas) => {
-                        let keepalive = ConfigurationResponse { live_kas, ..keepalive.clone() };
-                        // Not waited for: an agent that does not read is cut off elsewhere.
-                        let _ = tx.try_send(Box::new(Ok(keepalive)));
-                        continue;
-                    }
-                    Err(end) => return end,
-                },
-                _ = recheck.tick() => match first_of(tx, &mut self.stop, self.token.refused()).await {
-                    Ok(None) => continue,
-                    Ok(refused) => return refused,
-                    Err(end) => return end,
+                () = stop.until(Phase::Leaving) => return Some(leaving()),
+                _ = beats.tick() => {
+                    let keepalive = ConfigurationResponse { live_kas: live_kas.latest(), ..keepalive.clone() };
+                    // Not waited for: an agent that does not read is cut off elsewhere.
+                    let _ = tx.try_send(Box::new(Ok(keepalive)));
+                    continue;
+                }
+                _ = recheck.tick(), if checking.is_terminated() => {
+                    checking.set(token.refused().fuse());
+                    continue;
+                }
+                refused = &mut checking => match refused {
+                    None => continue,
+                    refused => return refused,
                 },
                 () = closing.until(Phase::Closing), if !asked => "kas is shutting down",
                 () = &mut old, if !asked => "the connection reached agent.listen.max_connection_age",
@@ -349,21 +363,6 @@ impl Ends {
             );
             let _ = tx.try_send(Box::new(Ok(drain.clone())));
         }
-    }
-}
-
-/// What `work` gives, unless the agent leaves first (`Err(None)`) or kas stops (`Err` with
-/// the status to close the stream with).
-async fn first_of<T>(
-    tx: &mpsc::Sender<Outgoing<ConfigurationResponse>>,
-    stop: &mut Stop,
-    work: impl Future<Output = T>,
-) -> Result<T, Option<Status>> {
-    tokio::select! {
-        biased;
-        () = tx.closed() => Err(None),
-        () = stop.until(Phase::Leaving) => Err(Some(leaving())),
-        done = work => Ok(done),
     }
 }
 

@@ -3,8 +3,8 @@
 
 use crate::store::Store;
 use kas_transport::clock;
-use std::sync::Mutex;
 use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::{Arc, Mutex};
 use std::time::Duration;
 use tokio::time::Instant;
 
@@ -40,6 +40,18 @@ impl LiveKas {
             cached: Mutex::new((None, 0)),
             reading: AtomicBool::new(false),
         }
+    }
+
+    /// The count as last read, without waiting; when it is older than [`FRESH`], a read
+    /// starts in the background. Keepalives carry it: a slow store must not hold them.
+    pub fn latest(self: &Arc<Self>) -> i32 {
+        let (at, n) = *self.cached.lock().expect("not poisoned");
+        let fresh = at.is_some_and(|at| at.elapsed() < FRESH);
+        if !fresh && !self.reading.load(Ordering::Acquire) {
+            let this = self.clone();
+            tokio::spawn(async move { this.count().await });
+        }
+        n
     }
 
     /// The count, at most [`FRESH`] old; 0 when it was never read (the store failing).
