@@ -26,9 +26,11 @@
 
 mod ha;
 mod revoked;
+mod silent;
 
 pub use ha::{HalfOpen, Outage, check_available, check_reachable};
 pub use revoked::{REVOKE_BOUND, Revocation, check_revoked};
+pub use silent::check_silences;
 
 use crate::bounds::{OUTCOME_BOUND, SLACK, STREAM_BOUND};
 use crate::cluster::AgentSpec;

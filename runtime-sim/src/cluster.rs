@@ -419,6 +419,13 @@ impl Cluster {
                     // A restarted node starts with no connection; its old ones died with it.
                     truth.homed(agent, replica, Vec::new());
                     let (serving, mut homes) = tokio::sync::watch::channel(Vec::new());
+                    let (silent, mut silences) = tokio::sync::mpsc::unbounded_channel();
+                    let silent_truth = truth.clone();
+                    tokio::spawn(async move {
+                        while let Some(kas) = silences.recv().await {
+                            silent_truth.silent(agent, replica, kas_index(&kas));
+                        }
+                    });
                     tokio::spawn(async move {
                         while homes.changed().await.is_ok() {
                             let kas = homes.borrow_and_update().iter().map(kas_index).collect();
@@ -426,7 +433,8 @@ impl Cluster {
                         }
                     });
                     tokio::time::sleep(delay).await;
-                    kas_agent::run_reporting(options, modules, shutdown, serving).await;
+                    let reports = kas_agent::Reports { serving, silent };
+                    kas_agent::run_reporting(options, modules, shutdown, reports).await;
                     drop(stop);
                 }
             })

@@ -225,6 +225,9 @@ struct FaultLog {
     revocations: Vec<Revocation>,
     /// The calls of the probes after faults (see [`probe`]).
     calls: Vec<Call>,
+    /// When every agent replica was on two kas after the run started with one kas (see
+    /// [`scale_out`]): until then an agent may rightly be nowhere, and calls for it fail.
+    settled: Option<Instant>,
 }
 
 /// How long a restarted kas may take to listen again.
@@ -1151,7 +1154,7 @@ pub async fn run(scenario: Scenario) -> Report {
     kas_server::buggify::heal();
     if scenario.ha() {
         let ha: Vec<i64> = spec.agents.iter().map(|a| a.agent).collect();
-        let from = start + Duration::from_secs(1);
+        let from = log.settled.unwrap_or(start + Duration::from_secs(1));
         let homes = cluster.truth.homes();
         violations.extend(checker::check_reachable(
             &calls,
@@ -1190,6 +1193,13 @@ pub async fn run(scenario: Scenario) -> Report {
         violations.extend(checker::check_holds(&calls, &holds, &log.stalls));
     }
     violations.extend(checker::check_revoked(&log.revocations, &truth));
+    let silences = cluster.truth.silences();
+    violations.extend(checker::check_silences(
+        &silences,
+        &log.stalls,
+        &log.outages,
+        &log.cuts,
+    ));
     violations.extend(leaks_left(&cluster, calls.len() + uncounted).await);
     violations.extend(cluster.truth.violations());
     if !violations.is_empty() {
@@ -1234,13 +1244,18 @@ async fn faulty_phase(
         until,
         "call",
     ));
+    // With agent HA, a third of the runs start as one kas scaled out to all of them.
+    let scaled = match scenario.ha() && thread_rng().gen_bool(1.0 / 3.0) {
+        true => Some(scale_out(cluster, &spec.agents, start).await),
+        false => None,
+    };
     let mut log = FaultLog::default();
     if scenario == Scenario::ReconnectStorm {
         for _ in 0..3 {
             tokio::time::sleep(random_ms(2_000, 5_000)).await;
+            let from = Instant::now();
             Handle::current().kill(cluster.kas_nodes[0].id());
-            tokio::time::sleep(random_ms(500, 2_000)).await;
-            Handle::current().restart(cluster.kas_nodes[0].id());
+            back_up(cluster, 0, from, random_ms(500, 2_000), true, &mut log).await;
             log.count += 1;
         }
     } else if scenario == Scenario::RollingRestart {
@@ -1255,9 +1270,45 @@ async fn faulty_phase(
         let late = store_back::check(&returns, &log.outages, &log.stalls);
         log.violations.extend(late);
     }
+    if let Some((outages, settled)) = scaled {
+        log.outages.extend(outages);
+        log.settled = Some(settled);
+    }
     let mut calls: Vec<Call> = calls.await.expect("caller finished");
     calls.append(&mut log.calls);
     (calls, log)
+}
+
+/// Starts with one kas: every other one is down from `start` until 1.5-4 s later, when
+/// the agents have met the first, which counted itself alone; they must learn of the
+/// others and connect to two (inv 9), as when kas is scaled out. Returns the outages, and
+/// when every replica of `agents` was on two kas (or the wait for it gave up).
+async fn scale_out(
+    cluster: &Cluster,
+    agents: &[AgentSpec],
+    start: Instant,
+) -> (Vec<Outage>, Instant) {
+    let first = thread_rng().gen_range(0..cluster.kas_nodes.len());
+    let others: Vec<usize> = (0..cluster.kas_nodes.len())
+        .filter(|k| *k != first)
+        .collect();
+    for &k in &others {
+        Handle::current().kill(cluster.kas_nodes[k].id());
+    }
+    tracing::info!(first, "scaling out from one kas");
+    tokio::time::sleep(random_ms(1_500, 4_000)).await;
+    let mut outages = Vec::new();
+    for k in others {
+        Handle::current().restart(cluster.kas_nodes[k].id());
+        outages.push(Outage {
+            kas: k,
+            from: start,
+            to: Instant::now() + RESTARTING,
+            killed: true,
+        });
+    }
+    await_homed(cluster, agents).await;
+    (outages, Instant::now())
 }
 
 /// Healed: agents reconnect (their backoff is capped) and records expire and are

@@ -52,11 +52,25 @@ pub struct Homes {
     pub at: Instant,
 }
 
+/// A link an agent replica gave up because kas went silent on it.
+#[derive(Clone, Copy, Debug)]
+pub struct Silence {
+    /// The agent.
+    pub agent: i64,
+    /// Its replica.
+    pub replica: usize,
+    /// The kas (by index).
+    pub kas: usize,
+    /// When.
+    pub at: Instant,
+}
+
 #[derive(Debug, Default)]
 struct Log {
     deliveries: Vec<Delivery>,
     holds: Vec<Hold>,
     homes: Vec<Homes>,
+    silences: Vec<Silence>,
     /// What agents found wrong in kas's answers (the greedy agent's counts).
     violations: Vec<String>,
 }
@@ -150,6 +164,22 @@ impl Truth {
             kas,
             at,
         });
+    }
+
+    /// Records that replica `replica` of `agent` gave its link to kas `kas` up as silent.
+    pub fn silent(&self, agent: i64, replica: usize, kas: usize) {
+        let at = Instant::now();
+        self.lock().silences.push(Silence {
+            agent,
+            replica,
+            kas,
+            at,
+        });
+    }
+
+    /// Every link given up as silent, in order.
+    pub fn silences(&self) -> Vec<Silence> {
+        self.lock().silences.clone()
     }
 
     /// Records what an agent found wrong in kas's answers.

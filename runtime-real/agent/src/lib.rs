@@ -17,4 +17,4 @@ pub mod run;
 pub use client::{AgentClient, UNANSWERED_HEARTBEATS};
 pub use modules::Modules;
 pub use pods::{PODS_LIST, PODS_LOGS, PodSource};
-pub use run::{AgentOptions, run, run_reporting};
+pub use run::{AgentOptions, Reports, run, run_reporting};

@@ -97,6 +97,8 @@ enum Event {
     MoveAsked,
     /// It reached a kas that is stopping, which declined it.
     Declined,
+    /// It is given up: kas, at this address, went silent on it.
+    Silent(String),
 }
 
 /// What the agent tells a connection.
@@ -119,16 +121,28 @@ async fn stopping(shutdown: &mut watch::Receiver<bool>) {
 /// Holds connections to several kas until `shutdown` turns true; then lets running calls
 /// finish (within `shutdown_grace`) and closes everything.
 pub async fn run(options: AgentOptions, modules: Arc<Modules>, shutdown: watch::Receiver<bool>) {
-    run_reporting(options, modules, shutdown, watch::channel(Vec::new()).0).await;
+    let reports = Reports {
+        serving: watch::channel(Vec::new()).0,
+        silent: mpsc::unbounded_channel().0,
+    };
+    run_reporting(options, modules, shutdown, reports).await;
 }
 
-/// [`run`], keeping `serving` set to the ids of the kas whose connections are up and
-/// counted ([`KasLinks::serving_kas`]): where this replica can be reached.
+/// What [`run_reporting`] tells of a replica's links as they change.
+pub struct Reports {
+    /// Kept set to the ids of the kas whose connections are up and counted
+    /// ([`KasLinks::serving_kas`]): where this replica can be reached.
+    pub serving: watch::Sender<Vec<String>>,
+    /// The address dialled, each time a link is given up because kas went silent on it.
+    pub silent: mpsc::UnboundedSender<String>,
+}
+
+/// [`run`], telling `reports` what happens to the links.
 pub async fn run_reporting(
     options: AgentOptions,
     modules: Arc<Modules>,
     mut shutdown: watch::Receiver<bool>,
-    serving: watch::Sender<Vec<String>>,
+    reports: Reports,
 ) {
     let mut rng = Rng::new(options.seed);
     // Positive: kas refuses negative ids, and 0 asks kas to draw one.
@@ -189,7 +203,7 @@ pub async fn run_reporting(
                 let _ = o.send(order);
             }
         }
-        serving.send_if_modified(|kas| {
+        reports.serving.send_if_modified(|kas| {
             let now = links.serving_kas();
             let changed = *kas != now;
             *kas = now;
@@ -207,6 +221,10 @@ pub async fn run_reporting(
                     Event::LiveKas(n) => LinksInput::LiveKas(n),
                     Event::MoveAsked => LinksInput::MoveAsked(link),
                     Event::Declined => LinksInput::Declined(link),
+                    Event::Silent(kas) => {
+                        let _ = reports.silent.send(kas);
+                        continue;
+                    }
                 };
                 links.handle_input(clock::now(), input);
             }
@@ -397,6 +415,7 @@ impl Connection {
                     if client::kas_silent(&status) {
                         // Every tunnel of the connection is on the same dead link.
                         tracing::warn!(kas = %self.kas, reason = %status.message(), "dropping the connection; dialling again");
+                        let _ = self.events.send((self.link, Event::Silent(self.kas.clone())));
                         return;
                     }
                     pool.ended(slot, status);
@@ -419,6 +438,7 @@ impl Connection {
                 () = tokio::time::sleep_until(heard + silence.unwrap_or_default()), if silence.is_some() => {
                     let silence = silence.unwrap_or_default();
                     tracing::warn!(kas = %self.kas, ?silence, "the link to kas is dead: kas sent nothing on the connection; dialling again");
+                    let _ = self.events.send((self.link, Event::Silent(self.kas.clone())));
                     return;
                 }
                 () = tokio::time::sleep_until(drain_until.unwrap_or_else(tokio::time::Instant::now)), if drain_until.is_some() => {
