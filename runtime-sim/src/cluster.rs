@@ -244,7 +244,8 @@ impl Cluster {
     pub fn redis_master(&self) -> &NodeHandle {
         match self.redis_mode {
             RedisMode::Cluster => {
-                &self.redis_nodes[thread_rng().gen_range(0..self.redis_nodes.len())]
+                let shard = thread_rng().gen_range(0..SHARDS);
+                &self.redis_nodes[self.redis.shard_node(shard)]
             }
             _ => &self.redis_nodes[self.redis.master()],
         }

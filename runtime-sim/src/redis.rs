@@ -19,7 +19,7 @@ pub mod slots;
 pub use self::resp::Reply;
 use self::script::Scripts;
 use self::slots::SlotTable;
-pub use self::slots::{SHARDS, shard_address};
+pub use self::slots::{SHARDS, node_address, shard_address};
 use kas_core::tracker::KeyWrite;
 use kas_server::buggify::{self, Point};
 use kas_server::store::Keyspace;
@@ -161,8 +161,8 @@ struct At {
 enum Role {
     /// One of [`NODES`]: the single server or Sentinel's master, or its replica.
     Node(usize),
-    /// A cluster shard's master.
-    Shard(u16),
+    /// A cluster shard's node ([`slots::node_address`]): its master, or its replica.
+    Shard(u16, u8),
 }
 
 /// The UTF-8 text of an argument (keys, fields and channels are text here).
@@ -525,12 +525,14 @@ impl RedisState {
         }
     }
 
-    /// The down shard's replica becomes its master: the shard's keys are what it held.
+    /// The down shard's replica becomes its master, at its own address: the shard's keys
+    /// are what it held.
     pub fn promote(&self) {
         let mut db = self.lock();
         let Some((shard, promoted)) = db.down.take() else {
             return;
         };
+        db.slots.swap_sides(shard);
         db.disturbed = Some(Instant::now());
         let db = &mut *db;
         let slots = &db.slots;
@@ -651,32 +653,41 @@ impl RedisState {
         }
     }
 
-    /// Creates the node of each shard's master, in shard order; they start at once.
+    /// Creates the two nodes of each shard (its first master, then its replica): the
+    /// masters in shard order, then the replicas ([`Self::shard_node`]). They start at once.
     pub fn shard_nodes(&self) -> Vec<NodeHandle> {
-        (0..SHARDS)
-            .map(|shard| {
+        (0..2)
+            .flat_map(|side| (0..SHARDS).map(move |shard| (shard, side)))
+            .map(|(shard, side)| {
                 let state = self.clone();
                 Handle::current()
                     .create_node()
-                    .name(format!("redis-shard{shard}"))
-                    .ip(shard_address(shard).ip())
-                    .init(move || state.clone().serve_shard(shard))
+                    .name(format!("redis-shard{shard}-{side}"))
+                    .ip(node_address(shard, side).ip())
+                    .init(move || state.clone().serve_shard(shard, side))
                     .build()
             })
             .collect()
     }
 
-    /// Runs shard `shard`'s master (the node's init) over the shared data; shard 0's also
-    /// expires keys. Serves forever.
-    async fn serve_shard(self, shard: u16) {
-        let endpoint = Endpoint::bind(shard_address(shard))
+    /// The index in [`Self::shard_nodes`] of shard `shard`'s master now.
+    pub fn shard_node(&self, shard: u16) -> usize {
+        let side = self.lock().slots.side(shard);
+        usize::from(side) * usize::from(SHARDS) + usize::from(shard)
+    }
+
+    /// Runs node `side` of shard `shard` (the node's init) over the shared data: it
+    /// serves as the master or the replica, whichever it is at each command. The first
+    /// node of shard 0 also expires keys. Serves forever.
+    async fn serve_shard(self, shard: u16, side: u8) {
+        let endpoint = Endpoint::bind(node_address(shard, side))
             .await
             .expect("a cluster node binds its address");
-        if shard == 0 {
+        if (shard, side) == (0, 0) {
             self.spawn_sweeper();
         }
         while let Ok((tx, rx, _)) = endpoint.accept1().await {
-            tokio::spawn(self.clone().connection(Role::Shard(shard), tx, rx));
+            tokio::spawn(self.clone().connection(Role::Shard(shard, side), tx, rx));
         }
     }
 
@@ -744,7 +755,11 @@ impl RedisState {
                         tokio::time::sleep(latency).await;
                     }
                     let at = match role {
-                        Role::Shard(shard) => Some(At { shard, asking: std::mem::take(&mut asking) }),
+                        Role::Shard(shard, side) => {
+                            let master = self.lock().slots.side(shard) == side;
+                            let shard = if master { shard } else { slots::REPLICA };
+                            Some(At { shard, asking: std::mem::take(&mut asking) })
+                        }
                         Role::Node(_) => None,
                     };
                     match (resp::command(&bytes), role) {
@@ -754,7 +769,7 @@ impl RedisState {
                         (Ok(_), Role::Node(index)) if self.master() != index => Reply::Error(
                             "READONLY You can't write against a read only replica.".into(),
                         ),
-                        (Ok(args), Role::Shard(_)) if args.len() == 1 && text(&args[0]).eq_ignore_ascii_case("asking") => {
+                        (Ok(args), Role::Shard(..)) if args.len() == 1 && text(&args[0]).eq_ignore_ascii_case("asking") => {
                             asking = true;
                             Reply::Status("OK")
                         }

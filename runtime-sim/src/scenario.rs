@@ -640,8 +640,9 @@ async fn fail_over(cluster: &Cluster, fault: Fault, lasting: Duration, log: &mut
             }
             _ => thread_rng().gen_range(0..SHARDS),
         };
-        // The shard's master goes, every connection with it; its replica takes over.
-        let node = cluster.redis_nodes[usize::from(shard)].id();
+        // The shard's master goes, every connection with it; its replica, at an address of
+        // its own, takes over; the old master comes back as the replica.
+        let node = cluster.redis_nodes[cluster.redis.shard_node(shard)].id();
         handle.kill(node);
         cluster.redis.fail_shard(shard, lost);
         tokio::time::sleep(outage).await;

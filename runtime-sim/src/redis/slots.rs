@@ -13,30 +13,40 @@ use std::ops::RangeInclusive;
 /// `redis-cli --cluster create` does.
 pub const SHARDS: u16 = 3;
 
-/// Where shard `shard`'s master answers.
+/// Where shard `shard`'s first master answers: the nodes kas is configured with.
 pub fn shard_address(shard: u16) -> SocketAddr {
-    let last = u8::try_from(11 + shard).expect("few shards");
+    node_address(shard, 0)
+}
+
+/// Where node `side` (0 or 1: a master and its replica, which swap on a failover) of
+/// shard `shard` answers.
+pub fn node_address(shard: u16, side: u8) -> SocketAddr {
+    let last = u8::try_from(11 + shard).expect("few shards") + side * 10;
     SocketAddr::new(IpAddr::V4(Ipv4Addr::new(10, 0, 0, last)), 6379)
 }
+
+/// The shard a replica node answers for: none, so that it sends every key to its master
+/// with `MOVED`, as a cluster replica does to a client that did not ask for `READONLY`.
+pub const REPLICA: u16 = u16::MAX;
 
 /// Why a node does not serve a key: it is elsewhere for good, or (while its slot moves)
 /// already at the target.
 #[derive(Debug)]
 pub enum Refusal {
-    /// `MOVED`: the slot and the shard serving it.
-    Moved(u16, u16),
-    /// `ASK`: the slot and the shard the key went to.
-    Ask(u16, u16),
+    /// `MOVED`: the slot and the master serving it.
+    Moved(u16, SocketAddr),
+    /// `ASK`: the slot and the master the key went to.
+    Ask(u16, SocketAddr),
 }
 
 impl Refusal {
     /// The error a Redis node answers with: `MOVED slot host:port` or `ASK slot host:port`.
     pub fn reply(&self) -> Reply {
-        let (what, slot, shard) = match self {
-            Refusal::Moved(slot, shard) => ("MOVED", slot, shard),
-            Refusal::Ask(slot, shard) => ("ASK", slot, shard),
+        let (what, slot, address) = match self {
+            Refusal::Moved(slot, address) => ("MOVED", slot, address),
+            Refusal::Ask(slot, address) => ("ASK", slot, address),
         };
-        Reply::Error(format!("{what} {slot} {}", shard_address(*shard)))
+        Reply::Error(format!("{what} {slot} {address}"))
     }
 }
 
@@ -55,6 +65,8 @@ struct Moving {
 pub struct SlotTable {
     owner: Vec<u16>,
     moving: Option<Moving>,
+    /// Which node of each shard is its master.
+    sides: Vec<u8>,
 }
 
 impl Default for SlotTable {
@@ -63,6 +75,7 @@ impl Default for SlotTable {
         SlotTable {
             owner,
             moving: None,
+            sides: vec![0; usize::from(SHARDS)],
         }
     }
 }
@@ -79,6 +92,22 @@ impl SlotTable {
     /// The shard serving `key` (or a channel named like it) for good.
     pub fn owner(&self, key: &str) -> u16 {
         self.owner[usize::from(slot(key))]
+    }
+
+    /// Which node of shard `shard` is its master.
+    pub fn side(&self, shard: u16) -> u8 {
+        self.sides[usize::from(shard)]
+    }
+
+    /// Where shard `shard`'s master answers.
+    pub fn master(&self, shard: u16) -> SocketAddr {
+        node_address(shard, self.side(shard))
+    }
+
+    /// Shard `shard`'s replica becomes its master, at its own address.
+    pub fn swap_sides(&mut self, shard: u16) {
+        let side = &mut self.sides[usize::from(shard)];
+        *side = 1 - *side;
     }
 
     /// The shard serving slot `slot` for good.
@@ -110,13 +139,13 @@ impl SlotTable {
         let owner = self.owner[usize::from(slot)];
         match &self.moving {
             Some(m) if m.slots.contains(&slot) => match shard {
-                s if s == m.from && over(m) => Err(Refusal::Ask(slot, m.to)),
+                s if s == m.from && over(m) => Err(Refusal::Ask(slot, self.master(m.to))),
                 s if s == m.from => Ok(()),
                 s if s == m.to && asking => Ok(()),
-                _ => Err(Refusal::Moved(slot, m.from)),
+                _ => Err(Refusal::Moved(slot, self.master(m.from))),
             },
             _ if owner == shard => Ok(()),
-            _ => Err(Refusal::Moved(slot, owner)),
+            _ => Err(Refusal::Moved(slot, self.master(owner))),
         }
     }
 
@@ -128,7 +157,7 @@ impl SlotTable {
         for s in 1..=SLOTS {
             if s == SLOTS || self.owner[usize::from(s)] != self.owner[usize::from(start)] {
                 let shard = self.owner[usize::from(start)];
-                let address = shard_address(shard);
+                let address = self.master(shard);
                 ranges.push(Reply::Array(vec![
                     Reply::Int(i64::from(start)),
                     Reply::Int(i64::from(s - 1)),
@@ -184,16 +213,25 @@ mod tests {
         let to = (from + 1) % SHARDS;
         let s = slot(key);
         assert!(table.check(from, key, false).is_ok());
-        assert!(matches!(table.check(to, key, false), Err(Refusal::Moved(_, o)) if o == from));
+        let (at_from, at_to) = (shard_address(from), shard_address(to));
+        assert!(matches!(table.check(to, key, false), Err(Refusal::Moved(_, o)) if o == at_from));
+        assert!(
+            matches!(table.check(REPLICA, key, false), Err(Refusal::Moved(_, o)) if o == at_from)
+        );
         table.start_move(s..=s, to);
         assert!(table.check(from, key, false).is_ok(), "not over yet");
         table.advance(1_000);
-        assert!(matches!(table.check(from, key, false), Err(Refusal::Ask(_, t)) if t == to));
-        assert!(matches!(table.check(to, key, false), Err(Refusal::Moved(_, o)) if o == from));
+        assert!(matches!(table.check(from, key, false), Err(Refusal::Ask(_, t)) if t == at_to));
+        assert!(matches!(table.check(to, key, false), Err(Refusal::Moved(_, o)) if o == at_from));
         assert!(table.check(to, key, true).is_ok());
         assert_eq!(table.finish_move(), Some((s..=s, from)));
         assert!(table.check(to, key, false).is_ok());
-        assert!(matches!(table.check(from, key, false), Err(Refusal::Moved(_, o)) if o == to));
+        assert!(matches!(table.check(from, key, false), Err(Refusal::Moved(_, o)) if o == at_to));
+        table.swap_sides(to);
+        let promoted = node_address(to, 1);
+        assert!(
+            matches!(table.check(from, key, false), Err(Refusal::Moved(_, o)) if o == promoted)
+        );
         let Reply::Array(ranges) = table.slots_reply() else {
             panic!("an array");
         };
