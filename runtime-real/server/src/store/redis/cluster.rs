@@ -12,6 +12,8 @@ use super::dial::{Dial, NodeConn, NodeSubscriber};
 use crate::store::StoreError;
 use crate::store::slot::{SLOTS, slot};
 use ::redis::{ErrorKind, RedisError, RedisResult, ServerErrorKind, Value};
+use futures::StreamExt;
+use futures::stream::FuturesUnordered;
 use std::collections::BTreeMap;
 use std::future::Future;
 use std::sync::{Arc, Mutex};
@@ -132,7 +134,9 @@ impl Cluster {
         }
     }
 
-    /// The slot map: the one known, or asked of the nodes.
+    /// The slot map: the one known, or asked of the nodes: the masters of the last map
+    /// and the configured nodes at once, the first answer taken (a master that died
+    /// without a reset would otherwise hold every refresh for a Redis timeout).
     pub(super) async fn map(&self) -> Result<Arc<SlotMap>, StoreError> {
         if let Some(map) = self.map.lock().unwrap_or_else(|p| p.into_inner()).clone() {
             return Ok(map);
@@ -145,16 +149,25 @@ impl Cluster {
                 .cloned()
                 .collect::<Vec<_>>(),
         );
+        let mut answers: FuturesUnordered<_> = asked
+            .iter()
+            .map(|address| async move {
+                let answer = match self.node(address) {
+                    Ok(mut node) => ::redis::cmd("CLUSTER")
+                        .arg("SLOTS")
+                        .query_async::<Value>(&mut node)
+                        .await
+                        .map_err(super::redis_error),
+                    Err(e) => Err(e),
+                };
+                answer
+                    .and_then(|a| SlotMap::parse(&a, address))
+                    .map_err(|e| format!("{address}: {}", e.0))
+            })
+            .collect();
         let mut problems = Vec::new();
-        for address in asked {
-            let answer = ::redis::cmd("CLUSTER")
-                .arg("SLOTS")
-                .query_async::<Value>(&mut self.node(&address)?)
-                .await;
-            match answer
-                .map_err(super::redis_error)
-                .and_then(|a| SlotMap::parse(&a, &address))
-            {
+        while let Some(answer) = answers.next().await {
+            match answer {
                 Ok(map) => {
                     let map = Arc::new(map);
                     *self.known.lock().unwrap_or_else(|p| p.into_inner()) = map.masters.clone();
@@ -166,7 +179,7 @@ impl Cluster {
                     *self.map.lock().unwrap_or_else(|p| p.into_inner()) = Some(map.clone());
                     return Ok(map);
                 }
-                Err(e) => problems.push(format!("{address}: {}", e.0)),
+                Err(problem) => problems.push(problem),
             }
         }
         Err(StoreError(format!(
@@ -399,5 +412,75 @@ mod tests {
         ]);
         let map = SlotMap::parse(&Value::Array(vec![unnamed]), "10.1.2.3:7001").unwrap();
         assert_eq!(map.masters, ["10.1.2.3:7005"]);
+    }
+    /// A node that answers `CLUSTER SLOTS` with one master serving every slot, or, when
+    /// `dead`, never answers (a host gone without a reset) until a 1 s timeout.
+    struct Node {
+        dead: bool,
+    }
+
+    impl super::super::dial::NodeConnection for Node {
+        fn query<'a>(&'a self, _: &'a ::redis::Cmd) -> ::redis::RedisFuture<'a, Value> {
+            Box::pin(async move {
+                if self.dead {
+                    tokio::time::sleep(std::time::Duration::from_secs(1)).await;
+                    return Err(
+                        std::io::Error::new(std::io::ErrorKind::TimedOut, "timed out").into(),
+                    );
+                }
+                Ok(Value::Array(vec![range(0, 16383, 7001)]))
+            })
+        }
+
+        fn query_asking<'a>(&'a self, cmd: &'a ::redis::Cmd) -> ::redis::RedisFuture<'a, Value> {
+            self.query(cmd)
+        }
+    }
+
+    /// Nodes at addresses starting with "dead" never answer.
+    struct Nodes;
+
+    impl Dial for Nodes {
+        fn connect(&self, address: &str) -> Result<NodeConn, StoreError> {
+            let dead = address.starts_with("dead");
+            Ok(NodeConn(Arc::new(Node { dead })))
+        }
+
+        fn subscriber(
+            &self,
+            _: String,
+            _: bool,
+        ) -> futures::future::BoxFuture<'static, Result<Box<dyn NodeSubscriber>, StoreError>>
+        {
+            Box::pin(async { Err(StoreError("no subscribers here".into())) })
+        }
+    }
+
+    #[cfg(not(madsim))]
+    #[tokio::test(start_paused = true)]
+    async fn the_slot_map_is_asked_of_every_node_at_once_so_dead_masters_do_not_hold_it() {
+        let seeds = vec![
+            "dead1:7000".to_string(),
+            "dead2:7000".into(),
+            "alive:7000".into(),
+        ];
+        let cluster = Cluster::new(seeds, Arc::new(Nodes));
+        let started = tokio::time::Instant::now();
+        let map = cluster.map().await.expect("the live node answers");
+        assert_eq!(map.masters, ["127.0.0.1:7001"]);
+        assert!(
+            started.elapsed() < std::time::Duration::from_millis(100),
+            "waited {:?}",
+            started.elapsed()
+        );
+        let dead = Cluster::new(
+            vec!["dead1:7000".to_string(), "dead2:7000".into()],
+            Arc::new(Nodes),
+        );
+        let err = dead.map().await.expect_err("no node answers");
+        assert!(
+            err.0.contains("dead1:7000") && err.0.contains("dead2:7000"),
+            "{err}"
+        );
     }
 }
