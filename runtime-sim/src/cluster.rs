@@ -240,6 +240,16 @@ fn kas_config(i: usize, dir: &std::path::Path, spec: &ClusterSpec, mode: RedisMo
 }
 
 impl Cluster {
+    /// Kas `kas`'s metrics now (OpenMetrics text); empty while it has not started.
+    pub fn metrics(&self, kas: usize) -> String {
+        self.health[kas]
+            .lock()
+            .unwrap_or_else(|p| p.into_inner())
+            .as_ref()
+            .map(|h| h.metrics_text())
+            .unwrap_or_default()
+    }
+
     /// The Redis node that is the master now (on a cluster, a random shard's).
     pub fn redis_master(&self) -> &NodeHandle {
         match self.redis_mode {

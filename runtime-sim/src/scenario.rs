@@ -548,18 +548,8 @@ const SETTLED: Duration = Duration::from_secs(3);
 
 /// Each kas's store errors counted so far (its `redis_errors_total`).
 fn store_errors(cluster: &Cluster) -> Vec<f64> {
-    cluster
-        .health
-        .iter()
-        .map(|slot| {
-            let metrics = slot
-                .lock()
-                .unwrap_or_else(|p| p.into_inner())
-                .as_ref()
-                .map(|h| h.metrics_text())
-                .unwrap_or_default();
-            checker::total(&metrics, "kas_redis_errors_total")
-        })
+    (0..cluster.health.len())
+        .map(|k| checker::total(&cluster.metrics(k), "kas_redis_errors_total"))
         .collect()
 }
 
@@ -1415,13 +1405,8 @@ async fn leaks_left(cluster: &Cluster, issued: usize) -> Vec<String> {
     tokio::time::sleep(TTL * 3 + Duration::from_secs(4) + linger).await;
     let mut violations = Vec::new();
     let mut routed = 0.0;
-    for (k, slot) in cluster.health.iter().enumerate() {
-        let metrics = slot
-            .lock()
-            .unwrap_or_else(|p| p.into_inner())
-            .as_ref()
-            .map(|h| h.metrics_text())
-            .unwrap_or_default();
+    for k in 0..cluster.health.len() {
+        let metrics = cluster.metrics(k);
         violations.extend(checker::check_hops(k, &metrics));
         routed += checker::routed(&metrics);
         violations.extend(checker::check_gauges_zero(k, &metrics));
