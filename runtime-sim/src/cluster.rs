@@ -181,9 +181,13 @@ pub enum RedisMode {
     Cluster,
 }
 
-/// A simulated kas's configuration: production defaults (the 60 s `subscription_linger`
-/// included) but for the short record TTL that lets a run see records expire; Redis as
-/// `mode` says.
+/// How long a kas keeps a subscription nobody waits on (`redis.subscription_linger`;
+/// 60 s in production): short, so that runs unsubscribe and subscribe again, and the leak
+/// check, which waits for the last subscription to go, need not wait a minute.
+pub const LINGER: Duration = Duration::from_secs(6);
+
+/// A simulated kas's configuration: production defaults but for the short record TTL that
+/// lets a run see records expire and the short [`LINGER`]; Redis as `mode` says.
 fn kas_config(i: usize, dir: &std::path::Path, spec: &ClusterSpec, mode: RedisMode) -> Config {
     let listen = [8150, 8153, 8155, 8151].map(|port| kas_addr(i, port));
     let text = ConfigWriter::kas_in(dir, listen)
@@ -222,6 +226,7 @@ fn kas_config(i: usize, dir: &std::path::Path, spec: &ClusterSpec, mode: RedisMo
         .set("redis.key_prefix", "kas")
         .set("redis.timeout", "1s")
         .set("redis.pubsub_wakeups", spec.pubsub_wakeups)
+        .duration("redis.subscription_linger", LINGER)
         .duration("shutdown_grace", spec.grace);
     let text = match mode {
         RedisMode::Sentinel => text

@@ -1401,7 +1401,7 @@ async fn leaks_left(cluster: &Cluster, issued: usize) -> Vec<String> {
         Handle::current().kill(node.id());
     }
     // Subscriptions outlive an agent's last call by the linger.
-    let linger = kas_server::config::DEFAULT_SUBSCRIPTION_LINGER;
+    let linger = crate::cluster::LINGER;
     tokio::time::sleep(TTL * 3 + Duration::from_secs(4) + linger).await;
     let mut violations = Vec::new();
     let mut routed = 0.0;

@@ -441,7 +441,7 @@ pub struct RedisTls {
 pub use kas_transport::DEFAULT_MAX_MESSAGE_SIZE;
 
 /// `redis.subscription_linger`'s default.
-pub const DEFAULT_SUBSCRIPTION_LINGER: Duration = Duration::from_secs(60);
+const DEFAULT_SUBSCRIPTION_LINGER: Duration = Duration::from_secs(60);
 
 fn default_subscription_linger() -> Duration {
     DEFAULT_SUBSCRIPTION_LINGER
