@@ -28,7 +28,7 @@ mod ha;
 mod revoked;
 mod silent;
 
-pub use ha::{HalfOpen, Outage, check_available, check_reachable};
+pub use ha::{Far, HalfOpen, Outage, check_available, check_reachable};
 pub use revoked::{REVOKE_BOUND, Revocation, check_revoked};
 pub use silent::check_silences;
 

@@ -2,7 +2,7 @@
 //! a fault-free final phase that checks convergence, liveness (calls waiting for an agent
 //! that connects are delivered, and how fast) and leaks.
 
-use crate::checker::{self, HalfOpen, Outage, Revocation, Stall, Stats};
+use crate::checker::{self, Far, HalfOpen, Outage, Revocation, Stall, Stats};
 use crate::cluster::{AgentSpec, Cluster, ClusterSpec, RedisMode, Script};
 use crate::greedy_caller;
 use crate::redis::{MAX_REPLICATION_LAG, SHARDS};
@@ -14,6 +14,7 @@ use kas_core::keys::Keys;
 use madsim::net::NetSim;
 use madsim::rand::{Rng, thread_rng};
 use madsim::runtime::{Handle, NodeHandle};
+use std::collections::BTreeSet;
 use std::time::Duration;
 use tokio::time::Instant;
 
@@ -339,6 +340,7 @@ async fn faults(
             }
             Fault::LoseRecords => lose_records(cluster, agents, kas),
             Fault::HalfOpen => half_open(cluster, homed, kas, &mut log).await,
+            Fault::HalfOpenKas => half_open_kas(cluster, agents, kas, &mut log).await,
             Fault::GitLabSlow => {
                 cluster.gitlab.set_latency(random_ms(50, 1_000));
                 tokio::time::sleep(lasting).await;
@@ -404,7 +406,7 @@ async fn half_open(cluster: &Cluster, agents: &[AgentSpec], kas: usize, log: &mu
     let from = Instant::now();
     log.cuts.push(HalfOpen {
         kas,
-        agent,
+        to_whom: Far::Agent(agent),
         from,
         to: from + HALF_OPEN_BOUND,
     });
@@ -420,6 +422,46 @@ async fn half_open(cluster: &Cluster, agents: &[AgentSpec], kas: usize, log: &mu
     }
     net.unclog_link(k, a);
     net.unclog_link(a, k);
+}
+
+/// The path between kas `kas` and another goes half-open (one way drops everything, the
+/// other flows, nothing resets), for longer than kas's bound for giving it up
+/// ([`kas_server::kas::SILENT_WITHIN`]). Held through a probe started at that bound, of
+/// the agents of `agents` reachable from every kas without that path (served by a third
+/// kas, or by both): calls must go around it.
+async fn half_open_kas(cluster: &Cluster, agents: &[AgentSpec], kas: usize, log: &mut FaultLog) {
+    let n = cluster.kas_nodes.len();
+    if n < 2 {
+        return;
+    }
+    let mut rng = thread_rng();
+    let other = (kas + rng.gen_range(1..n)) % n;
+    let (a, b) = (cluster.kas_nodes[kas].id(), cluster.kas_nodes[other].id());
+    tracing::info!(kas, other, "half-open between kas");
+    let net = NetSim::current();
+    net.clog_link(a, b);
+    let from = Instant::now();
+    let bound = kas_server::kas::SILENT_WITHIN;
+    log.cuts.push(HalfOpen {
+        kas,
+        to_whom: Far::Kas(other),
+        from,
+        to: from + bound,
+    });
+    tokio::time::sleep(bound).await;
+    let around: Vec<AgentSpec> = agents
+        .iter()
+        .filter(|a| {
+            let at: BTreeSet<usize> = (0..a.replicas.len())
+                .flat_map(|r| cluster.truth.serving(a.agent, r))
+                .collect();
+            at.iter().any(|k| *k != kas && *k != other)
+                || (at.contains(&kas) && at.contains(&other))
+        })
+        .cloned()
+        .collect();
+    probe(cluster, &around, Fault::HalfOpenKas, log).await;
+    net.unclog_link(a, b);
 }
 
 /// GitLab fails every token lookup, for longer than kas caches its answers: the agents
@@ -738,7 +780,10 @@ async fn probe(cluster: &Cluster, agents: &[AgentSpec], fault: Fault, log: &mut 
         .expect("probe calls");
     kas_server::buggify::restore(rates);
     // The faults that last through their probe, and those probed once healed.
-    let when = if matches!(fault, Fault::HalfOpen | Fault::GitLabDown) {
+    let when = if matches!(
+        fault,
+        Fault::HalfOpen | Fault::HalfOpenKas | Fault::GitLabDown
+    ) {
         "during"
     } else {
         "after"
@@ -984,6 +1029,8 @@ enum Fault {
     TimeJump,
     LoseRecords,
     HalfOpen,
+    /// The path between two kas half-open: one way drops everything, with no reset.
+    HalfOpenKas,
     GitLabSlow,
     GitLabDown,
     RevokeToken,
@@ -1016,7 +1063,7 @@ impl Fault {
         }
     }
 
-    const ALL: [Fault; 17] = [
+    const ALL: [Fault; 18] = [
         Fault::MoveSlots,
         Fault::KillKas,
         Fault::StopKas,
@@ -1031,6 +1078,7 @@ impl Fault {
         Fault::TimeJump,
         Fault::LoseRecords,
         Fault::HalfOpen,
+        Fault::HalfOpenKas,
         Fault::GitLabSlow,
         Fault::GitLabDown,
         Fault::RevokeToken,
@@ -1042,7 +1090,7 @@ fn fault_kinds(scenario: Scenario) -> Vec<Fault> {
     match scenario {
         Scenario::Steady => vec![],
         Scenario::KasCrash => vec![KillKas, StopKas],
-        Scenario::Partition => vec![Clog, ClogRedis, ClogNode, HalfOpen],
+        Scenario::Partition => vec![Clog, ClogRedis, ClogNode, HalfOpen, HalfOpenKas],
         Scenario::RedisRestart => vec![
             RestartRedis,
             FailoverRedis,
@@ -1053,7 +1101,14 @@ fn fault_kinds(scenario: Scenario) -> Vec<Fault> {
         ],
         Scenario::ReconnectStorm => vec![],
         Scenario::AgentChurn => vec![KillAgent, GitLabSlow, GitLabDown, RevokeToken],
-        Scenario::KasCrashHa => vec![KillKas, StopKas, HalfOpen, GitLabSlow, GitLabDown],
+        Scenario::KasCrashHa => vec![
+            KillKas,
+            StopKas,
+            HalfOpen,
+            HalfOpenKas,
+            GitLabSlow,
+            GitLabDown,
+        ],
         Scenario::RollingRestart => vec![],
         Scenario::Swarm => {
             let all = Fault::ALL;

@@ -28,6 +28,7 @@ pub mod timing;
 mod tunnel;
 
 pub use deadline::parse_grpc_timeout;
+pub use peers::SILENT_WITHIN;
 pub use public_api::{PODS_LIST, PODS_LOGS};
 
 use crate::config::{Config, Listen};

@@ -20,19 +20,41 @@ pub struct Outage {
     pub killed: bool,
 }
 
-/// A link between a kas and one replica of `agent` that went half-open at `from` (one way
-/// drops everything, with no reset): a call for `agent` under way meanwhile may fail, until
-/// `to`, by when the agent or kas must have given the link up and calls go elsewhere.
+/// A link from a kas that went half-open at `from` (one way drops everything, with no
+/// reset): a call that may have gone down it meanwhile may fail, until `to`, by when the
+/// link must have been given up and calls go elsewhere.
 #[derive(Clone, Copy, Debug)]
 pub struct HalfOpen {
     /// The kas.
     pub kas: usize,
-    /// The agent.
-    pub agent: i64,
+    /// Where the link goes.
+    pub to_whom: Far,
     /// When the link went half-open.
     pub from: Instant,
     /// The bound for giving it up.
     pub to: Instant,
+}
+
+/// The far end of a [`HalfOpen`] link.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Far {
+    /// A replica of this agent.
+    Agent(i64),
+    /// Another kas.
+    Kas(usize),
+}
+
+impl HalfOpen {
+    /// True when `c` was under way while the link was half-open and not yet due to be
+    /// given up, and may have gone down it: a call for the agent, or one that entered
+    /// either kas.
+    fn may_fail(&self, c: &Call) -> bool {
+        let down_it = match self.to_whom {
+            Far::Agent(agent) => agent == c.agent,
+            Far::Kas(other) => c.kas == self.kas || c.kas == other,
+        };
+        down_it && c.started <= self.to && self.from <= c.started + c.took
+    }
 }
 
 /// A call issued this shortly before its kas's SIGTERM may reach kas after it: refused
@@ -156,9 +178,7 @@ pub fn check_reachable(
     let excused = |c: &Call| {
         let end = c.started + c.took;
         let refused = !delivered.contains(c.marker.as_str());
-        let cut = cuts
-            .iter()
-            .any(|h| h.agent == c.agent && c.started <= h.to && h.from <= end);
+        let cut = cuts.iter().any(|h| h.may_fail(c));
         cut || outages.iter().any(|o| {
             let entering = o.from <= c.started || (refused && o.from <= c.started + ENTERING);
             let entered_away = o.kas == c.kas && entering && c.started <= o.to;
@@ -303,7 +323,7 @@ mod tests {
         // Agent 1's link to kas 0 half-open from 4 s, to be given up by 8 s.
         let cut = HalfOpen {
             kas: 0,
-            agent: 1,
+            to_whom: Far::Agent(1),
             from: s(4),
             to: s(8),
         };
@@ -317,5 +337,23 @@ mod tests {
         // Under way at 4 s (3 s + 2 s) and 7 s: excused; after the bound, another agent's,
         // or over before the cut: not.
         assert_eq!(markers, ["c1-9", "c2-5", "c1-1"], "{failed:?}");
+        // The link between kas 0 and kas 2 instead: any agent's call through kas 0 is
+        // excused while it may have gone down it, none through kas 1.
+        let between = HalfOpen {
+            to_whom: Far::Kas(2),
+            ..cut
+        };
+        let through_1 = Call {
+            kas: 1,
+            marker: "k1-5".into(),
+            ..call(2, 5)
+        };
+        let calls = [call(1, 7), call(2, 5), call(2, 9), through_1];
+        let failed = check_reachable(&calls, &[], &homes, &[1, 2], &[], &[between], t0, s(2) - t0);
+        let markers: Vec<&str> = failed
+            .iter()
+            .map(|f| f.split_whitespace().nth(2).unwrap_or(""))
+            .collect();
+        assert_eq!(markers, ["c2-9", "k1-5"], "{failed:?}");
     }
 }

@@ -3,7 +3,7 @@
 //! anything that a fault elsewhere slows down (Redis, GitLab): `redis-restart` seed 123
 //! once found agents giving healthy links up while a Redis Cluster shard failed over.
 
-use super::{HalfOpen, Outage, Stall};
+use super::{Far, HalfOpen, Outage, Stall};
 use crate::truth::Silence;
 use std::time::Duration;
 
@@ -30,9 +30,12 @@ pub fn check_silences(
             let down = outages
                 .iter()
                 .any(|o| o.kas == s.kas && o.from <= s.at && since <= o.to);
-            let cut = cuts
-                .iter()
-                .any(|c| c.kas == s.kas && c.agent == s.agent && c.from <= s.at && since <= c.to);
+            let cut = cuts.iter().any(|c| {
+                c.kas == s.kas
+                    && c.to_whom == Far::Agent(s.agent)
+                    && c.from <= s.at
+                    && since <= c.to
+            });
             !stalled && !down && !cut
         })
         .map(|s| {

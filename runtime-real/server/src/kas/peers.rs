@@ -11,6 +11,16 @@
 //!
 //! Several connections per peer carry the streams in turn, so that the remote route is not
 //! held to one HTTP/2 connection's task.
+//!
+//! A path to a peer can die without a reset, or die one way only (half-open): nothing
+//! then fails, and HTTP/2's keepalive notices only after 50 s. So the answers to stream
+//! openings are the peer's heartbeat: a stream opened ahead is trusted with a call only
+//! while the peer has answered some opening within [`ANSWERED_FRESH`]; an opening not
+//! answered within [`ANSWER_WITHIN`] is given up and its connection made anew; and while
+//! openings go unanswered longer than that, the peer is silent: a call for it is refused
+//! at once (nothing sent), and the router offers it elsewhere. One opening at a time asks
+//! whether it answers again. Within `ANSWERED_FRESH` of a path dying no call goes down it;
+//! within `ANSWERED_FRESH + ANSWER_WITHIN` calls go elsewhere without waiting.
 
 use super::timing::FORWARD_DRAIN;
 use futures::{FutureExt, StreamExt, stream};
@@ -50,7 +60,17 @@ pub const OPENED_WAIT: Duration = Duration::from_secs(30);
 /// A stream opened ahead is taken only this long after its opening: well inside
 /// [`OPENED_WAIT`], so that the serving kas does not end it as the call goes out.
 const OPENED_FRESH: Duration = Duration::from_secs(10);
-/// Streams kept open ahead per peer: the count grows (doubling) when a call finds none,
+/// See the module's doc: how recently a peer must have answered an opening for a stream
+/// opened ahead to carry a call.
+pub const ANSWERED_FRESH: Duration = Duration::from_secs(1);
+/// See the module's doc: how long an opening may go unanswered.
+pub const ANSWER_WITHIN: Duration = Duration::from_secs(2);
+/// Within this long of the path to a peer dying (both ways or one), calls for it are
+/// refused at once and go elsewhere (see the module's doc).
+pub const SILENT_WITHIN: Duration = ANSWERED_FRESH.saturating_add(ANSWER_WITHIN);
+/// Streams kept open ahead per peer: the count grows by one each time a call finds none
+/// (by as many as the calls that wanted one: doubling at each miss opened 512 streams for a
+/// burst of ten calls, which the simulation's serving kas took seconds to answer),
 /// and shrinks by one for each that goes stale unused.
 const MIN_READY: usize = 2;
 const MAX_READY: usize = 512;
@@ -83,8 +103,9 @@ struct Dial {
 }
 
 struct Peer {
-    channels: Vec<Channel>,
-    /// The channel the next stream opens on.
+    url: KasUrl,
+    links: Vec<Link>,
+    /// The link the next stream opens on.
     next: usize,
     used: Instant,
     ready: VecDeque<Opened>,
@@ -92,6 +113,30 @@ struct Peer {
     opening: usize,
     /// Streams to keep ready.
     target: usize,
+    /// When the peer last answered an opening.
+    answered: Option<Instant>,
+    /// Since when openings have gone unanswered (none answered since).
+    unanswered: Option<Instant>,
+}
+
+/// One connection to a peer, made anew (`epoch` counts) when an opening on it goes
+/// unanswered.
+#[derive(Clone)]
+struct Link {
+    channel: Channel,
+    /// Its index in the peer's links.
+    index: usize,
+    epoch: u64,
+}
+
+/// What a call takes.
+#[allow(clippy::large_enum_variant)] // one, on the stack, for the moment of a take
+enum Taken {
+    Ready(Opened),
+    /// A stream to open now, on this link.
+    Open(Link),
+    /// The peer is silent: why.
+    Silent(String),
 }
 
 /// A forward stream that carries nothing yet; the serving kas has answered its headers.
@@ -102,6 +147,8 @@ pub struct Opened {
     opened: Instant,
     /// Opened ahead of the call that took it (not for it).
     pub ahead: bool,
+    /// The link it is on, and that link's epoch then.
+    link: (usize, u64),
 }
 
 /// What a forward sends: the call's frames known so far, then (for a streaming call) the
@@ -176,9 +223,9 @@ impl Peers {
         }
     }
 
-    /// A stream to `kas` for one call: one opened ahead when there is one and `ahead`,
-    /// else opened now. Either way, streams are opened ahead for the calls to come. An
-    /// error means nothing was sent.
+    /// A stream to `kas` for one call: one opened ahead when there is one and `ahead` (and
+    /// the peer answered lately), else opened now. Either way, streams are opened ahead
+    /// for the calls to come. An error means nothing was sent.
     pub async fn take(&self, kas: &KasId, ahead: bool) -> Result<Opened, String> {
         let now = Instant::now();
         let (taken, refill) = {
@@ -192,85 +239,130 @@ impl Peers {
             }
             let peer = table.get_mut(kas).expect("inserted");
             peer.used = now;
-            // A stream opened ahead, or the channel to open one on now.
-            let taken = match ahead.then(|| peer.pop(now)).flatten() {
-                Some(opened) => Ok(opened),
-                None => {
-                    if ahead {
-                        peer.target = (peer.target * 2).min(MAX_READY);
+            let taken = if let Some(since) = peer.silent(now) {
+                let why = format!(
+                    "kas {kas} has answered no stream opened in the last {:.1} s: the path to it may be down or half-open",
+                    now.duration_since(since).as_secs_f64()
+                );
+                Taken::Silent(why)
+            } else {
+                // A stream opened ahead, or the link to open one on now. Too few were
+                // opened ahead only if the peer answers: else this opening asks whether
+                // it still does.
+                let ahead = ahead && peer.fresh(now);
+                match ahead.then(|| peer.pop(now)).flatten() {
+                    Some(opened) => Taken::Ready(opened),
+                    None => {
+                        if ahead {
+                            peer.target = (peer.target + 1).min(MAX_READY);
+                        }
+                        Taken::Open(peer.start_opening(now))
                     }
-                    Err(peer.channel())
                 }
             };
-            let wanted = peer.target.saturating_sub(peer.ready.len() + peer.opening);
+            // A silent peer gets one opening at a time, which asks whether it answers again.
+            let wanted = match taken {
+                Taken::Silent(_) => usize::from(peer.opening == 0),
+                _ => peer.target.saturating_sub(peer.ready.len() + peer.opening),
+            };
             peer.opening += wanted;
-            let refill: Vec<Channel> = (0..wanted).map(|_| peer.channel()).collect();
+            let refill: Vec<Link> = (0..wanted).map(|_| peer.start_opening(now)).collect();
             (taken, refill)
         };
-        for channel in refill {
+        for link in refill {
             let (this, kas) = (self.clone(), kas.clone());
             tokio::spawn(async move {
-                let opened = this.dial.open(channel).await;
-                this.opened(&kas, opened);
+                let opened = this.dial.open(&link).await;
+                this.opened(&kas, &link, opened, true);
             });
         }
         match taken {
-            Ok(opened) => Ok(opened),
-            Err(channel) => match self.dial.open(channel).await {
-                Ok(opened) => Ok(Opened {
-                    ahead: false,
-                    ..opened
-                }),
-                Err(status) => {
-                    self.failed(kas, &status);
-                    Err(status.to_string())
+            Taken::Ready(opened) => Ok(opened),
+            Taken::Silent(why) => Err(why),
+            Taken::Open(link) => {
+                let opened = self.dial.open(&link).await;
+                let status = opened.as_ref().err().map(ToString::to_string);
+                match self.opened(kas, &link, opened, false) {
+                    Some(opened) => Ok(Opened {
+                        ahead: false,
+                        ..opened
+                    }),
+                    None => Err(status.unwrap_or_else(|| format!("kas {kas} is gone"))),
                 }
-            },
+            }
         }
     }
 
-    /// A stream opened ahead came up (or failed).
-    fn opened(&self, kas: &KasId, opened: Result<Opened, Status>) {
+    /// An opening on `link` to `kas` came up (or failed); `ahead` for one opened ahead,
+    /// which joins the ready streams. Returns one opened for a call.
+    fn opened(
+        &self,
+        kas: &KasId,
+        link: &Link,
+        opened: Result<Opened, Status>,
+        ahead: bool,
+    ) -> Option<Opened> {
+        let now = Instant::now();
         let mut table = self.table.lock().unwrap_or_else(|p| p.into_inner());
         let Some(peer) = table.get_mut(kas) else {
             drop(table);
             if let Ok(o) = opened {
                 o.retire();
             }
-            return;
+            return None;
         };
-        peer.opening = peer.opening.saturating_sub(1);
+        if ahead {
+            peer.opening = peer.opening.saturating_sub(1);
+        }
         match opened {
-            Ok(o) => peer.ready.push_back(o),
-            Err(status) => {
-                drop(table);
-                self.failed(kas, &status);
+            Ok(o) => {
+                peer.answered = Some(now);
+                peer.unanswered = None;
+                if !ahead {
+                    return Some(o);
+                }
+                if peer.current(&o) {
+                    peer.ready.push_back(o);
+                } else {
+                    o.retire();
+                }
+            }
+            // Answered, if only to refuse: the path works.
+            Err(status) if answered(&status) => {
+                peer.answered = Some(now);
+                peer.unanswered = None;
+            }
+            Err(_) => {
+                if let Some(fresh) = self.dial.link(&peer.url, link) {
+                    peer.renew(fresh);
+                }
             }
         }
-    }
-
-    /// A kas that could not be reached is dropped: the next forward there connects
-    /// afresh, and a kas that is gone for good leaves the table.
-    fn failed(&self, kas: &KasId, status: &Status) {
-        if status.code() != tonic::Code::Unavailable {
-            return;
-        }
-        let gone = self
-            .table
-            .lock()
-            .unwrap_or_else(|p| p.into_inner())
-            .remove(kas);
-        if let Some(peer) = gone {
-            peer.retire();
-        }
+        None
     }
 }
 
+/// True when `status`, an opening's failure, came from the peer (it refused the stream),
+/// not from a path that did not carry the opening or its answer.
+fn answered(status: &Status) -> bool {
+    !matches!(
+        status.code(),
+        tonic::Code::Unavailable | tonic::Code::Unknown | tonic::Code::DeadlineExceeded
+    )
+}
+
 impl Peer {
+    /// True when the peer answered an opening lately enough for the streams opened ahead
+    /// to be trusted with a call.
+    fn fresh(&self, now: Instant) -> bool {
+        self.answered
+            .is_some_and(|at| now.duration_since(at) < ANSWERED_FRESH)
+    }
+
     /// The first usable stream ready; stale ones are let go.
     fn pop(&mut self, now: Instant) -> Option<Opened> {
         while let Some(mut opened) = self.ready.pop_front() {
-            if opened.usable(now) {
+            if self.current(&opened) && opened.usable(now) {
                 return Some(opened);
             }
             self.target = self.target.saturating_sub(1).max(MIN_READY);
@@ -279,10 +371,43 @@ impl Peer {
         None
     }
 
-    /// The next channel in turn.
-    fn channel(&mut self) -> Channel {
-        self.next = (self.next + 1) % self.channels.len();
-        self.channels[self.next].clone()
+    /// Since when openings have gone unanswered, if for longer than [`ANSWER_WITHIN`].
+    fn silent(&self, now: Instant) -> Option<Instant> {
+        self.unanswered
+            .filter(|since| now.duration_since(*since) >= ANSWER_WITHIN)
+    }
+
+    /// The link the next opening goes on, in turn.
+    fn start_opening(&mut self, now: Instant) -> Link {
+        self.unanswered.get_or_insert(now);
+        self.next = (self.next + 1) % self.links.len();
+        self.links[self.next].clone()
+    }
+
+    /// True when `opened` is on a link not made anew since.
+    fn current(&self, opened: &Opened) -> bool {
+        let (index, epoch) = opened.link;
+        self.links.get(index).is_some_and(|l| l.epoch == epoch)
+    }
+
+    /// Puts `fresh` in place of the link it renews (unless that was renewed already) and
+    /// lets the streams ready on the old one go.
+    fn renew(&mut self, fresh: Link) {
+        let Some(old) = self.links.get_mut(fresh.index) else {
+            return;
+        };
+        if old.epoch + 1 != fresh.epoch {
+            return;
+        }
+        *old = fresh;
+        let (keep, stale): (VecDeque<Opened>, VecDeque<Opened>) = self
+            .ready
+            .drain(..)
+            .partition(|o| self.links[o.link.0].epoch == o.link.1);
+        self.ready = keep;
+        for o in stale {
+            o.retire();
+        }
     }
 
     fn retire(self) {
@@ -300,27 +425,44 @@ impl Dial {
                 ..url
             })
             .map_err(|e| format!("bad kas address: {e}"))?;
-        let channels = (0..self.connections)
-            .map(|_| {
-                kas_transport::tls::connect_lazy(
-                    &url,
-                    self.tls.ca_file.as_deref(),
-                    Duration::from_secs(2),
-                )
+        let links = (0..self.connections)
+            .map(|index| {
+                Ok(Link {
+                    channel: self.channel(&url)?,
+                    index,
+                    epoch: 0,
+                })
             })
-            .collect::<Result<_, _>>()?;
+            .collect::<Result<_, String>>()?;
         Ok(Peer {
-            channels,
+            url,
+            links,
             next: 0,
             used: now,
             ready: VecDeque::new(),
             opening: 0,
             target: MIN_READY,
+            answered: None,
+            unanswered: None,
         })
     }
 
-    /// Opens a forward stream on `channel` and waits for its headers.
-    async fn open(&self, channel: Channel) -> Result<Opened, Status> {
+    fn channel(&self, url: &KasUrl) -> Result<Channel, String> {
+        kas_transport::tls::connect_lazy(url, self.tls.ca_file.as_deref(), Duration::from_secs(2))
+    }
+
+    /// A new connection in place of `old`.
+    fn link(&self, url: &KasUrl, old: &Link) -> Option<Link> {
+        Some(Link {
+            channel: self.channel(url).ok()?,
+            index: old.index,
+            epoch: old.epoch + 1,
+        })
+    }
+
+    /// Opens a forward stream on `link` and waits for its headers, for at most
+    /// [`ANSWER_WITHIN`].
+    async fn open(&self, link: &Link) -> Result<Opened, Status> {
         let (send, request) = oneshot::channel::<Request>();
         let body = stream::once(request).flat_map(|request| match request {
             Ok(Request { up, rest }) => {
@@ -339,14 +481,22 @@ impl Dial {
             .parse()
             .map_err(|_| Status::internal("token is not valid metadata"))?;
         req.metadata_mut().insert("authorization", bearer);
-        let mut client =
-            KasPrivateClient::new(channel).max_decoding_message_size(self.max_message_size);
-        let inbound = client.forward(req).await?.into_inner();
+        let mut client = KasPrivateClient::new(link.channel.clone())
+            .max_decoding_message_size(self.max_message_size);
+        let inbound = tokio::time::timeout(ANSWER_WITHIN, client.forward(req))
+            .await
+            .map_err(|_| {
+                Status::unavailable(format!(
+                    "no answer to a stream's opening within {ANSWER_WITHIN:?}"
+                ))
+            })??
+            .into_inner();
         Ok(Opened {
             send,
             inbound,
             opened: Instant::now(),
             ahead: true,
+            link: (link.index, link.epoch),
         })
     }
 }
@@ -374,10 +524,9 @@ mod tests {
         held
     }
 
-    /// Nothing listens on these ports: each take fails (Unavailable) and drops its peer,
-    /// unless the peer is still there from before, which the test arranges by hand.
+    /// Nothing listens on these ports: each take fails (Unavailable).
     #[tokio::test(start_paused = true)]
-    async fn peers_unused_for_a_while_are_dropped_and_unreachable_ones_at_once() {
+    async fn peers_unused_for_a_while_are_dropped() {
         let p = peers();
         let (a, b, c) = (
             KasId("127.0.0.1:1".into()),
@@ -392,14 +541,24 @@ mod tests {
         tokio::time::advance(IDLE_PEER / 2).await;
         p.table.lock().unwrap().get_mut(&b).unwrap().used = Instant::now();
         tokio::time::advance(IDLE_PEER / 2 + Duration::from_secs(1)).await;
-        let peer = p.dial.peer(&c, Instant::now()).unwrap();
-        p.table.lock().unwrap().insert(c.clone(), peer);
         // A take of a new peer sweeps the idle ones (a) out; b was used since.
-        let d = KasId("127.0.0.1:4".into());
-        assert!(p.take(&d, true).await.is_err(), "nothing listens there");
+        assert!(p.take(&c, true).await.is_err(), "nothing listens there");
         assert_eq!(held(&p), ["127.0.0.1:2", "127.0.0.1:3"]);
-        // Unreachable: dropped.
-        assert!(p.take(&b, true).await.is_err());
-        assert_eq!(held(&p), ["127.0.0.1:3"]);
+    }
+
+    /// A peer whose openings go unanswered for `ANSWER_WITHIN` is silent: calls for it are
+    /// refused at once, naming why, while one opening at a time asks again.
+    #[tokio::test(start_paused = true)]
+    async fn a_peer_that_answers_no_opening_is_refused_at_once_after_a_while() {
+        let p = peers();
+        let b = KasId("127.0.0.1:2".into());
+        let first = p.take(&b, true).await.err().expect("nothing listens there");
+        assert!(!first.contains("answered no stream"), "{first}");
+        tokio::time::advance(ANSWER_WITHIN).await;
+        let started = Instant::now();
+        let then = p.take(&b, true).await.err().expect("still nothing there");
+        assert!(then.contains("has answered no stream"), "{then}");
+        assert_eq!(started.elapsed(), Duration::ZERO, "refused without waiting");
+        assert_eq!(held(&p), ["127.0.0.1:2"], "kept, to be asked again");
     }
 }
