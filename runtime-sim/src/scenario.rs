@@ -14,6 +14,7 @@ use kas_core::keys::Keys;
 use madsim::net::NetSim;
 use madsim::rand::{Rng, thread_rng};
 use madsim::runtime::{Handle, NodeHandle};
+use madsim::task::NodeId;
 use std::collections::BTreeSet;
 use std::time::Duration;
 use tokio::time::Instant;
@@ -284,8 +285,7 @@ async fn faults(
                     net.clog_link(b, a);
                 }
                 tokio::time::sleep(lasting).await;
-                net.unclog_link(a, b);
-                net.unclog_link(b, a);
+                heal((a, b));
             }
             Fault::ClogRedis => {
                 // Both ways, or only kas -> Redis, or only Redis -> kas.
@@ -298,8 +298,7 @@ async fn faults(
                     net.clog_link(r, a);
                 }
                 tokio::time::sleep(lasting).await;
-                net.unclog_link(a, r);
-                net.unclog_link(r, a);
+                heal((a, r));
             }
             Fault::ClogNode => {
                 log.agents_cut_off = true;
@@ -397,20 +396,8 @@ async fn half_open(cluster: &Cluster, agents: &[AgentSpec], kas: usize, log: &mu
     let to_agent = rng.gen_bool(0.5);
     tracing::info!(kas, agent, replica, to_agent, "half-open");
     let (k, a) = (cluster.kas_nodes[kas].id(), node.id());
-    let net = NetSim::current();
-    if to_agent {
-        net.clog_link(k, a);
-    } else {
-        net.clog_link(a, k);
-    }
-    let from = Instant::now();
-    log.cuts.push(HalfOpen {
-        kas,
-        to_whom: Far::Agent(agent),
-        from,
-        to: from + HALF_OPEN_BOUND,
-    });
-    tokio::time::sleep(HALF_OPEN_BOUND).await;
+    let way = if to_agent { (k, a) } else { (a, k) };
+    cut_one_way(way, kas, Far::Agent(agent), HALF_OPEN_BOUND, log).await;
     let spec: Vec<AgentSpec> = agents
         .iter()
         .filter(|a| a.agent == agent)
@@ -420,8 +407,34 @@ async fn half_open(cluster: &Cluster, agents: &[AgentSpec], kas: usize, log: &mu
     if cluster.ha || spec.iter().any(|a| a.replicas.len() > 1) {
         probe(cluster, &spec, Fault::HalfOpen, log).await;
     }
-    net.unclog_link(k, a);
-    net.unclog_link(a, k);
+    heal((k, a));
+}
+
+/// Cuts the link `way.0` -> `way.1` (from kas `kas` to `to_whom`, or back) and waits for
+/// `bound`, by when the link must have been given up: a cut in `log` meanwhile.
+async fn cut_one_way(
+    way: (NodeId, NodeId),
+    kas: usize,
+    to_whom: Far,
+    bound: Duration,
+    log: &mut FaultLog,
+) {
+    NetSim::current().clog_link(way.0, way.1);
+    let from = Instant::now();
+    log.cuts.push(HalfOpen {
+        kas,
+        to_whom,
+        from,
+        to: from + bound,
+    });
+    tokio::time::sleep(bound).await;
+}
+
+/// Lets everything through between the two nodes again, both ways.
+fn heal((a, b): (NodeId, NodeId)) {
+    let net = NetSim::current();
+    net.unclog_link(a, b);
+    net.unclog_link(b, a);
 }
 
 /// The path between kas `kas` and another goes half-open (one way drops everything, the
@@ -438,17 +451,8 @@ async fn half_open_kas(cluster: &Cluster, agents: &[AgentSpec], kas: usize, log:
     let other = (kas + rng.gen_range(1..n)) % n;
     let (a, b) = (cluster.kas_nodes[kas].id(), cluster.kas_nodes[other].id());
     tracing::info!(kas, other, "half-open between kas");
-    let net = NetSim::current();
-    net.clog_link(a, b);
-    let from = Instant::now();
     let bound = kas_server::kas::SILENT_WITHIN;
-    log.cuts.push(HalfOpen {
-        kas,
-        to_whom: Far::Kas(other),
-        from,
-        to: from + bound,
-    });
-    tokio::time::sleep(bound).await;
+    cut_one_way((a, b), kas, Far::Kas(other), bound, log).await;
     let around: Vec<AgentSpec> = agents
         .iter()
         .filter(|a| {
@@ -461,7 +465,7 @@ async fn half_open_kas(cluster: &Cluster, agents: &[AgentSpec], kas: usize, log:
         .cloned()
         .collect();
     probe(cluster, &around, Fault::HalfOpenKas, log).await;
-    net.unclog_link(a, b);
+    heal((a, b));
 }
 
 /// GitLab fails every token lookup, for longer than kas caches its answers: the agents
@@ -698,7 +702,7 @@ async fn fail_over(cluster: &Cluster, fault: Fault, lasting: Duration, log: &mut
 /// Sentinel promotes the replica (the dead master's writes it lacks are lost already), and
 /// the sentinels name it 0-1 s later, naming the dead master till then; the old master
 /// comes back as a replica at a moment of that window.
-async fn promote_replica(cluster: &Cluster, old: madsim::task::NodeId) {
+async fn promote_replica(cluster: &Cluster, old: NodeId) {
     let handle = Handle::current();
     let new = cluster.redis_nodes[cluster.redis.promote_other()].id();
     // Kill first: a bare restart keeps the node's sockets bound.

@@ -62,9 +62,9 @@ pub const OPENED_WAIT: Duration = Duration::from_secs(30);
 const OPENED_FRESH: Duration = Duration::from_secs(10);
 /// See the module's doc: how recently a peer must have answered an opening for a stream
 /// opened ahead to carry a call.
-pub const ANSWERED_FRESH: Duration = Duration::from_secs(1);
+const ANSWERED_FRESH: Duration = Duration::from_secs(1);
 /// See the module's doc: how long an opening may go unanswered.
-pub const ANSWER_WITHIN: Duration = Duration::from_secs(2);
+const ANSWER_WITHIN: Duration = Duration::from_secs(2);
 /// Within this long of the path to a peer dying (both ways or one), calls for it are
 /// refused at once and go elsewhere (see the module's doc).
 pub const SILENT_WITHIN: Duration = ANSWERED_FRESH.saturating_add(ANSWER_WITHIN);
@@ -316,8 +316,7 @@ impl Peers {
         }
         match opened {
             Ok(o) => {
-                peer.answered = Some(now);
-                peer.unanswered = None;
+                peer.heard(now);
                 if !ahead {
                     return Some(o);
                 }
@@ -328,10 +327,7 @@ impl Peers {
                 }
             }
             // Answered, if only to refuse: the path works.
-            Err(status) if answered(&status) => {
-                peer.answered = Some(now);
-                peer.unanswered = None;
-            }
+            Err(status) if answered(&status) => peer.heard(now),
             Err(_) => {
                 if let Some(fresh) = self.dial.link(&peer.url, link) {
                     peer.renew(fresh);
@@ -352,6 +348,12 @@ fn answered(status: &Status) -> bool {
 }
 
 impl Peer {
+    /// The peer answered an opening at `now`.
+    fn heard(&mut self, now: Instant) {
+        self.answered = Some(now);
+        self.unanswered = None;
+    }
+
     /// True when the peer answered an opening lately enough for the streams opened ahead
     /// to be trusted with a call.
     fn fresh(&self, now: Instant) -> bool {
@@ -400,10 +402,9 @@ impl Peer {
             return;
         }
         *old = fresh;
-        let (keep, stale): (VecDeque<Opened>, VecDeque<Opened>) = self
-            .ready
-            .drain(..)
-            .partition(|o| self.links[o.link.0].epoch == o.link.1);
+        let (keep, stale): (VecDeque<Opened>, VecDeque<Opened>) = std::mem::take(&mut self.ready)
+            .into_iter()
+            .partition(|o| self.current(o));
         self.ready = keep;
         for o in stale {
             o.retire();
