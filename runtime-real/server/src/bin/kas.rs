@@ -3,6 +3,7 @@
 use clap::Parser;
 use kas_server::config::Config;
 use kas_server::kas::Kas;
+use kas_server::probe::{self, Probe};
 use std::path::PathBuf;
 use std::process::ExitCode;
 
@@ -37,10 +38,18 @@ struct Args {
     /// Check the configuration file, print the problems found, and exit.
     #[arg(long)]
     check: bool,
+    /// Ask the running kas this configuration describes whether it is alive or ready (its
+    /// observability listener's `/liveness` or `/readiness`), print the answer, and exit
+    /// 0 when it is, 1 when not: a container health check with no shell or HTTP client.
+    #[arg(long, value_name = "WHAT", conflicts_with = "check")]
+    probe: Option<Probe>,
     /// Log filter, e.g. `info`, `kas_server=debug` (RUST_LOG syntax).
     #[arg(long, value_name = "FILTER", env = "KAS_LOG", default_value = "info")]
     log: String,
 }
+
+/// How long a probe waits to connect, and then for each read or write.
+const PROBE_TIMEOUT: std::time::Duration = std::time::Duration::from_secs(3);
 
 fn main() -> ExitCode {
     let args = Args::parse();
@@ -55,6 +64,18 @@ fn main() -> ExitCode {
             return ExitCode::from(2);
         }
     };
+    if let Some(probe) = args.probe {
+        return match probe::ask(config.observability.listen.address, probe, PROBE_TIMEOUT) {
+            Ok(body) => {
+                println!("kas: {body}");
+                ExitCode::SUCCESS
+            }
+            Err(e) => {
+                eprintln!("kas: {e}");
+                ExitCode::FAILURE
+            }
+        };
+    }
     if args.check {
         println!("kas: {} is valid", args.config.display());
         return ExitCode::SUCCESS;
