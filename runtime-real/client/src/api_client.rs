@@ -74,6 +74,10 @@ impl ApiClient {
             {
                 Err(expired())
             }
+            Ok(Err(s)) if not_taken(&s) => Err(Status::unavailable(format!(
+                "kas closed the connection before taking the call (not delivered): {}",
+                s.message()
+            ))),
             Ok(answer) => answer,
         }
     }
@@ -172,4 +176,33 @@ impl ApiClient {
         let mut client = self.client.clone();
         Ok(self.within(client.get_pod_logs(req)).await?.into_inner())
     }
+}
+
+/// Whether `status` says the call never reached kas: the connection closed before the
+/// request was sent (hyper: canceled), or kas's GOAWAY left the stream unprocessed (HTTP/2
+/// promises such a stream was not acted on). A stopping kas's connections end so; grpc-go
+/// retries such calls transparently, and here they become Unavailable, which a caller may
+/// offer to another kas without risking a second delivery.
+#[cfg(not(madsim))]
+fn not_taken(status: &Status) -> bool {
+    let mut source = std::error::Error::source(status);
+    while let Some(e) = source {
+        if e.downcast_ref::<hyper::Error>()
+            .is_some_and(hyper::Error::is_canceled)
+        {
+            return true;
+        }
+        if let Some(h2) = e.downcast_ref::<h2::Error>() {
+            return (h2.is_go_away() && h2.is_remote())
+                || h2.reason() == Some(h2::Reason::REFUSED_STREAM);
+        }
+        source = e.source();
+    }
+    false
+}
+
+/// The simulated transport has no connections to close under a call.
+#[cfg(madsim)]
+fn not_taken(_: &Status) -> bool {
+    false
 }
