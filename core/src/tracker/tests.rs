@@ -604,6 +604,38 @@ fn a_key_is_collected_a_ttl_after_it_is_first_written_even_if_its_fields_went_me
 }
 
 #[test]
+fn a_key_due_when_every_key_is_collected_is_collected_even_if_its_fields_went() {
+    let mut t = tracker();
+    let first = next_batch(&mut t);
+    ack(&mut t, 0, &first, true);
+    assert_eq!(
+        gc_at(&mut t, 600, &[("k1:1", 1), ("k2:1", 2)]),
+        ["kas:kas_instances"]
+    );
+    // A kas restarted: every key this kas holds fields in is collected after 1200 + 780.
+    let live = [("k1:1", 1), ("k2:1", 3)];
+    assert_eq!(gc_at(&mut t, 1200, &live), Vec::<String>::new());
+    // An agent comes and goes (the writes need not land: the GC is scheduled as they are
+    // made); its project key is due at 1500 + 780, in the same period as every key.
+    t.handle_input(Time(1500), TrackerInput::AgentConnected(info(7, 70)));
+    t.handle_input(
+        Time(1550),
+        TrackerInput::AgentDisconnected {
+            agent: AgentId(7),
+            project: ProjectId(100),
+            connection: ConnectionId(70),
+        },
+    );
+    assert_eq!(gc_at(&mut t, 1800, &live), ["kas:agent:{agent:7}"]);
+    assert_eq!(
+        gc_at(&mut t, 2400, &live),
+        [PROJECT, "kas:kas_instances"],
+        "due at 2280, when every key this kas holds fields in was collected too"
+    );
+    assert_eq!(gc_at(&mut t, 3000, &live), Vec::<String>::new());
+}
+
+#[test]
 fn a_failed_gc_is_run_again_next_period() {
     let mut t = tracker();
     let first = next_batch(&mut t);
