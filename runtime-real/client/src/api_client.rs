@@ -74,10 +74,15 @@ impl ApiClient {
             {
                 Err(expired())
             }
-            Ok(Err(s)) if not_taken(&s) => Err(Status::unavailable(format!(
-                "kas closed the connection before taking the call (not delivered): {}",
-                s.message()
-            ))),
+            Ok(Err(s)) if not_taken(&s) => {
+                let mut not_delivered = Status::unavailable(format!(
+                    "kas closed the connection before taking the call (not delivered): {}",
+                    s.message()
+                ));
+                // The transport's error stays readable behind it.
+                not_delivered.set_source(std::sync::Arc::new(s));
+                Err(not_delivered)
+            }
             Ok(answer) => answer,
         }
     }
