@@ -81,6 +81,19 @@ fn kas_manifest_config_is_valid_and_uses_redis() {
     assert_eq!(own["value"], "$(POD_IP):8155");
 }
 
+/// The Deployments run the images `scripts/image` builds, at this version (it tags them
+/// so; the fleet test checks the tags exist).
+#[test]
+fn manifests_name_this_version_s_images() {
+    for (file, program) in [("kas.yaml", "kas"), ("agentk.yaml", "agentk")] {
+        let docs = documents(file);
+        let image =
+            &kind(&docs, "Deployment")["spec"]["template"]["spec"]["containers"][0]["image"];
+        let want = format!("kas-router/{program}:{}", env!("CARGO_PKG_VERSION"));
+        assert_eq!(image.as_str(), Some(want.as_str()), "{file}");
+    }
+}
+
 #[test]
 fn kas_example_config_is_valid() {
     let text = std::fs::read_to_string(deploy("kas-config.example.yaml")).unwrap();
