@@ -25,6 +25,8 @@ use tonic::Code;
 
 const PROJECT: &str = "kasfleettest";
 const KAS: [&str; 3] = ["kas0", "kas1", "kas2"];
+/// Each kas's public API on loopback (given to Compose as `KAS0_API_PORT`...).
+const API_PORTS: [u16; 3] = [28153, 28154, 28155];
 /// Agent 1 has one replica, agent 2 two.
 const AGENTS: [i64; 2] = [1, 2];
 const REPLICAS: usize = 3;
@@ -81,42 +83,34 @@ impl Fleet {
         if name == "up" {
             c.arg("--debug");
         }
-        c.env("FLEET_DIR", self.dir.path())
-            .env("COMPOSE_PROJECT_NAME", PROJECT)
+        self.environment(&mut c)
             .current_dir(&self.root)
             .output()
             .unwrap_or_else(|e| panic!("deploy/compose/{name}: {e}"))
     }
 
+    /// What the fleet's scripts and Compose file read from the environment.
+    fn environment<'a>(&self, c: &'a mut Command) -> &'a mut Command {
+        c.env("FLEET_DIR", self.dir.path())
+            .env("COMPOSE_PROJECT_NAME", PROJECT);
+        for (i, port) in API_PORTS.iter().enumerate() {
+            c.env(format!("KAS{i}_API_PORT"), port.to_string());
+        }
+        c
+    }
+
     /// Runs `docker-compose ARGS` on the fleet and returns its standard output.
     fn compose(&self, args: &[&str]) -> String {
-        let out = Command::new("docker-compose")
-            .arg("-f")
+        let mut c = Command::new("docker-compose");
+        c.arg("-f")
             .arg(self.root.join("deploy/compose/compose.yaml"))
-            .args(args)
-            .env("FLEET_DIR", self.dir.path())
-            .env("COMPOSE_PROJECT_NAME", PROJECT)
-            .output()
-            .expect("docker-compose runs");
-        assert!(
-            out.status.success(),
-            "docker-compose {args:?}: {}",
-            String::from_utf8_lossy(&out.stderr)
-        );
-        String::from_utf8_lossy(&out.stdout).trim().to_string()
+            .args(args);
+        run(self.environment(&mut c))
     }
 
     /// Runs `docker ARGS`.
     fn docker(&self, args: &[&str]) {
-        let out = Command::new("docker")
-            .args(args)
-            .output()
-            .expect("docker runs");
-        assert!(
-            out.status.success(),
-            "docker {args:?}: {}",
-            String::from_utf8_lossy(&out.stderr)
-        );
+        run(Command::new("docker").args(args));
     }
 
     /// The container of `service`.
@@ -126,9 +120,7 @@ impl Fleet {
 
     /// kas `i`'s public API, as published on loopback.
     fn api(&self, i: usize) -> String {
-        let published = self.compose(&["port", KAS[i], "8153"]);
-        let port = published.rsplit(':').next().unwrap_or_default();
-        format!("grpcs://127.0.0.1:{port}")
+        format!("grpcs://127.0.0.1:{}", API_PORTS[i])
     }
 
     fn ca(&self) -> PathBuf {
@@ -182,6 +174,17 @@ impl Fleet {
         )
         .await;
     }
+}
+
+/// Runs `c`, which must succeed, and returns its standard output, trimmed.
+fn run(c: &mut Command) -> String {
+    let out = c.output().unwrap_or_else(|e| panic!("{c:?}: {e}"));
+    assert!(
+        out.status.success(),
+        "{c:?}: {}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    String::from_utf8_lossy(&out.stdout).trim().to_string()
 }
 
 impl Drop for Fleet {
