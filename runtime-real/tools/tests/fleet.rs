@@ -1,23 +1,28 @@
 //! The Compose fleet (`deploy/compose`) in real containers, built from this tree's debug
 //! binaries (`scripts/image --debug --fleet`): three kas on networks of their own, Redis
 //! with Sentinel, nginx in front of kas, three agentk replicas of two agents. While
-//! GitLab's calls go through every kas to every agent, the fleet goes through chaos: every
-//! kas restarted in turn (SIGTERM), a kas cut off from the other kas, a kas frozen longer
+//! GitLab's calls go through every kas to every agent, and kubectl follows a log and watches
+//! pods through every kas, the fleet goes through chaos: every kas restarted in turn
+//! (SIGTERM), a kas cut off from the other kas, a kas cut off from Redis, a kas frozen longer
 //! than its records live, the Redis master killed, the load balancer restarted. A table per
 //! phase is printed: calls, failed by status, calls a kas refused that the next kas served
-//! (GitLab's retry), and how long the fleet took to be whole again (every kas listing every
-//! replica).
+//! (GitLab's retry), kubectl streams cut or stalled, and how long the fleet took to be whole
+//! again (every kas listing every replica). Each call's effect is counted at the agents'
+//! clusters (the stand-in API servers count the requests they served): no call may have
+//! reached a cluster twice, nor a call kas refused as not delivered.
 //!
-//! Needs Docker with `docker-compose`; it fails (never skips) without them. It uses the
-//! subnets 10.181.1-3.0/24 and the Compose project `kasfleettest`.
+//! Needs Docker with `docker-compose` and kubectl; it fails (never skips) without them. It
+//! uses the subnets 10.181.1-3.0/24 and the Compose project `kasfleettest`.
 
 mod support;
 
 use kas_auth::jwt::Secret;
 use kas_client::api_client::ApiClient;
 use std::collections::BTreeMap;
+use std::io::{BufRead, BufReader, Read};
 use std::path::{Path, PathBuf};
-use std::process::{Command, Output};
+use std::process::{Child, Command, Output, Stdio};
+use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 use support::eventually;
@@ -27,8 +32,12 @@ const PROJECT: &str = "kasfleettest";
 const KAS: [&str; 3] = ["kas0", "kas1", "kas2"];
 /// Each kas's public API on loopback (given to Compose as `KAS0_API_PORT`...).
 const API_PORTS: [u16; 3] = [28153, 28154, 28155];
-/// Agent 1 has one replica, agent 2 two.
+/// Each kas's Kubernetes API on loopback (`KAS0_KUBE_PORT`...).
+const KUBE_PORTS: [u16; 3] = [28163, 28164, 28165];
+/// Agent 1 has one replica, agent 2 two; agent N's cluster is served by the stand-in API
+/// server at `CLUSTERS[N - 1]`.
 const AGENTS: [i64; 2] = [1, 2];
+const CLUSTERS: [&str; 2] = ["10.181.3.21:8080", "10.181.3.22:8080"];
 const REPLICAS: usize = 3;
 /// How long the fleet may take to be whole again after a fault is healed: a record TTL
 /// (the fleet's `redis_conn_info_ttl`, 20 s) plus agentk's reconnect backoff.
@@ -43,11 +52,12 @@ struct Fleet {
 
 impl Fleet {
     fn up() -> Fleet {
-        for (tool, package) in [
-            ("docker", "docker.io"),
-            ("docker-compose", "docker-compose"),
+        for (tool, package, version) in [
+            ("docker", "docker.io", "version"),
+            ("docker-compose", "docker-compose", "version"),
+            ("kubectl", "kubernetes-client", "version --client"),
         ] {
-            let found = Command::new(tool).arg("version").output();
+            let found = Command::new(tool).args(version.split(' ')).output();
             assert!(
                 found.is_ok_and(|o| o.status.success()),
                 "{tool} is missing or its daemon is not running: install {package} and start dockerd"
@@ -93,10 +103,30 @@ impl Fleet {
     fn environment<'a>(&self, c: &'a mut Command) -> &'a mut Command {
         c.env("FLEET_DIR", self.dir.path())
             .env("COMPOSE_PROJECT_NAME", PROJECT);
-        for (i, port) in API_PORTS.iter().enumerate() {
-            c.env(format!("KAS{i}_API_PORT"), port.to_string());
+        for i in 0..KAS.len() {
+            c.env(format!("KAS{i}_API_PORT"), API_PORTS[i].to_string())
+                .env(format!("KAS{i}_KUBE_PORT"), KUBE_PORTS[i].to_string());
         }
         c
+    }
+
+    /// kubectl's configuration, with a context per agent and kas (`agent1-kas0`...).
+    fn kubeconfig(&self) -> PathBuf {
+        self.dir.path().join("kubeconfig")
+    }
+
+    /// How many times agent `n`'s cluster served `request` (`METHOD path`).
+    async fn served(&self, n: i64, request: &str) -> u64 {
+        let url = format!("http://{}/kas-local/requests", CLUSTERS[n as usize - 1]);
+        let _ = rustls::crypto::ring::default_provider().install_default();
+        let counts: BTreeMap<String, u64> = reqwest::get(&url)
+            .await
+            .and_then(|r| r.error_for_status())
+            .unwrap_or_else(|e| panic!("{url}: {e}"))
+            .json()
+            .await
+            .unwrap_or_else(|e| panic!("{url}: {e}"));
+        counts.get(request).copied().unwrap_or(0)
     }
 
     /// Runs `docker-compose ARGS` on the fleet and returns its standard output.
@@ -158,6 +188,22 @@ impl Fleet {
         start.elapsed()
     }
 
+    /// Cuts kas `kas` off `network` for 10 s, then connects it again at `address`.
+    async fn cut_off(&self, kas: usize, kind: FaultKind, network: &str, address: &str) -> Fault {
+        let network = format!("{PROJECT}_{network}");
+        let container = self.container(KAS[kas]);
+        let from = Instant::now();
+        self.docker(&["network", "disconnect", &network, &container]);
+        tokio::time::sleep(Duration::from_secs(10)).await;
+        self.docker(&["network", "connect", "--ip", address, &network, &container]);
+        Fault {
+            kas,
+            kind,
+            from,
+            to: Instant::now(),
+        }
+    }
+
     /// Waits until `service`'s health check passes (kas: `kas --probe readiness`).
     async fn await_healthy(&self, service: &str) {
         let id = self.container(service);
@@ -202,6 +248,13 @@ impl Drop for Fleet {
 /// Each call's deadline.
 const CALL_TIMEOUT: Duration = Duration::from_secs(10);
 
+/// The phase now (what calls and stream events are counted under).
+type Phase = Arc<Mutex<String>>;
+
+fn phase_now(phase: &Phase) -> String {
+    phase.lock().unwrap().clone()
+}
+
 /// What happened to the calls started in one phase.
 #[derive(Default)]
 struct Tally {
@@ -211,6 +264,15 @@ struct Tally {
     failed: Vec<(Instant, usize, String)>,
     /// A kas refused (Unavailable: not delivered) and the next kas served it.
     retried: usize,
+}
+
+/// Calls to one agent, as its cluster should have counted them.
+#[derive(Default, Clone, Copy)]
+struct Effects {
+    /// Answered: reached the cluster exactly once.
+    ok: u64,
+    /// Failed with a status that does not say "not delivered": at most once.
+    unknown: u64,
 }
 
 /// A fault put on one kas from `from` to `to`.
@@ -228,6 +290,8 @@ enum FaultKind {
     Paused,
     /// Cut off from the other kas.
     CutFromKas,
+    /// Cut off from Redis.
+    CutFromRedis,
 }
 
 /// Whose fault a failed call is: `None` when it is the router's (no fault excuses it).
@@ -239,7 +303,8 @@ fn excuse(faults: &[Fault], started: Instant, kas: usize, status: &str) -> Optio
         // delivered, so it says DeadlineExceeded.
         let handed_to_silent_peer = status.starts_with("DeadlineExceeded")
             && in_flight
-            && started <= f.from + kas_server::kas::SILENT_WITHIN;
+            && started <= f.from + kas_server::kas::SILENT_WITHIN
+            && f.kind != FaultKind::CutFromRedis;
         match f.kind {
             FaultKind::Paused if f.kas == kas && in_flight && started <= f.to => {
                 Some("GitLab called the frozen kas itself")
@@ -256,25 +321,34 @@ fn excuse(faults: &[Fault], started: Instant, kas: usize, status: &str) -> Optio
 /// refuses as not delivered (Unavailable) is offered to the next kas, as GitLab's client
 /// behind a load balancer would. Results are kept under the phase the call started in.
 struct Callers {
-    phase: Arc<Mutex<String>>,
+    phase: Phase,
     tallies: Arc<Mutex<BTreeMap<String, Tally>>>,
+    effects: Arc<Mutex<BTreeMap<i64, Effects>>>,
+    stop: Arc<AtomicBool>,
     tasks: Vec<tokio::task::JoinHandle<()>>,
 }
 
 impl Callers {
-    fn start(fleet: &Fleet) -> Callers {
-        let phase = Arc::new(Mutex::new(String::from("steady")));
+    fn start(fleet: &Fleet, phase: &Phase) -> Callers {
         let tallies = Arc::new(Mutex::new(BTreeMap::new()));
+        let effects = Arc::new(Mutex::new(BTreeMap::<i64, Effects>::new()));
+        let stop = Arc::new(AtomicBool::new(false));
         let apis: Arc<[String]> = (0..KAS.len()).map(|i| fleet.api(i)).collect();
         let mut tasks = Vec::new();
         for first in 0..KAS.len() {
             for agent in AGENTS {
-                let (phase, tallies, apis) = (phase.clone(), tallies.clone(), apis.clone());
+                let (phase, tallies, effects, stop, apis) = (
+                    phase.clone(),
+                    tallies.clone(),
+                    effects.clone(),
+                    stop.clone(),
+                    apis.clone(),
+                );
                 let (ca, secret) = (fleet.ca(), fleet.secret());
                 tasks.push(tokio::spawn(async move {
                     let mut clients: Vec<Option<ApiClient>> = vec![None; apis.len()];
-                    loop {
-                        let started_in = phase.lock().unwrap().clone();
+                    while !stop.load(Ordering::Relaxed) {
+                        let started_in = phase_now(&phase);
                         let started = Instant::now();
                         let mut outcome = Err(String::new());
                         let mut refused = 0;
@@ -312,6 +386,15 @@ impl Callers {
                             break;
                         }
                         {
+                            let mut e = effects.lock().unwrap();
+                            let e = e.entry(agent).or_default();
+                            match &outcome {
+                                Ok(()) => e.ok += 1,
+                                Err(s) if s == "Unavailable" || s == "kas not reachable" => {}
+                                Err(_) => e.unknown += 1,
+                            }
+                        }
+                        {
                             let mut t = tallies.lock().unwrap();
                             let tally: &mut Tally = t.entry(started_in).or_default();
                             tally.calls += 1;
@@ -327,14 +410,27 @@ impl Callers {
             }
         }
         Callers {
-            phase,
+            phase: phase.clone(),
             tallies,
+            effects,
+            stop,
             tasks,
         }
     }
 
     fn enter(&self, phase: &str) {
         *self.phase.lock().unwrap() = phase.to_string();
+    }
+
+    /// Lets every call in flight finish, then returns what happened.
+    async fn finish(mut self) -> (BTreeMap<String, Tally>, BTreeMap<i64, Effects>) {
+        self.stop.store(true, Ordering::Relaxed);
+        for task in self.tasks.drain(..) {
+            task.await.expect("a caller panicked");
+        }
+        let tallies = std::mem::take(&mut *self.tallies.lock().unwrap());
+        let effects = std::mem::take(&mut *self.effects.lock().unwrap());
+        (tallies, effects)
     }
 }
 
@@ -343,6 +439,143 @@ impl Drop for Callers {
         self.tasks.iter().for_each(|t| t.abort());
     }
 }
+
+/// What a stream's event says when it ended with no error: a silent truncation.
+const SILENT_END: &str = "ended without an error";
+
+/// A `kubectl logs -f` line arrives every 300 ms; a gap this long is a stall.
+const STALL: Duration = Duration::from_secs(3);
+
+/// kubectl through every kas: `logs -f` of agent 1's web-1 and `get pods --watch` of agent
+/// 2's, each started again when it ends. Records, by phase, each stream cut (kubectl
+/// ended) and each log stalled.
+struct Streams {
+    events: Arc<Mutex<Vec<(String, String)>>>,
+    stop: Arc<AtomicBool>,
+    children: Vec<Arc<Mutex<Option<Child>>>>,
+    threads: Vec<std::thread::JoinHandle<()>>,
+}
+
+impl Streams {
+    fn start(fleet: &Fleet, phase: &Phase) -> Streams {
+        let mut streams = Streams {
+            events: Arc::default(),
+            stop: Arc::default(),
+            children: Vec::new(),
+            threads: Vec::new(),
+        };
+        for i in 0..KAS.len() {
+            let logs = format!("--context=agent1-kas{i} logs -f web-1");
+            let watch = format!("--context=agent2-kas{i} -n shop get pods --watch");
+            for (args, follows) in [(logs, true), (watch, false)] {
+                let child: Arc<Mutex<Option<Child>>> = Arc::default();
+                let (events, stop, phase) =
+                    (streams.events.clone(), streams.stop.clone(), phase.clone());
+                let kubeconfig = fleet.kubeconfig();
+                let slot = child.clone();
+                streams.threads.push(std::thread::spawn(move || {
+                    let name = format!("kubectl {args}");
+                    let event = |at: &str, what: String| {
+                        events
+                            .lock()
+                            .unwrap()
+                            .push((at.to_string(), format!("{name}: {what}")));
+                    };
+                    while !stop.load(Ordering::Relaxed) {
+                        let mut c = Command::new("kubectl")
+                            .env("KUBECONFIG", &kubeconfig)
+                            .args(args.split(' '))
+                            .stdin(Stdio::null())
+                            .stdout(Stdio::piped())
+                            .stderr(Stdio::piped())
+                            .spawn()
+                            .expect("kubectl runs");
+                        let (out, mut err) = (c.stdout.take().unwrap(), c.stderr.take().unwrap());
+                        *slot.lock().unwrap() = Some(c);
+                        if stop.load(Ordering::Relaxed) {
+                            // `finish` may have looked before the child was in its slot.
+                            slot.lock().unwrap().as_mut().map(Child::kill);
+                        }
+                        let (mut last, mut lines) = (Instant::now(), 0);
+                        let mut last_phase = phase_now(&phase);
+                        let mut last_line = String::new();
+                        for line in BufReader::new(out).lines() {
+                            let Ok(line) = line else { break };
+                            let gap = last.elapsed();
+                            if follows && lines > 0 && gap > STALL {
+                                event(&last_phase, format!("stalled {:.1} s", gap.as_secs_f64()));
+                            }
+                            (last, lines, last_phase) =
+                                (Instant::now(), lines + 1, phase_now(&phase));
+                            last_line = line;
+                        }
+                        let mut stderr = String::new();
+                        let _ = err.read_to_string(&mut stderr);
+                        let status = slot.lock().unwrap().take().map(|mut c| c.wait());
+                        if stop.load(Ordering::Relaxed) {
+                            break;
+                        }
+                        // kubectl reports a broken log on stderr (exit 1), a broken watch
+                        // as a Failure row on stdout (exit 0). The fixture ends neither, so
+                        // an end without either is a body cut short without an error.
+                        let failed = !status.is_some_and(|s| s.is_ok_and(|s| s.success()));
+                        let why = if failed {
+                            stderr
+                                .lines()
+                                .last()
+                                .unwrap_or("failed, with nothing on stderr")
+                        } else if last_line.contains("Failure") {
+                            &last_line
+                        } else {
+                            SILENT_END
+                        };
+                        event(
+                            &phase_now(&phase),
+                            format!("cut after {lines} lines: {why}"),
+                        );
+                        std::thread::sleep(Duration::from_secs(1));
+                    }
+                }));
+                streams.children.push(child);
+            }
+        }
+        streams
+    }
+
+    /// Stops every stream and returns its events: (phase, what).
+    fn finish(mut self) -> Vec<(String, String)> {
+        self.stop.store(true, Ordering::Relaxed);
+        for child in &self.children {
+            if let Some(c) = child.lock().unwrap().as_mut() {
+                let _ = c.kill();
+            }
+        }
+        for t in self.threads.drain(..) {
+            t.join().expect("a stream's thread panicked");
+        }
+        std::mem::take(&mut *self.events.lock().unwrap())
+    }
+}
+
+impl Drop for Streams {
+    fn drop(&mut self) {
+        self.stop.store(true, Ordering::Relaxed);
+        for child in &self.children {
+            if let Some(c) = child.lock().unwrap_or_else(|p| p.into_inner()).as_mut() {
+                let _ = c.kill();
+            }
+        }
+    }
+}
+
+/// Phases in which no stream may be cut or stall: no fault is on a path a stream takes
+/// (GitLab -> kas -> kas -> agent -> cluster), nor on a kas that must stop.
+const QUIET: [&str; 4] = [
+    "steady",
+    "kas0 cut off from redis",
+    "redis master killed",
+    "after",
+];
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn the_fleet_serves_every_call_through_restarts_partitions_freezes_and_failovers() {
@@ -353,7 +586,9 @@ async fn the_fleet_serves_every_call_through_restarts_partitions_freezes_and_fai
         fleet.docker(&["image", "inspect", &image]);
     }
     fleet.await_whole("after up").await;
-    let callers = Callers::start(&fleet);
+    let phase: Phase = Arc::new(Mutex::new(String::from("steady")));
+    let callers = Callers::start(&fleet, &phase);
+    let streams = Streams::start(&fleet, &phase);
     let mut whole = BTreeMap::new();
     let mut faults = Vec::new();
     tokio::time::sleep(Duration::from_secs(5)).await;
@@ -370,26 +605,31 @@ async fn the_fleet_serves_every_call_through_restarts_partitions_freezes_and_fai
         );
     }
 
-    // kas1 cut off from the other kas (not from Redis or agents), then healed.
-    callers.enter("kas1 cut off from kas");
-    let private = format!("{PROJECT}_kas-private");
-    let kas1 = fleet.container("kas1");
-    let from = Instant::now();
-    fleet.docker(&["network", "disconnect", &private, &kas1]);
-    tokio::time::sleep(Duration::from_secs(10)).await;
-    fleet.docker(&["network", "connect", "--ip", "10.181.1.11", &private, &kas1]);
-    faults.push(Fault {
-        kas: 1,
-        kind: FaultKind::CutFromKas,
-        from,
-        to: Instant::now(),
-    });
-    whole.insert(
-        "kas1 cut off from kas".into(),
-        fleet
-            .await_whole("after kas1's private network came back")
-            .await,
-    );
+    // kas1 cut off from the other kas (not from Redis or agents), then healed; then kas0
+    // cut off from Redis (not from the other kas or agents), then healed.
+    for (phase, kas, kind, network, address) in [
+        (
+            "kas1 cut off from kas",
+            1,
+            FaultKind::CutFromKas,
+            "kas-private",
+            "10.181.1.11",
+        ),
+        (
+            "kas0 cut off from redis",
+            0,
+            FaultKind::CutFromRedis,
+            "kas-redis",
+            "10.181.2.30",
+        ),
+    ] {
+        callers.enter(phase);
+        faults.push(fleet.cut_off(kas, kind, network, address).await);
+        whole.insert(
+            phase.to_string(),
+            fleet.await_whole(&format!("after {phase}, healed")).await,
+        );
+    }
 
     // kas2 frozen for longer than its records live (20 s), then thawed.
     callers.enter("kas2 paused 25 s");
@@ -428,15 +668,15 @@ async fn the_fleet_serves_every_call_through_restarts_partitions_freezes_and_fai
         fleet.await_whole("after the load balancer restarted").await,
     );
     callers.enter("after");
-    tokio::time::sleep(Duration::from_secs(3)).await;
+    tokio::time::sleep(Duration::from_secs(5)).await;
 
-    // The callers stop first: the assertions below must not panic with their lock held.
-    let tallies = std::mem::take(&mut *callers.tallies.lock().unwrap());
-    drop(callers);
+    // Everything stops before the assertions, which must not panic with a lock held.
+    let events = streams.finish();
+    let (tallies, effects) = callers.finish().await;
     println!(
-        "| phase | calls | failed: the router's | failed: excused | refused, then served by the next kas | whole again after |"
+        "| phase | calls | failed: the router's | failed: excused | refused, then served by the next kas | kubectl streams cut or stalled | whole again after |"
     );
-    println!("|---|---|---|---|---|---|");
+    println!("|---|---|---|---|---|---|---|");
     let mut unexcused = Vec::new();
     for (phase, t) in tallies.iter() {
         let mut mine: BTreeMap<&str, usize> = BTreeMap::new();
@@ -450,8 +690,9 @@ async fn the_fleet_serves_every_call_through_restarts_partitions_freezes_and_fai
         let after = whole
             .get(phase)
             .map_or("-".to_string(), |d| format!("{:.1}s", d.as_secs_f64()));
+        let cut = events.iter().filter(|(p, _)| p == phase).count();
         println!(
-            "| {phase} | {} | {mine:?} | {excused:?} | {} | {after} |",
+            "| {phase} | {} | {mine:?} | {excused:?} | {} | {cut} | {after} |",
             t.calls, t.retried
         );
         if !mine.is_empty() {
@@ -459,8 +700,43 @@ async fn the_fleet_serves_every_call_through_restarts_partitions_freezes_and_fai
         }
         assert!(t.calls > 0, "no call finished in phase {phase}");
     }
+    for (phase, what) in &events {
+        println!("stream, {phase}: {what}");
+    }
+    // At most once, counted where the calls take effect: each pods call is one list of
+    // the agent's cluster.
+    for agent in AGENTS {
+        let e = effects.get(&agent).copied().unwrap_or_default();
+        let served = fleet.served(agent, "GET /api/v1/pods").await;
+        println!(
+            "agent {agent}: {} calls answered, {} failed without a not-delivered status, {served} lists served by its cluster",
+            e.ok, e.unknown
+        );
+        assert!(
+            e.ok <= served && served <= e.ok + e.unknown,
+            "agent {agent}'s cluster served {served} lists for {} answered calls and {} of unknown fate: a call reached it twice, or a call kas refused as not delivered reached it",
+            e.ok,
+            e.unknown
+        );
+    }
     assert!(
         unexcused.is_empty(),
         "calls failed that no fault excuses: {unexcused:?}"
+    );
+    let silent: Vec<_> = events
+        .iter()
+        .filter(|(_, e)| e.ends_with(SILENT_END))
+        .collect();
+    assert!(
+        silent.is_empty(),
+        "kubectl streams ended as if whole, with no error: {silent:?}"
+    );
+    let quiet: Vec<_> = events
+        .iter()
+        .filter(|(p, _)| QUIET.contains(&p.as_str()))
+        .collect();
+    assert!(
+        quiet.is_empty(),
+        "kubectl streams cut or stalled where no fault was: {quiet:?}"
     );
 }

@@ -5,8 +5,9 @@
 //! [`LOG_LINE_EVERY`]), and exec over WebSocket (`v5.channel.k8s.io`/`v4.channel.k8s.io`)
 //! that echoes its command's arguments, and port-forward (see [`port_forward`]) whose ports
 //! echo. Plain HTTP/1.1 on loopback: what the agent dials.
-//! One path is test data, not Kubernetes: `/kas-local/bytes?n=N` streams N bytes (byte i
-//! is i % 251).
+//! Two paths are test data, not Kubernetes: `/kas-local/bytes?n=N` streams N bytes (byte i
+//! is i % 251), and `/kas-local/requests` counts the requests served so far by method and
+//! path (what a test compares with the calls it made: at-most-once, counted at the cluster).
 
 use super::port_forward;
 use axum::body::Body;
@@ -14,6 +15,7 @@ use futures::{SinkExt, StreamExt};
 use http::{HeaderValue, Request, Response, StatusCode, header};
 use kas_agent::pods::FixturePodLog;
 use serde_json::{Value, json};
+use std::collections::BTreeMap;
 use std::net::SocketAddr;
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, SystemTime};
@@ -38,6 +40,8 @@ struct Pod {
 
 struct Cluster {
     pods: Mutex<(Vec<Pod>, u64)>,
+    /// Requests served, by `METHOD path` (test data paths not counted).
+    requests: Mutex<BTreeMap<String, u64>>,
     events: broadcast::Sender<(&'static str, Value, Value)>,
     started: SystemTime,
 }
@@ -57,7 +61,12 @@ impl Drop for KubeServer {
 impl KubeServer {
     /// Serves `pods` on a free loopback port.
     pub async fn start(pods: &[FixturePodLog]) -> std::io::Result<KubeServer> {
-        let listener = tokio::net::TcpListener::bind(("127.0.0.1", 0)).await?;
+        Self::start_on(SocketAddr::from(([127, 0, 0, 1], 0)), pods).await
+    }
+
+    /// Serves `pods` on `addr`.
+    pub async fn start_on(addr: SocketAddr, pods: &[FixturePodLog]) -> std::io::Result<KubeServer> {
+        let listener = tokio::net::TcpListener::bind(addr).await?;
         let addr = listener.local_addr()?;
         let now = SystemTime::now();
         let pods: Vec<Pod> = pods
@@ -76,6 +85,7 @@ impl KubeServer {
         let version = pods.len() as u64;
         let cluster = Arc::new(Cluster {
             pods: Mutex::new((pods, version)),
+            requests: Mutex::default(),
             events: broadcast::channel(WATCH_BACKLOG).0,
             started: now,
         });
@@ -92,6 +102,11 @@ impl KubeServer {
     /// Its URL (`http://127.0.0.1:PORT`).
     pub fn url(&self) -> String {
         format!("http://{}", self.addr)
+    }
+
+    /// Serves until the server's task ends (it does not, unless it panics).
+    pub async fn serve(mut self) -> Result<(), tokio::task::JoinError> {
+        (&mut self.task).await
     }
 }
 
@@ -247,6 +262,10 @@ impl Cluster {
             .and_then(|v| v.to_str().ok())
             .is_some_and(|a| a.contains("as=Table"));
         let method = req.method().clone();
+        if segments.first() != Some(&"kas-local") {
+            let mut requests = self.requests.lock().unwrap_or_else(|p| p.into_inner());
+            *requests.entry(format!("{method} {path}")).or_default() += 1;
+        }
         match (method.as_str(), segments.as_slice()) {
             ("GET", ["version"]) => json_response(
                 StatusCode::OK,
@@ -262,6 +281,10 @@ impl Cluster {
             ),
             ("GET", ["api", "v1"]) => json_response(StatusCode::OK, &resources()),
             ("GET", ["kas-local", "bytes"]) => bytes(&query),
+            ("GET", ["kas-local", "requests"]) => {
+                let requests = self.requests.lock().unwrap_or_else(|p| p.into_inner());
+                json_response(StatusCode::OK, &json!(*requests))
+            }
             ("GET", ["api", "v1", "pods"]) => self.list(None, &query, as_table),
             ("GET", ["api", "v1", "namespaces", ns, "pods"]) => {
                 self.list(Some(ns), &query, as_table)
