@@ -2,7 +2,8 @@
 //! binaries (`scripts/image --debug --fleet`): three kas on networks of their own, Redis
 //! with Sentinel, nginx in front of kas, three agentk replicas of two agents. While
 //! GitLab's calls go through every kas to every agent, and kubectl follows a log and watches
-//! pods through every kas, the fleet goes through chaos: every kas restarted in turn
+//! pods through every kas, the fleet is upgraded from the previous version
+//! (`deploy/upgrade-from`: kas one at a time, then agentk) and goes through chaos: every kas restarted in turn
 //! (SIGTERM), a kas cut off from the other kas, a kas cut off from Redis, a kas frozen longer
 //! than its records live, the Redis master killed, the load balancer restarted. A table per
 //! phase is printed: calls, failed by status, calls a kas refused that the next kas served
@@ -48,7 +49,13 @@ const WHOLE_WITHIN: Duration = Duration::from_secs(60);
 struct Fleet {
     root: PathBuf,
     dir: tempfile::TempDir,
+    /// The image tags Compose runs kas and agentk from (`KAS_TAG`, `AGENTK_TAG`).
+    tags: Mutex<[&'static str; 2]>,
 }
+
+/// The tag `scripts/image --from` gave the images of the version in `deploy/upgrade-from`
+/// (scripts/test builds them), which the fleet starts on.
+const UPGRADE_FROM: &str = "upgrade-from";
 
 impl Fleet {
     fn up() -> Fleet {
@@ -68,7 +75,21 @@ impl Fleet {
             .canonicalize()
             .unwrap();
         let dir = tempfile::tempdir().unwrap();
-        let fleet = Fleet { root, dir };
+        for program in ["kas", "agentk"] {
+            let image = format!("kas-router/{program}:{UPGRADE_FROM}");
+            let found = Command::new("docker")
+                .args(["image", "inspect", &image])
+                .output();
+            assert!(
+                found.is_ok_and(|o| o.status.success()),
+                "{image} is missing: build it with scripts/image --debug --from COMMIT --tag {UPGRADE_FROM}, COMMIT from deploy/upgrade-from (scripts/test does)"
+            );
+        }
+        let fleet = Fleet {
+            root,
+            dir,
+            tags: Mutex::new([UPGRADE_FROM; 2]),
+        };
         // A fleet left by a test run that was killed.
         fleet.script("down");
         let up = fleet.script("up");
@@ -101,8 +122,11 @@ impl Fleet {
 
     /// What the fleet's scripts and Compose file read from the environment.
     fn environment<'a>(&self, c: &'a mut Command) -> &'a mut Command {
+        let [kas, agentk] = *self.tags.lock().unwrap();
         c.env("FLEET_DIR", self.dir.path())
-            .env("COMPOSE_PROJECT_NAME", PROJECT);
+            .env("COMPOSE_PROJECT_NAME", PROJECT)
+            .env("KAS_TAG", kas)
+            .env("AGENTK_TAG", agentk);
         for i in 0..KAS.len() {
             c.env(format!("KAS{i}_API_PORT"), API_PORTS[i].to_string())
                 .env(format!("KAS{i}_KUBE_PORT"), KUBE_PORTS[i].to_string());
@@ -138,9 +162,21 @@ impl Fleet {
         run(self.environment(&mut c))
     }
 
-    /// Runs `docker ARGS`.
-    fn docker(&self, args: &[&str]) {
-        run(Command::new("docker").args(args));
+    /// Runs `docker ARGS` and returns its standard output.
+    fn docker(&self, args: &[&str]) -> String {
+        run(Command::new("docker").args(args))
+    }
+
+    /// What `service`'s program says its version is.
+    fn version(&self, service: &str, program: &str) -> String {
+        let binary = format!("/usr/local/bin/{program}");
+        self.docker(&["exec", &self.container(service), &binary, "--version"])
+    }
+
+    /// Replaces `service`'s container by one of the image now tagged for it (Compose stops
+    /// the old one with SIGTERM first).
+    fn upgrade(&self, service: &str) {
+        self.compose(&["up", "-d", "--no-deps", service]);
     }
 
     /// The container of `service`.
@@ -162,30 +198,36 @@ impl Fleet {
             .await
     }
 
-    /// Whether every kas lists every agent replica.
-    async fn whole(&self) -> bool {
+    /// Whether every kas lists `n` agent replicas.
+    async fn listed_everywhere(&self, n: usize) -> bool {
         for i in 0..KAS.len() {
             let Ok(client) = self.client(i).await else {
                 return false;
             };
             match client.agents_for_project(100).await {
-                Ok(agents) if agents.len() == REPLICAS => {}
+                Ok(agents) if agents.len() == n => {}
                 _ => return false,
             }
         }
         true
     }
 
-    /// Waits until the fleet is whole again and returns how long that took.
-    async fn await_whole(&self, what: &str) -> Duration {
+    /// Waits until every kas lists `n` agent replicas and returns how long that took.
+    async fn await_listed(&self, n: usize, what: &str) -> Duration {
         let start = Instant::now();
         eventually(
             WHOLE_WITHIN,
-            &format!("every kas to list all {REPLICAS} replicas {what}"),
-            || async { self.whole().await.then_some(()) },
+            &format!("every kas to list {n} replicas {what}"),
+            || async { self.listed_everywhere(n).await.then_some(()) },
         )
         .await;
         start.elapsed()
+    }
+
+    /// Waits until the fleet is whole again (every kas lists every replica) and returns
+    /// how long that took.
+    async fn await_whole(&self, what: &str) -> Duration {
+        self.await_listed(REPLICAS, what).await
     }
 
     /// Cuts kas `kas` off `network` for 10 s, then connects it again at `address`.
@@ -304,7 +346,7 @@ fn excuse(faults: &[Fault], started: Instant, kas: usize, status: &str) -> Optio
         let handed_to_silent_peer = status.starts_with("DeadlineExceeded")
             && in_flight
             && started <= f.from + kas_server::kas::SILENT_WITHIN
-            && f.kind != FaultKind::CutFromRedis;
+            && matches!(f.kind, FaultKind::Paused | FaultKind::CutFromKas);
         match f.kind {
             FaultKind::Paused if f.kas == kas && in_flight && started <= f.to => {
                 Some("GitLab called the frozen kas itself")
@@ -592,6 +634,60 @@ async fn the_fleet_serves_every_call_through_restarts_partitions_freezes_and_fai
     let mut whole = BTreeMap::new();
     let mut faults = Vec::new();
     tokio::time::sleep(Duration::from_secs(5)).await;
+
+    // The fleet runs the previous version: kas upgraded one at a time, then agentk.
+    callers.enter("upgrade");
+    let before = [
+        fleet.version("kas0", "kas"),
+        fleet.version("agent1", "agentk"),
+    ];
+    fleet.tags.lock().unwrap()[0] = "latest";
+    for (i, kas) in KAS.iter().enumerate() {
+        fleet.upgrade(kas);
+        fleet.await_healthy(kas).await;
+        fleet
+            .await_whole(&format!("after kas{i} was upgraded"))
+            .await;
+    }
+    fleet.tags.lock().unwrap()[1] = "latest";
+    // Agent 1 has one replica: its new one starts before the old one stops, as a Kubernetes
+    // Deployment's rolling update does (maxSurge), or its calls would wait out the old
+    // one's drain (up to agentk's --shutdown-grace while streams run). Agent 2's replicas
+    // are replaced one at a time.
+    let old = fleet.container("agent1");
+    let surge = [
+        "up",
+        "-d",
+        "--no-deps",
+        "--no-recreate",
+        "--scale",
+        "agent1=2",
+    ];
+    fleet.compose(&[&surge[..], &["agent1"]].concat());
+    fleet
+        .await_listed(REPLICAS + 1, "with agent1's new replica beside the old")
+        .await;
+    fleet.docker(&["stop", "-t", "15", &old]);
+    fleet.docker(&["rm", &old]);
+    fleet.await_whole("after agent1 was upgraded").await;
+    for agent in ["agent2a", "agent2b"] {
+        fleet.upgrade(agent);
+        fleet
+            .await_whole(&format!("after {agent} was upgraded"))
+            .await;
+    }
+    let after = [
+        fleet.version("kas0", "kas"),
+        fleet.version("agent1", "agentk"),
+    ];
+    println!("upgraded from {before:?} to {after:?}");
+    assert!(
+        before
+            .iter()
+            .all(|v| v.ends_with(&format!("-at-{UPGRADE_FROM}")))
+            && after.iter().all(|v| v.ends_with(env!("CARGO_PKG_VERSION"))),
+        "not upgraded from {UPGRADE_FROM}: {before:?} -> {after:?}"
+    );
 
     // Every kas in turn: SIGTERM (graceful), started again, healthy, whole.
     for (i, kas) in KAS.iter().enumerate() {
