@@ -628,6 +628,18 @@ async fn the_fleet_serves_every_call_through_restarts_partitions_freezes_and_fai
         fleet.docker(&["image", "inspect", &image]);
     }
     fleet.await_whole("after up").await;
+    // Redis serves TLS only: a plaintext client is refused, a TLS one answered.
+    let master = fleet.container("redis-master");
+    let ping = |tls: &[&str]| {
+        let cli = ["exec", &master, "redis-cli", "-p", "6379"];
+        let out = Command::new("docker")
+            .args(cli.iter().chain(tls).chain(&["ping"]))
+            .output()
+            .expect("docker exec runs");
+        String::from_utf8_lossy(&out.stdout).trim().to_string()
+    };
+    assert_eq!(ping(&["--tls", "--cacert", "/etc/redis/ca.crt"]), "PONG");
+    assert_ne!(ping(&[]), "PONG", "Redis answered a plaintext client");
     let phase: Phase = Arc::new(Mutex::new(String::from("steady")));
     let callers = Callers::start(&fleet, &phase);
     let streams = Streams::start(&fleet, &phase);
