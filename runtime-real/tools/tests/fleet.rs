@@ -667,15 +667,15 @@ async fn the_fleet_serves_every_call_through_restarts_partitions_freezes_and_fai
     // one's drain (up to agentk's --shutdown-grace while streams run). Agent 2's replicas
     // are replaced one at a time.
     let old = fleet.container("agent1");
-    let surge = [
+    fleet.compose(&[
         "up",
         "-d",
         "--no-deps",
         "--no-recreate",
         "--scale",
         "agent1=2",
-    ];
-    fleet.compose(&[&surge[..], &["agent1"]].concat());
+        "agent1",
+    ]);
     fleet
         .await_listed(REPLICAS + 1, "with agent1's new replica beside the old")
         .await;
