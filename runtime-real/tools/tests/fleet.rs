@@ -64,10 +64,9 @@ impl Fleet {
             ("docker-compose", "docker-compose", "version"),
             ("kubectl", "kubernetes-client", "version --client"),
         ] {
-            let found = Command::new(tool).args(version.split(' ')).output();
             assert!(
-                found.is_ok_and(|o| o.status.success()),
-                "{tool} is missing or its daemon is not running: install {package} and start dockerd"
+                output_of(Command::new(tool).args(version.split(' '))).is_some(),
+                "{tool} is missing or does not work (docker: is dockerd running?): install {package}"
             );
         }
         let root = Path::new(env!("CARGO_MANIFEST_DIR"))
@@ -77,11 +76,8 @@ impl Fleet {
         let dir = tempfile::tempdir().unwrap();
         for program in ["kas", "agentk"] {
             let image = format!("kas-router/{program}:{UPGRADE_FROM}");
-            let found = Command::new("docker")
-                .args(["image", "inspect", &image])
-                .output();
             assert!(
-                found.is_ok_and(|o| o.status.success()),
+                output_of(Command::new("docker").args(["image", "inspect", &image])).is_some(),
                 "{image} is missing: build it with scripts/image --debug --from COMMIT --tag {UPGRADE_FROM}, COMMIT from deploy/upgrade-from (scripts/test does)"
             );
         }
@@ -253,15 +249,19 @@ impl Fleet {
             Duration::from_secs(60),
             &format!("{service} to be healthy"),
             || async {
-                let out = Command::new("docker")
-                    .args(["inspect", "-f", "{{.State.Health.Status}}", &id])
-                    .output()
-                    .ok()?;
-                (String::from_utf8_lossy(&out.stdout).trim() == "healthy").then_some(())
+                let status = ["inspect", "-f", "{{.State.Health.Status}}", &id];
+                (output_of(Command::new("docker").args(status))? == "healthy").then_some(())
             },
         )
         .await;
     }
+}
+
+/// Runs `c` and returns its standard output, trimmed, when it succeeds.
+fn output_of(c: &mut Command) -> Option<String> {
+    let out = c.output().ok()?;
+    let stdout = String::from_utf8_lossy(&out.stdout).trim().to_string();
+    out.status.success().then_some(stdout)
 }
 
 /// Runs `c`, which must succeed, and returns its standard output, trimmed.
@@ -584,14 +584,19 @@ impl Streams {
         streams
     }
 
-    /// Stops every stream and returns its events: (phase, what).
-    fn finish(mut self) -> Vec<(String, String)> {
+    /// Tells every stream to stop and ends the kubectl each runs.
+    fn stop_all(&self) {
         self.stop.store(true, Ordering::Relaxed);
         for child in &self.children {
-            if let Some(c) = child.lock().unwrap().as_mut() {
+            if let Some(c) = child.lock().unwrap_or_else(|p| p.into_inner()).as_mut() {
                 let _ = c.kill();
             }
         }
+    }
+
+    /// Stops every stream and returns its events: (phase, what).
+    fn finish(mut self) -> Vec<(String, String)> {
+        self.stop_all();
         for t in self.threads.drain(..) {
             t.join().expect("a stream's thread panicked");
         }
@@ -601,12 +606,7 @@ impl Streams {
 
 impl Drop for Streams {
     fn drop(&mut self) {
-        self.stop.store(true, Ordering::Relaxed);
-        for child in &self.children {
-            if let Some(c) = child.lock().unwrap_or_else(|p| p.into_inner()).as_mut() {
-                let _ = c.kill();
-            }
-        }
+        self.stop_all();
     }
 }
 
@@ -632,14 +632,11 @@ async fn the_fleet_serves_every_call_through_restarts_partitions_freezes_and_fai
     let master = fleet.container("redis-master");
     let ping = |tls: &[&str]| {
         let cli = ["exec", &master, "redis-cli", "-p", "6379"];
-        let out = Command::new("docker")
-            .args(cli.iter().chain(tls).chain(&["ping"]))
-            .output()
-            .expect("docker exec runs");
-        String::from_utf8_lossy(&out.stdout).trim().to_string()
+        output_of(Command::new("docker").args(cli.iter().chain(tls).chain(&["ping"])))
     };
-    assert_eq!(ping(&["--tls", "--cacert", "/etc/redis/ca.crt"]), "PONG");
-    assert_ne!(ping(&[]), "PONG", "Redis answered a plaintext client");
+    let pong = Some("PONG".to_string());
+    assert_eq!(ping(&["--tls", "--cacert", "/etc/redis/ca.crt"]), pong);
+    assert_ne!(ping(&[]), pong, "Redis answered a plaintext client");
     let phase: Phase = Arc::new(Mutex::new(String::from("steady")));
     let callers = Callers::start(&fleet, &phase);
     let streams = Streams::start(&fleet, &phase);
