@@ -608,9 +608,23 @@ impl Tracker {
                 continue;
             };
             let written = st.writing.take();
-            if ok && let Some(w) = written {
-                st.fields_expire = w.fields_expire;
-                st.key_expires = w.key_expires.unwrap_or(st.key_expires);
+            if ok && let Some(written) = written {
+                // Answered after the fields it rewrote expired: it may have landed after,
+                // reviving them without creating them, so its conditional announcement
+                // was not published while readers had seen the record gone (redis-restart
+                // seed 217: a slow store held a refresh past the ttl, and a router that
+                // looked up in between waited for an event until its callers gave up).
+                // Unless a newer event already says what is true.
+                let late = now >= st.fields_expire && !w.announce.is_empty();
+                st.fields_expire = written.fields_expire;
+                st.key_expires = written.key_expires.unwrap_or(st.key_expires);
+                if late
+                    && st.pending_publish.is_empty()
+                    && let Some(announce) = &st.announce
+                {
+                    st.pending_publish.push(announce.clone());
+                    mark_dirty(&mut self.dirty_queue, w.key.clone(), st);
+                }
             }
             if !ok {
                 for field in w.delete {

@@ -206,6 +206,30 @@ fn a_tunnel_record_rewritten_after_it_expired_is_announced_whatever_the_key_hold
 }
 
 #[test]
+fn a_refresh_answered_after_its_fields_expired_announces_them_again() {
+    // Sent while the fields lived (their announcement conditional), answered after they
+    // expired: it may have landed after, reviving them without creating them.
+    for (answered, announced) in [(300, false), (301, true)] {
+        let (mut t, b) = presence_batch(true);
+        ack(&mut t, 2, &b, true);
+        t.handle_timeout(Time(240));
+        let refresh = next_batch(&mut t);
+        let w = refresh.writes.iter().find(|w| w.key == AGENT_3).unwrap();
+        assert_eq!((w.publish.len(), w.announce.len()), (0, 1));
+        ack(&mut t, answered, &refresh, true);
+        let again = std::iter::from_fn(|| t.poll_output()).find_map(|o| match o {
+            TrackerOutput::Write(b) => b.writes.into_iter().find(|w| w.key == AGENT_3),
+            _ => None,
+        });
+        assert_eq!(again.is_some(), announced, "answered at {answered}");
+        if let Some(w) = again {
+            let event = TunnelEvent::decode(w.publish[0].1.as_slice()).unwrap();
+            assert_eq!((event.agent_id, event.connected), (3, true));
+        }
+    }
+}
+
+#[test]
 fn failed_batch_is_retried_after_backoff_with_its_deletes_and_events() {
     let (mut t, b) = presence_batch(false);
     ack(&mut t, 2, &b, false);
