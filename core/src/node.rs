@@ -136,7 +136,7 @@ pub enum NodeInput<C> {
     /// An agent replica opened `GetConfiguration`. A replica may hold several streams here
     /// at once (a new one opened before an old one ended): its tunnels belong to all of
     /// them.
-    AgentConnected(ConnectedAgentInfo),
+    AgentConnected(Box<ConnectedAgentInfo>),
     /// That stream ended; once the replica's last stream here ended, its tunnels are
     /// closed with it.
     AgentDisconnected {

@@ -49,7 +49,7 @@ use std::time::Duration;
 #[derive(Clone, Debug, PartialEq)]
 pub enum TrackerInput {
     /// An agent replica opened `GetConfiguration` on this kas.
-    AgentConnected(ConnectedAgentInfo),
+    AgentConnected(Box<ConnectedAgentInfo>),
     /// That stream ended.
     AgentDisconnected {
         /// The agent.

@@ -283,7 +283,7 @@ impl World {
                     connection_id: connection.0,
                     ..Default::default()
                 };
-                input(self, kas, NodeInput::AgentConnected(info));
+                input(self, kas, NodeInput::AgentConnected(Box::new(info)));
                 let opened = NodeInput::TunnelOpened {
                     tunnel,
                     agent,

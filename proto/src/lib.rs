@@ -28,6 +28,10 @@ pub mod frame {
 /// Records kept in the registry store (Redis).
 pub mod registry {
     package!("kas.registry");
+
+    /// The longest value of each `KubernetesVersion` field kas accepts: agentk cuts what
+    /// its API server says to this, kas refuses a connection that sends more.
+    pub const KUBERNETES_VERSION_FIELD_MAX: usize = 64;
 }
 
 /// GitLab -> kas.

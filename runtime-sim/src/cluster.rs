@@ -12,7 +12,6 @@ use crate::redis_dial::SimDial;
 use crate::truth::{Truth, pod_name};
 use kas_agent::AgentOptions;
 use kas_auth::jwt::Secret;
-use kas_proto::registry::AgentMeta;
 use kas_server::config::{Config, ConfigWriter};
 use kas_server::kas::Kas;
 use kas_server::kas::observability::Health;
@@ -402,12 +401,7 @@ impl Cluster {
             .name(pod.clone())
             .ip(IpAddr::V4(Ipv4Addr::new(10, 0, 2, ip)))
             .init(move || {
-                let meta = AgentMeta {
-                    version: "sim".into(),
-                    commit: String::new(),
-                    pod_namespace: "default".into(),
-                    pod_name: pod.clone(),
-                };
+                let meta = kas_agent::meta::own("default", &pod);
                 let mut options =
                     AgentOptions::new(kas_addr(kas, 8150).to_string(), token(agent), meta);
                 options.kas_connections = if ha { 2 } else { 1 };

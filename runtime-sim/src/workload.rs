@@ -262,7 +262,8 @@ pub async fn listed(secret: &Secret, kas: usize, agent: i64) -> Result<Vec<Strin
 }
 
 /// The replicas of `agent` that kas `kas` lists: each pod with the kas (private
-/// addresses) it is connected to, sorted.
+/// addresses) it is connected to, sorted; an error if kas warns of any (see
+/// `kas_server`'s `agent_version`).
 pub async fn homes(
     secret: &Secret,
     kas: usize,
@@ -275,6 +276,13 @@ pub async fn homes(
     )
     .await?;
     let agents = api.agents_by_id(agent).await.map_err(|s| s.to_string())?;
+    // Every agentk here is of kas's own build: a warning is a wrong listing.
+    if let Some(a) = agents.iter().find(|a| !a.warnings.is_empty()) {
+        return Err(format!(
+            "kas{kas} warns of replica {}: {:?}",
+            a.connection_id, a.warnings
+        ));
+    }
     let mut homes: Vec<(String, Vec<String>)> = agents
         .into_iter()
         .map(|a| {

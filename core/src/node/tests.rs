@@ -50,7 +50,7 @@ fn with_tunnel() -> KasNode<&'static str> {
         connection_id: CONN.0,
         ..Default::default()
     };
-    n.handle_input(Time(0), NodeInput::AgentConnected(info))
+    n.handle_input(Time(0), NodeInput::AgentConnected(Box::new(info)))
         .unwrap();
     let opened = NodeInput::TunnelOpened {
         tunnel: TUNNEL,
@@ -413,7 +413,7 @@ fn a_replica_with_two_streams_here_keeps_its_tunnels_until_the_last_one_ends() {
         connection_id: CONN.0,
         ..Default::default()
     };
-    n.handle_input(Time(1), NodeInput::AgentConnected(again))
+    n.handle_input(Time(1), NodeInput::AgentConnected(Box::new(again)))
         .unwrap();
     let gone = || NodeInput::AgentDisconnected {
         agent: AGENT,

@@ -86,7 +86,7 @@ fn registers_the_instance_at_start_with_ttl() {
 fn connection_writes_both_indexes_and_changes_wait_for_the_batch_in_flight() {
     let mut t = tracker();
     let first = next_batch(&mut t);
-    t.handle_input(Time(1), TrackerInput::AgentConnected(info(7, 70)));
+    t.handle_input(Time(1), TrackerInput::AgentConnected(Box::new(info(7, 70))));
     assert!(t.poll_output().is_none(), "one batch in flight at a time");
     ack(&mut t, 2, &first, true);
     let b = next_batch(&mut t);
@@ -262,7 +262,7 @@ fn liveness_is_a_short_lived_instance_record_rewritten_every_third_of_it() {
         first.writes[0].expire,
         KeyExpiry::Renew(Duration::from_millis(90 + 600))
     );
-    t.handle_input(Time(1), TrackerInput::AgentConnected(info(7, 70)));
+    t.handle_input(Time(1), TrackerInput::AgentConnected(Box::new(info(7, 70))));
     ack(&mut t, 1, &first, true);
     let b = next_batch(&mut t);
     ack(&mut t, 2, &b, true);
@@ -296,7 +296,7 @@ fn liveness_is_a_short_lived_instance_record_rewritten_every_third_of_it() {
 fn refresh_rewrites_what_routing_reads_and_a_project_s_connections_every_third_period() {
     let mut t = tracker();
     let first = next_batch(&mut t);
-    t.handle_input(Time(1), TrackerInput::AgentConnected(info(7, 70)));
+    t.handle_input(Time(1), TrackerInput::AgentConnected(Box::new(info(7, 70))));
     ack(&mut t, 1, &first, true);
     let b = next_batch(&mut t);
     let project = b.writes.iter().find(|w| w.key == PROJECT).expect("written");
@@ -322,7 +322,10 @@ fn refresh_rewrites_what_routing_reads_and_a_project_s_connections_every_third_p
         ack(&mut t, at, &refresh, true);
     }
     // A change is written at once, and counts as the project's rewrite.
-    t.handle_input(Time(1500), TrackerInput::AgentConnected(info(8, 80)));
+    t.handle_input(
+        Time(1500),
+        TrackerInput::AgentConnected(Box::new(info(8, 80))),
+    );
     let b = next_batch(&mut t);
     assert_eq!(keys_of(&b), ["kas:agent:{agent:8}", PROJECT]);
     ack(&mut t, 1500, &b, true);
@@ -335,7 +338,7 @@ fn a_project_key_is_renewed_every_third_write_of_its_records() {
     let mut t = tracker();
     let first = next_batch(&mut t);
     ack(&mut t, 0, &first, true);
-    t.handle_input(Time(0), TrackerInput::AgentConnected(info(7, 70)));
+    t.handle_input(Time(0), TrackerInput::AgentConnected(Box::new(info(7, 70))));
     let mut expiries = Vec::new();
     for at in (0..=2880).step_by(240) {
         if at > 0 {
@@ -383,7 +386,10 @@ fn a_refresh_renews_a_key_only_every_third_period() {
     let mut t = tracker();
     let first = next_batch(&mut t);
     ack(&mut t, 0, &first, true);
-    t.handle_input(Time(10), TrackerInput::AgentConnected(info(7, 70)));
+    t.handle_input(
+        Time(10),
+        TrackerInput::AgentConnected(Box::new(info(7, 70))),
+    );
     let b = next_batch(&mut t);
     assert!(renews(&b), "new keys");
     ack(&mut t, 10, &b, true);
@@ -552,7 +558,7 @@ fn after_a_rewrite_all_every_key_is_collected_once_its_longest_lived_records_exp
     let mut t = tracker();
     let first = next_batch(&mut t);
     ack(&mut t, 0, &first, true);
-    t.handle_input(Time(1), TrackerInput::AgentConnected(info(7, 70)));
+    t.handle_input(Time(1), TrackerInput::AgentConnected(Box::new(info(7, 70))));
     assert_eq!(gc_at(&mut t, 600, &live), [all[0], all[2]], "new keys");
     assert_eq!(gc_at(&mut t, 1200, &live), [PROJECT], "a new project key");
     t.handle_input(Time(1300), TrackerInput::RewriteAll);
@@ -587,7 +593,10 @@ fn gc_collects_a_key_once_a_ttl_after_it_is_first_written_not_every_period() {
     let mut t = tracker();
     let first = next_batch(&mut t);
     ack(&mut t, 0, &first, true);
-    t.handle_input(Time(400), TrackerInput::AgentConnected(info(7, 70)));
+    t.handle_input(
+        Time(400),
+        TrackerInput::AgentConnected(Box::new(info(7, 70))),
+    );
     let live = [("k1:1", 1), ("k2:1", 2)];
     assert_eq!(gc_at(&mut t, 600, &live), ["kas:kas_instances"]);
     assert_eq!(
@@ -605,7 +614,10 @@ fn a_key_is_collected_a_ttl_after_it_is_first_written_even_if_its_fields_went_me
     let mut t = tracker();
     let first = next_batch(&mut t);
     ack(&mut t, 0, &first, true);
-    t.handle_input(Time(400), TrackerInput::AgentConnected(info(7, 70)));
+    t.handle_input(
+        Time(400),
+        TrackerInput::AgentConnected(Box::new(info(7, 70))),
+    );
     let connected = next_batch(&mut t);
     ack(&mut t, 400, &connected, true);
     t.handle_input(
@@ -641,7 +653,10 @@ fn a_key_due_when_every_key_is_collected_is_collected_even_if_its_fields_went() 
     assert_eq!(gc_at(&mut t, 1200, &live), Vec::<String>::new());
     // An agent comes and goes (the writes need not land: the GC is scheduled as they are
     // made); its project key is due at 1500 + 780, in the same period as every key.
-    t.handle_input(Time(1500), TrackerInput::AgentConnected(info(7, 70)));
+    t.handle_input(
+        Time(1500),
+        TrackerInput::AgentConnected(Box::new(info(7, 70))),
+    );
     t.handle_input(
         Time(1550),
         TrackerInput::AgentDisconnected {
@@ -684,7 +699,7 @@ fn a_kas_gone_restarted_or_appeared_has_every_key_collected_once_its_longest_liv
         let mut t = tracker();
         let first = next_batch(&mut t);
         ack(&mut t, 0, &first, true);
-        t.handle_input(Time(1), TrackerInput::AgentConnected(info(7, 70)));
+        t.handle_input(Time(1), TrackerInput::AgentConnected(Box::new(info(7, 70))));
         let before = [("k1:1", 1), ("k2:1", 2)];
         assert_eq!(
             gc_at(&mut t, 600, &before),
@@ -724,7 +739,7 @@ fn a_kas_gone_restarted_or_appeared_has_every_key_collected_once_its_longest_liv
 fn shutdown_deletes_everything_then_completes() {
     let mut t = tracker();
     let first = next_batch(&mut t);
-    t.handle_input(Time(1), TrackerInput::AgentConnected(info(7, 70)));
+    t.handle_input(Time(1), TrackerInput::AgentConnected(Box::new(info(7, 70))));
     ack(&mut t, 1, &first, true);
     let b = next_batch(&mut t);
     t.handle_input(Time(2), TrackerInput::Shutdown);
@@ -736,7 +751,7 @@ fn shutdown_deletes_everything_then_completes() {
             .iter()
             .all(|w| w.set.is_empty() && !w.delete.is_empty())
     );
-    t.handle_input(Time(3), TrackerInput::AgentConnected(info(8, 80)));
+    t.handle_input(Time(3), TrackerInput::AgentConnected(Box::new(info(8, 80))));
     assert!(t.poll_output().is_none(), "no new writes after shutdown");
     ack(&mut t, 3, &del, true);
     assert_eq!(t.poll_output(), Some(TrackerOutput::ShutdownComplete));

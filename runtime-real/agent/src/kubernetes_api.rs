@@ -64,7 +64,7 @@ pub type UpRequest = http::Request<UnsyncBoxBody<Bytes, BoxError>>;
 impl Upstream {
     /// Sends `req`. A plain function returning a boxed future: awaiting the service's
     /// future inside an async block trips rustc's higher-ranked lifetime inference.
-    fn send(
+    pub(crate) fn send(
         &self,
         req: UpRequest,
     ) -> futures::future::BoxFuture<'static, Result<http::Response<hyper::body::Incoming>, BoxError>>

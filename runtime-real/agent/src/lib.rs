@@ -5,11 +5,13 @@
 //!   knowing about it.
 //! - [`pods`]: the Pods module, reading the Kubernetes API or a fixture file.
 //! - [`kubernetes_api`]: the Kubernetes API module, proxying HTTP to the API server.
+//! - [`meta`]: what agentk tells kas about itself (versions, architecture, pod).
 //! - [`client`]: `GetConfiguration` and one tunnel.
 //! - [`run`]: the connection loop: reconnect with backoff, the tunnel pool, shutdown.
 
 pub mod client;
 pub mod kubernetes_api;
+pub mod meta;
 pub mod modules;
 pub mod pods;
 pub mod run;

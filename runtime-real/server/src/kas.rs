@@ -7,6 +7,7 @@
 //! passed, the rest is cut off and this kas's registry records are deleted.
 
 mod agent_api;
+mod agent_version;
 mod call;
 mod deadline;
 mod engine;

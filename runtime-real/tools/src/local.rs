@@ -14,7 +14,6 @@ use kas_agent::kubernetes_api::Upstream;
 use kas_agent::{AgentOptions, Modules, PodSource};
 use kas_auth::jwt::Secret;
 use kas_client::api_client::ApiClient;
-use kas_proto::registry::AgentMeta;
 use kas_server::config::{Config, ConfigWriter};
 use kas_server::kas::Kas;
 use kas_transport::local_ca::LocalCa;
@@ -172,7 +171,7 @@ async fn start_kas(
 
 /// Starts the agent replicas, each on its kas only (the deployment's contexts name the
 /// route, local or remote, a call takes), until `shutdown` turns true.
-fn start_agents(
+async fn start_agents(
     dir: &Path,
     replicas: &[Replica],
     tokens: &[String],
@@ -184,12 +183,7 @@ fn start_agents(
     let mut agents = JoinSet::new();
     for r in replicas {
         let source = PodSource::fixture_file(&dir.join(format!("pods-agent{}.yaml", r.agent)))?;
-        let meta = AgentMeta {
-            version: env!("CARGO_PKG_VERSION").into(),
-            commit: String::new(),
-            pod_namespace: "gitlab-agent".into(),
-            pod_name: r.pod.clone(),
-        };
+        let meta = kas_agent::meta::own("gitlab-agent", &r.pod);
         let token = tokens[usize::try_from(r.agent - 1).unwrap_or(0)].clone();
         let url = url(ca.is_some(), kas[r.kas].addresses.agent);
         let mut options = AgentOptions::new(url, token, meta);
@@ -206,9 +200,15 @@ fn start_agents(
                 .parse()
                 .map_err(|e| format!("cluster URL {cluster}: {e}"))?,
         );
+        let upstream = Upstream::new(upstream)?;
+        options.meta.kubernetes_version = Some(
+            kas_agent::meta::cluster_version(&upstream)
+                .await
+                .map_err(|e| format!("agent {}'s cluster: {e}", r.agent))?,
+        );
         let modules = Modules::default()
             .with_pods(source)
-            .with_kubernetes_api(Upstream::new(upstream)?);
+            .with_kubernetes_api(upstream);
         agents.spawn(agent::run(options, Arc::new(modules), shutdown.clone()));
     }
     Ok(agents)
@@ -332,7 +332,8 @@ impl LocalDeployment {
             &clusters,
             ca.as_ref(),
             &shutdown,
-        )?;
+        )
+        .await?;
         let deployment = LocalDeployment {
             dir: dir.to_path_buf(),
             redis,

@@ -100,7 +100,7 @@ async fn an_agents_error_frame_ends_the_call_without_a_second_delivery() {
 /// never reaches the registry or the project's listing.
 #[tokio::test(flavor = "multi_thread")]
 async fn oversized_agent_metadata_is_refused_naming_the_field() {
-    use kas_proto::registry::AgentMeta;
+    use kas_proto::registry::{AgentMeta, KubernetesVersion};
     let s = Secrets::new();
     let kas = KasProc::start(&s, "kas", None, 10_000, "").await;
     let client = AgentClient::new(channel(kas.agent).await, agent_token(1));
@@ -141,6 +141,33 @@ async fn oversized_agent_metadata_is_refused_naming_the_field() {
                 ..Default::default()
             },
         ),
+        (
+            "agent_meta.architecture",
+            AgentMeta {
+                architecture: long(33),
+                ..Default::default()
+            },
+        ),
+        (
+            "agent_meta.kubernetes_version.git_version",
+            AgentMeta {
+                kubernetes_version: Some(KubernetesVersion {
+                    git_version: long(65),
+                    ..Default::default()
+                }),
+                ..Default::default()
+            },
+        ),
+        (
+            "agent_meta.kubernetes_version.platform",
+            AgentMeta {
+                kubernetes_version: Some(KubernetesVersion {
+                    platform: long(1 << 20),
+                    ..Default::default()
+                }),
+                ..Default::default()
+            },
+        ),
     ];
     for (field, meta) in cases {
         let err = client.connect(meta, None).await.expect_err(field);
@@ -153,6 +180,13 @@ async fn oversized_agent_metadata_is_refused_naming_the_field() {
         commit: long(64),
         pod_namespace: long(63),
         pod_name: long(253),
+        architecture: long(32),
+        kubernetes_version: Some(KubernetesVersion {
+            major: long(64),
+            minor: long(64),
+            git_version: long(64),
+            platform: long(64),
+        }),
     };
     let (_connection, _, _config) = client.connect(fits, None).await.expect("within limits");
     let gl = GitLab::new(&s, kas.api).await;

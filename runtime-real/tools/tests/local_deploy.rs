@@ -95,6 +95,23 @@ async fn local_deployment_with_redis_routes_through_each_kas() {
         assert!(table.contains(pod), "{pod} missing from:\n{table}");
     }
     let rows = kasctl_json(&secret, &api0, &["agents", "--project", "100"]).await;
+    // Each with its agentk's version and architecture and its cluster's version (the
+    // stand-in API server's), and no warning: agentk and kas are of one build.
+    for r in &rows {
+        let described = (
+            field(r, "version"),
+            field(r, "arch"),
+            field(r, "kubernetes"),
+            r["warnings"].clone(),
+        );
+        let expected = (
+            env!("CARGO_PKG_VERSION").to_string(),
+            kas_agent::meta::architecture().to_string(),
+            "v1.32.0-kas-local".to_string(),
+            serde_json::json!([]),
+        );
+        assert_eq!(described, expected, "{r}");
+    }
     let mut listed: Vec<(String, String, String)> = rows
         .iter()
         .map(|r| (field(r, "agent"), field(r, "pod"), field(r, "kas")))

@@ -3,7 +3,6 @@
 use clap::Parser;
 use kas_agent::kubernetes_api::Upstream;
 use kas_agent::{AgentOptions, Modules, PodSource};
-use kas_proto::registry::AgentMeta;
 use kas_transport::tls::KasUrl;
 use std::path::PathBuf;
 use std::process::ExitCode;
@@ -99,7 +98,7 @@ fn main() -> ExitCode {
     if let Err(e) = kas_transport::logging::init_stderr(&args.log) {
         return fail(e);
     }
-    let options = match options(&args) {
+    let mut options = match options(&args) {
         Ok(o) => o,
         Err(e) => return fail(e),
     };
@@ -121,7 +120,16 @@ fn main() -> ExitCode {
         let mut modules = Modules::default().with_pods(source);
         // The Kubernetes API module needs a cluster; a fixture-only agent has none.
         match Upstream::infer().await {
-            Ok(upstream) => modules = modules.with_kubernetes_api(upstream),
+            Ok(upstream) => {
+                // Listed by kas; an API server that does not say is no reason to stay away.
+                match kas_agent::meta::cluster_version(&upstream).await {
+                    Ok(v) => options.meta.kubernetes_version = Some(v),
+                    Err(e) => {
+                        tracing::warn!(error = %e, "connecting without the cluster's version")
+                    }
+                }
+                modules = modules.with_kubernetes_api(upstream);
+            }
             Err(e) if args.pods_fixture.is_some() => {
                 tracing::info!(reason = %e, "not serving the Kubernetes API module");
             }
@@ -163,12 +171,7 @@ fn options(args: &Args) -> Result<AgentOptions, String> {
     if args.heartbeat.is_zero() {
         return Err("--heartbeat must be more than 0".into());
     }
-    let meta = AgentMeta {
-        version: env!("CARGO_PKG_VERSION").into(),
-        commit: String::new(),
-        pod_namespace: args.pod_namespace.clone(),
-        pod_name: args.pod_name.clone(),
-    };
+    let meta = kas_agent::meta::own(&args.pod_namespace, &args.pod_name);
     let url = KasUrl::parse(&args.kas).map_err(|e| format!("--kas {e}"))?;
     if let Some(f) = &args.ca_cert_file {
         kas_transport::tls::read_certificates(f).map_err(|e| format!("--ca-cert-file {e}"))?;

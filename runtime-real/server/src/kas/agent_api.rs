@@ -15,7 +15,9 @@ use kas_core::{ConnectionId, TunnelId};
 use kas_proto::agent_api::agent_api_server::AgentApi;
 use kas_proto::agent_api::{ConfigurationRequest, ConfigurationResponse};
 use kas_proto::frame::{Frame, frame::Kind};
-use kas_proto::registry::{AgentMeta, ConnectedAgentInfo, KasAddress};
+use kas_proto::registry::{
+    AgentMeta, ConnectedAgentInfo, KUBERNETES_VERSION_FIELD_MAX, KasAddress,
+};
 use sha2::{Digest, Sha256};
 use std::net::SocketAddr;
 use std::sync::Arc;
@@ -131,9 +133,10 @@ impl AgentApi for AgentService {
                 port: u32::from(self.kas_address.port()),
             }),
             kas_addresses: Vec::new(),
+            warnings: Vec::new(),
         };
         tracing::info!(agent = %identity.agent_id, %connection, "agent connected");
-        self.engine.input(NodeInput::AgentConnected(info));
+        self.engine.input(NodeInput::AgentConnected(Box::new(info)));
         let (tx, rx) = tunnel::outbound(2);
         let commit_id = hex(&Sha256::digest(identity.config.as_bytes())[..8]);
         let first = ConfigurationResponse {
@@ -381,20 +384,43 @@ fn jittered(age: Duration) -> Duration {
 /// DNS subdomain for a pod, a DNS label for a namespace) and a few dozen characters for
 /// version and commit. Every listing of the agent's project carries these, so one agent
 /// must not be able to grow it past what GitLab reads (once: 2 MiB pod names).
-const META_LIMITS: [(&str, usize); 4] = [
+const META_LIMITS: [(&str, usize); 9] = [
     ("agent_meta.version", 64),
     ("agent_meta.commit", 64),
     ("agent_meta.pod_namespace", 63),
     ("agent_meta.pod_name", 253),
+    ("agent_meta.architecture", 32),
+    (
+        "agent_meta.kubernetes_version.major",
+        KUBERNETES_VERSION_FIELD_MAX,
+    ),
+    (
+        "agent_meta.kubernetes_version.minor",
+        KUBERNETES_VERSION_FIELD_MAX,
+    ),
+    (
+        "agent_meta.kubernetes_version.git_version",
+        KUBERNETES_VERSION_FIELD_MAX,
+    ),
+    (
+        "agent_meta.kubernetes_version.platform",
+        KUBERNETES_VERSION_FIELD_MAX,
+    ),
 ];
 
 /// Refuses agent metadata with a field over its limit, naming the field.
 fn check_meta(meta: &AgentMeta) -> Result<(), Status> {
+    let k8s = meta.kubernetes_version.clone().unwrap_or_default();
     let values = [
         &meta.version,
         &meta.commit,
         &meta.pod_namespace,
         &meta.pod_name,
+        &meta.architecture,
+        &k8s.major,
+        &k8s.minor,
+        &k8s.git_version,
+        &k8s.platform,
     ];
     for ((field, max), value) in META_LIMITS.iter().zip(values) {
         if value.len() > *max {

@@ -61,7 +61,12 @@ impl PublicService {
             .filter(|(field, _)| is_connection_field(field))
             .filter_map(|(_, v)| ConnectedAgentInfo::decode(v.as_slice()).ok())
             .filter(|a| kas_id_of(a).is_some_and(|id| kas.contains(&id)));
-        Ok(one_per_replica(records))
+        let mut listed = one_per_replica(records);
+        for a in &mut listed {
+            let meta = a.agent_meta.clone().unwrap_or_default();
+            a.warnings = super::agent_version::warnings(&meta, env!("CARGO_PKG_VERSION"));
+        }
+        Ok(listed)
     }
 
     /// The deadline and message of a call to route, once its agent id is checked.

@@ -44,7 +44,9 @@ struct Args {
 
 #[derive(Subcommand)]
 enum Cmd {
-    /// Connected agent replicas, of a project or of one agent.
+    /// Connected agent replicas, of a project or of one agent: each one's pod, agentk
+    /// version and architecture, its cluster's Kubernetes version, the kas it is connected
+    /// to, and the listing kas's warnings (an agentk older than that kas supports, or newer).
     Agents {
         /// The agents of this project.
         #[arg(long, conflicts_with = "agent", required_unless_present = "agent")]
@@ -210,6 +212,19 @@ fn transport_failed(s: &Status) -> bool {
         .is_some_and(|e| e.is::<tonic::transport::Error>())
 }
 
+/// The columns of `kasctl agents`, as its table heads them (`--json` keys: lower case).
+const AGENT_COLUMNS: [&str; 9] = [
+    "AGENT",
+    "PROJECT",
+    "CONNECTION",
+    "POD",
+    "VERSION",
+    "ARCH",
+    "KUBERNETES",
+    "KAS",
+    "WARNINGS",
+];
+
 fn print_agents(agents: &[ConnectedAgentInfo], json: bool) {
     let rows: Vec<Vec<String>> = agents
         .iter()
@@ -226,30 +241,41 @@ fn print_agents(agents: &[ConnectedAgentInfo], json: bool) {
                 .map(|k| format!("{}:{}", k.ip, k.port))
                 .collect::<Vec<_>>()
                 .join(",");
+            let kubernetes = meta
+                .kubernetes_version
+                .map(|k| k.git_version)
+                .unwrap_or_default();
             vec![
                 a.agent_id.to_string(),
                 a.project_id.to_string(),
                 a.connection_id.to_string(),
                 format!("{}/{}", meta.pod_namespace, meta.pod_name),
                 meta.version,
+                meta.architecture,
+                kubernetes,
                 kas,
+                a.warnings.join("; "),
             ]
         })
         .collect();
-    const HEAD: [&str; 6] = ["AGENT", "PROJECT", "CONNECTION", "POD", "VERSION", "KAS"];
     if json {
         let v: Vec<serde_json::Value> = rows
             .iter()
-            .map(|r| {
-                HEAD.iter()
+            .zip(agents)
+            .map(|(r, a)| {
+                let mut o: serde_json::Map<String, serde_json::Value> = AGENT_COLUMNS
+                    .iter()
                     .zip(r)
                     .map(|(h, c)| (h.to_lowercase(), serde_json::Value::String(c.clone())))
-                    .collect()
+                    .collect();
+                // A list, not the table's joined cell.
+                o.insert("warnings".into(), serde_json::json!(a.warnings));
+                serde_json::Value::Object(o)
             })
             .collect();
         println!("{}", serde_json::Value::Array(v));
     } else {
-        table(&HEAD, rows);
+        table(&AGENT_COLUMNS, rows);
     }
 }
 

@@ -600,9 +600,9 @@ impl TestAgent {
             AgentClient::new(channel(kas_agent).await, agent_token(agent)).with_proof(proof);
         let meta = AgentMeta {
             version: "test".into(),
-            commit: String::new(),
             pod_namespace: "default".into(),
             pod_name: pod.into(),
+            ..Default::default()
         };
         let (connection, _, mut stream) = client.connect(meta, replica.map(|r| r.0)).await?;
         let mut tasks = vec![tokio::spawn(async move {
