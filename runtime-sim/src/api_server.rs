@@ -131,6 +131,22 @@ impl ApiServer {
                 ));
             }
         }
+        let id = req.headers().get(crate::kube_caller::CORRELATION);
+        let expected = crate::kube_caller::correlation_id(&marker);
+        let carried = id.map(|v| v.as_bytes());
+        // The greedy caller sends none: kas made one, a ULID.
+        let made = |v: &[u8]| v.len() == 26 && v.iter().all(u8::is_ascii_alphanumeric);
+        let right = match carried {
+            Some(v) if marker.starts_with(crate::greedy_caller::MARKER) => made(v),
+            Some(v) => v == expected.as_bytes(),
+            None => false,
+        };
+        if !right {
+            self.truth.violation(format!(
+                "inv 14: agent {}'s API server got correlation id {id:?} for {marker}, the caller sent {expected}",
+                self.agent
+            ));
+        }
         self.truth.record(Delivery {
             marker: marker.clone(),
             agent: self.agent,

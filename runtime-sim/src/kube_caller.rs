@@ -75,8 +75,10 @@ pub async fn exchange(
             .header("connection", "Upgrade")
             .header("upgrade", "SPDY/3.1"),
     };
+    let correlation_id = correlation_id(marker);
     let req = req
         .header("host", "kas")
+        .header(CORRELATION, &correlation_id)
         .header("authorization", format!("Bearer pat:{agent}:{USER_TOKEN}"))
         .header("impersonate-user", CLAIMED)
         .header("impersonate-group", CLAIMED)
@@ -101,6 +103,13 @@ pub async fn exchange(
         .await
         .map_err(|e| unavailable("request", &e))?;
     let status = resp.status();
+    let answered_id = resp.headers().get(CORRELATION).map(|v| v.as_bytes());
+    if answered_id != Some(correlation_id.as_bytes()) {
+        *mismatch = Some(format!(
+            "inv 14: sent correlation id {correlation_id}, kas answered {answered_id:?}"
+        ));
+        return Err(Status::internal("kas answered with another correlation id"));
+    }
     let pod = resp
         .headers()
         .get("x-pod")
@@ -118,6 +127,13 @@ pub async fn exchange(
             .to_bytes();
         if !status.is_success() {
             let text = String::from_utf8_lossy(&body);
+            // kas's own refusals (Status objects) end with the id; the API server's never do.
+            let said = format!("(correlation id {correlation_id})\"");
+            if status != http::StatusCode::NOT_FOUND && !text.contains(&said) {
+                *mismatch = Some(format!(
+                    "inv 14: kas's refusal does not end with {said}: {text}"
+                ));
+            }
             return Err(Status::new(code(status), format!("HTTP {status}: {text}")));
         }
         body.to_vec()
@@ -138,6 +154,15 @@ pub async fn exchange(
     }
     pod.ok_or_else(|| Status::internal("the response named no pod"))
 }
+
+/// The correlation id a caller sends with the request `marker`; kas must answer with it,
+/// end its refusals with it and carry it to the API server (inv 14, see `api_server`).
+pub fn correlation_id(marker: &str) -> String {
+    format!("sim-{marker}")
+}
+
+/// GitLab's correlation id header.
+pub const CORRELATION: &str = "x-gitlab-correlation-id";
 
 /// An exec session: sends `sent` 0-50 ms a piece apart, reads as many bytes back, closes.
 async fn exec(io: hyper::upgrade::Upgraded, sent: &[u8]) -> Result<Vec<u8>, Status> {

@@ -20,6 +20,9 @@ pub struct ApiClient {
     client: KasApiClient<Channel>,
     signer: Signer,
     timeout: Duration,
+    /// Sent as `x-gitlab-correlation-id` on every call, when set: kas then logs the calls
+    /// under it and ends its errors with it (else kas makes one per call).
+    correlation_id: Option<String>,
 }
 
 impl ApiClient {
@@ -46,6 +49,7 @@ impl ApiClient {
                 .max_decoding_message_size(kas_transport::DEFAULT_MAX_MESSAGE_SIZE),
             signer: Signer::new(secret, jwt::GITLAB, jwt::GITLAB_KAS),
             timeout,
+            correlation_id: None,
         })
     }
 
@@ -53,6 +57,14 @@ impl ApiClient {
     pub fn with_timeout(&self, timeout: Duration) -> ApiClient {
         ApiClient {
             timeout,
+            ..self.clone()
+        }
+    }
+
+    /// The same client with calls carrying the correlation id `id`.
+    pub fn with_correlation_id(&self, id: impl Into<String>) -> ApiClient {
+        ApiClient {
+            correlation_id: Some(id.into()),
             ..self.clone()
         }
     }
@@ -92,6 +104,9 @@ impl ApiClient {
         r.set_timeout(self.timeout);
         if let Ok(v) = self.signer.bearer().parse() {
             r.metadata_mut().insert("authorization", v);
+        }
+        if let Some(v) = self.correlation_id.as_ref().and_then(|id| id.parse().ok()) {
+            r.metadata_mut().insert("x-gitlab-correlation-id", v);
         }
         r
     }

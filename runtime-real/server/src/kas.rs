@@ -9,6 +9,7 @@
 mod agent_api;
 mod agent_version;
 mod call;
+pub mod correlation;
 mod deadline;
 mod engine;
 mod forward;

@@ -259,9 +259,11 @@ async fn agent_statuses_are_truncated_and_answer_sizes_are_limited_by_name() {
         let err = gl.pods(1, None, t).await.expect_err("the agent's status");
         assert_eq!(err.code(), Code::NotFound, "{err}");
         assert!(err.message().len() < 1200, "{} bytes", err.message().len());
+        // Then the call's correlation id, as every error from kas.
         assert!(
             err.message()
-                .ends_with("(truncated by kas from 200000 bytes)")
+                .contains("(truncated by kas from 200000 bytes) (correlation id "),
+            "{err}"
         );
         let err = gl.pods(2, None, t).await.expect_err("over the limit");
         assert_eq!(err.code(), Code::ResourceExhausted, "{err}");

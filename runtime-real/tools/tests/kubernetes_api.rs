@@ -456,7 +456,17 @@ async fn refusals_are_kubernetes_status_objects() {
         async move {
             let resp = r.send().await.expect("kas answers");
             let code = resp.status().as_u16();
+            // kas made an id for the call (the caller sent none) and ended its error with it.
+            let id = resp.headers()["x-gitlab-correlation-id"]
+                .to_str()
+                .unwrap()
+                .to_owned();
             let status: Value = resp.json().await.expect("a JSON body");
+            let ended = format!("(correlation id {id})");
+            assert!(
+                id.len() == 26 && status["message"].as_str().unwrap().ends_with(&ended),
+                "{status}"
+            );
             (code, status)
         }
     };
@@ -498,17 +508,18 @@ async fn refusals_are_kubernetes_status_objects() {
     let resp = client
         .get(format!("{url}/api/v1/pods?timeout=2s"))
         .bearer_auth(format!("pat:3:{secret}"))
+        .header("x-gitlab-correlation-id", "caller-id-1")
         .send()
         .await
         .expect("kas answers");
     assert_eq!(resp.status().as_u16(), 503);
+    assert_eq!(resp.headers()["x-gitlab-correlation-id"], "caller-id-1");
     let status: Value = resp.json().await.expect("a Status");
     assert_eq!(status["reason"], "ServiceUnavailable", "{status}");
+    let message = status["message"].as_str().unwrap();
     assert!(
-        status["message"]
-            .as_str()
-            .unwrap()
-            .contains("agent 3 is not connected"),
+        message.contains("agent 3 is not connected")
+            && message.ends_with("(correlation id caller-id-1)"),
         "{status}"
     );
     assert!(

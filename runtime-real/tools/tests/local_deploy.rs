@@ -160,11 +160,22 @@ async fn local_deployment_with_redis_routes_through_each_kas() {
         err.contains("agent 9 is not connected (no agent connected within the deadline)"),
         "{err}"
     );
+    // kasctl's own id for the call, which kas ended its error with: once, a ULID.
+    let id = err
+        .split("(correlation id ")
+        .nth(1)
+        .and_then(|rest| rest.split(')').next())
+        .unwrap_or_else(|| panic!("no correlation id in: {err}"));
+    assert_eq!((id.len(), err.matches(id).count()), (26, 1), "{err}");
     let wrong = dir.path().join("wrong.secret");
     std::fs::write(&wrong, "V3JvbmdXcm9uZ1dyb25nV3JvbmdXcm9uZ1dyb25nV3Jvbmc=").unwrap();
     let (ok, _, err) = kasctl(&wrong, &api0, &["agents", "--agent", "1"]).await;
     assert!(!ok);
     assert!(err.contains("kas refused the token"), "{err}");
+    assert!(
+        err.contains("(correlation id "),
+        "kasctl names its id: {err}"
+    );
     let nobody = format!("127.0.0.1:{}", redis_server::free_port().unwrap());
     let (ok, _, err) = kasctl(&secret, &nobody, &["agents", "--agent", "1"]).await;
     assert!(!ok);

@@ -11,6 +11,7 @@
 //! a flood of calls can delay calls, never deadlines or wake-ups.
 
 use super::call::Call;
+use super::correlation::CorrelationId;
 use super::forward::Forwarder;
 use super::handle::{CALL_QUEUE, Command, EngineHandle, Orders, TunnelOrder};
 use super::metrics::Metrics;
@@ -330,6 +331,7 @@ impl Engine {
                 call,
                 waited,
             } => {
+                let correlation_id = correlation_id(&call);
                 let order = Box::new(TunnelOrder { request, call });
                 let sent = self
                     .tunnels
@@ -337,7 +339,7 @@ impl Engine {
                     .is_some_and(|orders| orders.try_send(order).is_ok());
                 if sent {
                     self.metrics.routing_latency.observe(waited.as_secs_f64());
-                    tracing::debug!(%request, %tunnel, "call handed to a tunnel");
+                    tracing::debug!(%request, %tunnel, correlation_id, "call handed to a tunnel");
                 } else {
                     self.input(NodeInput::DeliveryFailed { request, tunnel });
                 }
@@ -372,6 +374,7 @@ impl Engine {
                     task.abort();
                 }
                 if let Some(error) = error {
+                    tracing::debug!(%request, correlation_id = correlation_id(&call), %error, "call ended by kas");
                     let _ = call.responses.try_send(answer(request, origin, &error));
                 }
                 match origin {
@@ -421,4 +424,11 @@ fn answer(
         Origin::Public => Err(status),
         Origin::Private => Ok(frames::error(request.0, &status)),
     }
+}
+
+/// The call's correlation id for its log lines (empty for a call from a kas that sent none).
+pub fn correlation_id(call: &Call) -> String {
+    CorrelationId::of_start(&call.start)
+        .unwrap_or_default()
+        .to_owned()
 }

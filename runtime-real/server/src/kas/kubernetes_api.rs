@@ -21,6 +21,7 @@ pub use gitlab::GitLabAccess;
 pub use kas_auth::user_tokens::{Credential, Grant, Refusal, StaticUserTokens};
 
 use super::call::{Call, Rest};
+use super::correlation::{self, CorrelationId};
 use super::handle::{CancelOnDrop, EngineHandle};
 use super::limits::{Place, Places};
 use super::listener::Busy;
@@ -192,10 +193,19 @@ impl KubernetesApiService {
                     .extensions()
                     .get::<axum::extract::ConnectInfo<super::listener::Peer>>()
                     .map(|c| c.0.0.ip());
-                match this.proxy(req, peer).await {
+                let caller_id = req.headers().get(correlation::HEADER);
+                let id = CorrelationId::from_caller(caller_id.and_then(|v| v.to_str().ok()));
+                let mut resp = match this.proxy(req, peer, &id).await {
                     Ok(resp) => resp,
-                    Err(refusal) => refusal.into_response(),
+                    Err(refusal) => {
+                        tracing::debug!(correlation_id = %id, error = ?refusal, "Kubernetes API request refused");
+                        refusal.into_response(&id)
+                    }
+                };
+                if let Ok(value) = HeaderValue::from_str(id.as_str()) {
+                    resp.headers_mut().insert(correlation::HEADER, value);
                 }
+                resp
             }
         })
     }
@@ -204,6 +214,7 @@ impl KubernetesApiService {
         &self,
         mut req: Request<Body>,
         peer: Option<std::net::IpAddr>,
+        id: &CorrelationId,
     ) -> Result<Response<Body>, Failure> {
         let path = self.path(req.uri())?;
         let auth = req
@@ -219,6 +230,8 @@ impl KubernetesApiService {
         // The caller's credentials and any identity it claims stay here: whom the agent
         // acts as is the grant's to say.
         headers.retain(|name, _| http_relay::caller_may_set(name));
+        // The API server's logs can name the call too.
+        headers.extend(id.metadata());
         http_relay::check_size(&headers).map_err(Failure::HeadersTooLarge)?;
         let head = HttpRequest {
             kind: Some(http_request::Kind::Head(RequestHead {
@@ -253,7 +266,7 @@ impl KubernetesApiService {
                 agent_id: agent.0,
                 connection_id: None,
                 method: KUBERNETES_API_METHOD.into(),
-                metadata: Default::default(),
+                metadata: id.metadata().into(),
                 hops: 0,
                 streaming: true,
                 deadline_millis: None,
@@ -411,6 +424,7 @@ impl Incoming for Reply {
 }
 
 /// Why a request got no response from its agent's API server.
+#[derive(Debug)]
 enum Failure {
     /// Refused by the token check.
     Refused(Refusal),
@@ -431,8 +445,9 @@ impl From<Refusal> for Failure {
 }
 
 impl Failure {
-    /// A Kubernetes `Status` response, which kubectl prints as the error.
-    fn into_response(self) -> Response<Body> {
+    /// A Kubernetes `Status` response, which kubectl prints as the error (its message
+    /// ending with the call's correlation id).
+    fn into_response(self, id: &CorrelationId) -> Response<Body> {
         let (code, reason, message) = match self {
             Failure::Refused(Refusal::Unauthenticated(m)) => {
                 (StatusCode::UNAUTHORIZED, "Unauthorized", m)
@@ -467,7 +482,7 @@ impl Failure {
                 (code, reason, s.message().to_string())
             }
         };
-        kubernetes_status(code, reason, &message)
+        kubernetes_status(code, reason, &id.suffix(&message))
     }
 }
 

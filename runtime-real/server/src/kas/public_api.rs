@@ -2,12 +2,13 @@
 //! calls routed to agents.
 
 use super::call::{Call, Rest};
+use super::correlation::CorrelationId;
 use super::deadline::deadline;
 use super::handle::{CancelOnDrop, EngineHandle};
 use super::reply::Reply;
 use crate::store::Store;
 use bytes::Bytes;
-use futures::stream::{BoxStream, StreamExt, TryStreamExt};
+use futures::stream::{BoxStream, TryStreamExt};
 use kas_core::keys::{Keys, is_connection_field};
 use kas_core::node::Origin;
 use kas_core::{AgentId, ConnectionId, ProjectId, Time};
@@ -82,6 +83,7 @@ impl PublicService {
     /// Routes a call to the agent; its answer arrives through the returned [`Reply`].
     fn call_agent(
         &self,
+        id: &CorrelationId,
         agent: AgentId,
         connection: Option<ConnectionId>,
         method: &str,
@@ -89,12 +91,14 @@ impl PublicService {
         deadline: Time,
     ) -> Result<Reply, Status> {
         let requests = vec![frames::message(0, request), frames::close_send(0)];
-        self.start(agent, connection, method, deadline, requests, None)
+        self.start(id, agent, connection, method, deadline, requests, None)
     }
 
     /// Starts a call with `requests` (a streaming one when it has the `rest`).
+    #[allow(clippy::too_many_arguments)]
     fn start(
         &self,
+        id: &CorrelationId,
         agent: AgentId,
         connection: Option<ConnectionId>,
         method: &str,
@@ -102,7 +106,7 @@ impl PublicService {
         requests: Vec<Frame>,
         rest: Option<Rest>,
     ) -> Result<Reply, Status> {
-        let id = self.engine.next_request_id();
+        let request = self.engine.next_request_id();
         let (tx, rx) = mpsc::channel(16);
         let streaming = rest.is_some();
         let call = Call {
@@ -114,7 +118,7 @@ impl PublicService {
                 agent_id: agent.0,
                 connection_id: connection.map(|c| c.0),
                 method: method.into(),
-                metadata: Default::default(),
+                metadata: id.metadata().into(),
                 hops: 0,
                 streaming,
                 deadline_millis: None,
@@ -125,21 +129,23 @@ impl PublicService {
             rest,
             responses: tx,
         };
-        self.engine.submit(id, Origin::Public, call)?;
-        let cancel = CancelOnDrop::new(self.engine.clone(), id);
+        tracing::debug!(%agent, method, correlation_id = %id, request = %request, "call routed");
+        self.engine.submit(request, Origin::Public, call)?;
+        let cancel = CancelOnDrop::new(self.engine.clone(), request);
         Ok(Reply::new(agent, rx, cancel, Some(deadline), streaming))
     }
 
     /// Routes a unary call to the agent and returns its one response message.
     async fn call_unary(
         &self,
+        id: &CorrelationId,
         agent: AgentId,
         connection: Option<ConnectionId>,
         method: &str,
         request: Vec<u8>,
         deadline: Time,
     ) -> Result<Bytes, Status> {
-        let mut reply = self.call_agent(agent, connection, method, request, deadline)?;
+        let mut reply = self.call_agent(id, agent, connection, method, request, deadline)?;
         let body = reply
             .message()
             .await?
@@ -185,13 +191,10 @@ fn id_metadata(metadata: &tonic::metadata::MetadataMap, key: &str) -> Result<Opt
         .ok_or_else(|| Status::invalid_argument(format!("{key} must be a positive number")))
 }
 
-#[tonic::async_trait]
-impl KasApi for PublicService {
-    type GetPodLogsStream = LogChunks;
-    type MakeKubernetesRequestStream = HttpResponses;
-
-    async fn make_kubernetes_request(
+impl PublicService {
+    async fn kubernetes_request(
         &self,
+        id: &CorrelationId,
         req: Request<Streaming<HttpRequest>>,
     ) -> Result<Response<HttpResponses>, Status> {
         let deadline = deadline(req.metadata(), self.default_timeout, self.max_timeout);
@@ -199,16 +202,21 @@ impl KasApi for PublicService {
             .ok_or_else(|| Status::invalid_argument("agent-id metadata is required"))?;
         let connection = id_metadata(req.metadata(), "connection-id")?.map(ConnectionId);
         let mut inbound = req.into_inner();
-        let head = tokio::time::timeout(clock::until(deadline), inbound.message())
+        let mut head = tokio::time::timeout(clock::until(deadline), inbound.message())
             .await
             .map_err(|_| Status::deadline_exceeded("no request head by the deadline"))??
             .filter(|m| matches!(m.kind, Some(http_request::Kind::Head(_))))
             .ok_or_else(|| {
                 Status::invalid_argument("the first message must be the request head")
             })?;
+        // The API server's logs can name the call too.
+        if let Some(http_request::Kind::Head(h)) = &mut head.kind {
+            h.headers.extend(id.metadata());
+        }
         let (rest_tx, rest) = Rest::channel();
         let requests = vec![frames::message(0, head.encode_to_vec())];
         let reply = self.start(
+            id,
             AgentId(agent),
             connection,
             KUBERNETES_API_METHOD,
@@ -233,11 +241,12 @@ impl KasApi for PublicService {
             HttpResponse::decode(bytes)
                 .map_err(|e| Status::internal(format!("agent sent a malformed HTTP message: {e}")))
         });
-        Ok(Response::new(messages.boxed()))
+        Ok(Response::new(id.stream(messages)))
     }
 
-    async fn get_pod_logs(
+    async fn pod_logs(
         &self,
+        id: &CorrelationId,
         req: Request<GetPodLogsRequest>,
     ) -> Result<Response<LogChunks>, Status> {
         let (deadline, r) = self.routed(req, |r| r.agent_id)?;
@@ -254,6 +263,7 @@ impl KasApi for PublicService {
         }
         .encode_to_vec();
         let reply = self.call_agent(
+            id,
             AgentId(r.agent_id),
             r.connection_id.map(ConnectionId),
             PODS_LOGS,
@@ -264,31 +274,12 @@ impl KasApi for PublicService {
             .into_stream()
             .await?
             .and_then(|bytes| async move { log_chunk(bytes) });
-        Ok(Response::new(chunks.boxed()))
+        Ok(Response::new(id.stream(chunks)))
     }
 
-    async fn connected_agents_for_project(
+    async fn pods(
         &self,
-        req: Request<ConnectedAgentsForProjectRequest>,
-    ) -> Result<Response<ConnectedAgentsForProjectResponse>, Status> {
-        let project = ProjectId(req.into_inner().project_id);
-        let agents = self
-            .connections(self.keys.connections_by_project(project))
-            .await?;
-        Ok(Response::new(ConnectedAgentsForProjectResponse { agents }))
-    }
-
-    async fn connected_agents_by_id(
-        &self,
-        req: Request<ConnectedAgentsByIdRequest>,
-    ) -> Result<Response<ConnectedAgentsByIdResponse>, Status> {
-        let agent = AgentId(req.into_inner().agent_id);
-        let agents = self.connections(self.keys.agent(agent)).await?;
-        Ok(Response::new(ConnectedAgentsByIdResponse { agents }))
-    }
-
-    async fn get_pods(
-        &self,
+        id: &CorrelationId,
         req: Request<GetPodsRequest>,
     ) -> Result<Response<GetPodsResponse>, Status> {
         let (deadline, r) = self.routed(req, |r| r.agent_id)?;
@@ -298,6 +289,7 @@ impl KasApi for PublicService {
         .encode_to_vec();
         let answer = self
             .call_unary(
+                id,
                 AgentId(r.agent_id),
                 r.connection_id.map(ConnectionId),
                 PODS_LIST,
@@ -308,6 +300,60 @@ impl KasApi for PublicService {
         let list = ListResponse::decode(answer)
             .map_err(|e| Status::internal(format!("agent sent a malformed pod list: {e}")))?;
         Ok(Response::new(GetPodsResponse { pods: list.pods }))
+    }
+}
+
+/// Each call gets its correlation id (see [`correlation`](super::correlation)) in its
+/// answer or error.
+#[tonic::async_trait]
+impl KasApi for PublicService {
+    type GetPodLogsStream = LogChunks;
+    type MakeKubernetesRequestStream = HttpResponses;
+
+    async fn make_kubernetes_request(
+        &self,
+        req: Request<Streaming<HttpRequest>>,
+    ) -> Result<Response<HttpResponses>, Status> {
+        let id = CorrelationId::of(req.metadata());
+        id.answer(self.kubernetes_request(&id, req).await)
+    }
+
+    async fn get_pod_logs(
+        &self,
+        req: Request<GetPodLogsRequest>,
+    ) -> Result<Response<LogChunks>, Status> {
+        let id = CorrelationId::of(req.metadata());
+        id.answer(self.pod_logs(&id, req).await)
+    }
+
+    async fn get_pods(
+        &self,
+        req: Request<GetPodsRequest>,
+    ) -> Result<Response<GetPodsResponse>, Status> {
+        let id = CorrelationId::of(req.metadata());
+        id.answer(self.pods(&id, req).await)
+    }
+
+    async fn connected_agents_for_project(
+        &self,
+        req: Request<ConnectedAgentsForProjectRequest>,
+    ) -> Result<Response<ConnectedAgentsForProjectResponse>, Status> {
+        let id = CorrelationId::of(req.metadata());
+        let project = ProjectId(req.into_inner().project_id);
+        let agents = self
+            .connections(self.keys.connections_by_project(project))
+            .await;
+        id.answer(agents.map(|agents| Response::new(ConnectedAgentsForProjectResponse { agents })))
+    }
+
+    async fn connected_agents_by_id(
+        &self,
+        req: Request<ConnectedAgentsByIdRequest>,
+    ) -> Result<Response<ConnectedAgentsByIdResponse>, Status> {
+        let id = CorrelationId::of(req.metadata());
+        let agent = AgentId(req.into_inner().agent_id);
+        let agents = self.connections(self.keys.agent(agent)).await;
+        id.answer(agents.map(|agents| Response::new(ConnectedAgentsByIdResponse { agents })))
     }
 }
 

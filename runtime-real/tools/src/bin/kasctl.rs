@@ -4,6 +4,7 @@ use clap::{Parser, Subcommand};
 use kas_auth::jwt::Secret;
 use kas_client::api_client::ApiClient;
 use kas_proto::registry::ConnectedAgentInfo;
+use kas_server::kas::correlation::{self, CorrelationId};
 use std::io::Write;
 use std::path::PathBuf;
 use std::process::ExitCode;
@@ -110,14 +111,32 @@ fn main() -> ExitCode {
 
 async fn run(args: &Args) -> Result<(), String> {
     let secret = Secret::load(&args.secret_file).map_err(|e| format!("--secret-file: {e}"))?;
+    // One id for every call of this run, so that a failure, even one kas never answered,
+    // can be found in the logs of every kas it reached.
+    let correlation_id = CorrelationId::make();
     let client = ApiClient::connect_with_ca(
         &args.kas,
         args.ca_cert_file.as_deref(),
         &secret,
         args.timeout,
     )
-    .await?;
-    let explain = |s: Status| explain(&args.kas, s);
+    .await?
+    .with_correlation_id(correlation_id.as_str());
+    let explain = |s: Status| {
+        // The id kas answered with (kasctl's own), said once, at the end.
+        let id = s
+            .metadata()
+            .get(correlation::HEADER)
+            .and_then(|v| v.to_str().ok())
+            .unwrap_or(correlation_id.as_str())
+            .to_owned();
+        let said = format!(" (correlation id {id})");
+        let s = match s.message().strip_suffix(&said) {
+            Some(message) => Status::with_metadata(s.code(), message, s.metadata().clone()),
+            None => s,
+        };
+        format!("{}{said}", explain(&args.kas, s))
+    };
     match args.command {
         Cmd::Agents { project, agent } => {
             let agents = match (project, agent) {
