@@ -1098,8 +1098,15 @@ impl<C: Clone> KasNode<C> {
                 let Some(state) = self.calls.get(&request) else {
                     return;
                 };
+                // Busy, not absent: a kas refused it as busy, or this kas holds tunnels of
+                // the agent that stayed busy after the call's local patience ran out
+                // (swarm seed 4568: an agent with one tunnel here, saturated, was reported
+                // "not connected" by the kas it was connected to).
+                let busy_here = self
+                    .registry
+                    .has_tunnels(state.wanted.agent, state.wanted.connection);
                 let (outcome, error) = match error {
-                    RouteError::NotConnected { agent, .. } if state.found_busy => {
+                    RouteError::NotConnected { agent, .. } if state.found_busy || busy_here => {
                         (Outcome::DeadlineExceeded, CallError::TunnelsBusy { agent })
                     }
                     RouteError::NotConnected { .. } => {

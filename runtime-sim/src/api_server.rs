@@ -143,8 +143,8 @@ impl ApiServer {
         };
         if !right {
             self.truth.violation(format!(
-                "inv 14: agent {}'s API server got correlation id {id:?} for {marker}, the caller sent {expected}",
-                self.agent
+                "inv 14: agent {}'s API server got correlation id {id:?} for {marker}, the caller sent {expected} {names:?}",
+                self.agent, names = req.headers().keys().collect::<Vec<_>>()
             ));
         }
         self.truth.record(Delivery {

@@ -236,6 +236,59 @@ fn waiting_for_a_busy_tunnel_past_the_deadline_ends_the_call_as_busy() {
     assert_eq!(n.stats().calls, 1);
 }
 
+/// A call whose patience with this kas's busy tunnel ran out, and that the other kas the
+/// lookup named refused (the agent's other replica was cut off there), ends at its deadline
+/// as busy, not as "not connected": the agent is connected here (swarm seed 4568: a
+/// saturated one-tunnel agent was reported absent by the kas it was connected to).
+#[test]
+fn a_call_that_gave_up_on_a_busy_tunnel_here_ends_busy_not_absent() {
+    let other = KasId("10.0.0.2:8155".into());
+    let mut n = with_tunnel();
+    route(&mut n, 1, 10_000);
+    route(&mut n, 2, 3_000);
+    let channel = Keys::new("kas").tunnel_events(AGENT);
+    for input in [
+        NodeInput::PubSub(PubSubEvent::Up),
+        NodeInput::PubSub(PubSubEvent::Subscribed(channel)),
+    ] {
+        n.handle_input(Time(1), input).unwrap();
+    }
+    let mut ends = Vec::new();
+    let mut now = Time(1);
+    loop {
+        for out in outputs(&mut n) {
+            let input = match out {
+                NodeOutput::Lookup { .. } => NodeInput::LookupDone {
+                    agent: AGENT,
+                    kas: Some(vec![other.clone()]),
+                },
+                NodeOutput::Forward { request, .. } => NodeInput::Bounced(request),
+                NodeOutput::Ended { .. } => {
+                    ends.extend(ended(std::slice::from_ref(&out)));
+                    continue;
+                }
+                _ => continue,
+            };
+            n.handle_input(now, input).unwrap();
+        }
+        match n.poll_timeout().filter(|at| *at <= Time(3_000)) {
+            Some(at) => {
+                now = at;
+                n.handle_timeout(at);
+            }
+            None => break,
+        }
+    }
+    assert_eq!(
+        ends,
+        [(
+            RequestId(2),
+            Outcome::DeadlineExceeded,
+            Some(CallError::TunnelsBusy { agent: AGENT })
+        )]
+    );
+}
+
 #[test]
 fn a_deadline_while_in_a_tunnel_answers_the_caller_and_keeps_the_tunnel_claimed() {
     let mut n = with_tunnel();
