@@ -227,8 +227,13 @@ impl Interceptor for JwtCheck {
             .get("authorization")
             .and_then(|v| v.to_str().ok());
         self.verifier.check_bearer(header).map_err(|reason| {
-            tracing::info!(listener = self.listener, %reason, "call refused");
-            Status::unauthenticated(format!("{} listener: {reason}", self.listener))
+            // Refused before a handler runs: the id is given here.
+            let id = correlation::CorrelationId::of(req.metadata());
+            tracing::info!(listener = self.listener, %reason, correlation_id = %id, "call refused");
+            id.status(Status::unauthenticated(format!(
+                "{} listener: {reason}",
+                self.listener
+            )))
         })?;
         Ok(req)
     }
