@@ -26,6 +26,19 @@ use std::sync::Arc;
 use std::time::Duration;
 use tokio::time::Instant;
 
+/// GitLab's correlation id header.
+pub const CORRELATION: &str = "x-gitlab-correlation-id";
+
+/// The correlation id a caller sends with the request `marker`: kas must answer with it,
+/// end its refusals with it and carry it to the API server (inv 14).
+pub fn correlation_id(marker: &str) -> String {
+    format!("sim-{marker}")
+}
+
+/// The marker prefix of requests sent without a correlation id (the greedy caller's): kas
+/// makes one, a ULID.
+pub const NO_CORRELATION_ID: &str = "greedy-";
+
 /// One replica's API server.
 #[derive(Clone)]
 struct ApiServer {
@@ -131,13 +144,13 @@ impl ApiServer {
                 ));
             }
         }
-        let id = req.headers().get(crate::kube_caller::CORRELATION);
-        let expected = crate::kube_caller::correlation_id(&marker);
+        let id = req.headers().get(CORRELATION);
+        let expected = correlation_id(&marker);
         let carried = id.map(|v| v.as_bytes());
         // The greedy caller sends none: kas made one, a ULID.
         let made = |v: &[u8]| v.len() == 26 && v.iter().all(u8::is_ascii_alphanumeric);
         let right = match carried {
-            Some(v) if marker.starts_with(crate::greedy_caller::MARKER) => made(v),
+            Some(v) if marker.starts_with(NO_CORRELATION_ID) => made(v),
             Some(v) => v == expected.as_bytes(),
             None => false,
         };

@@ -88,15 +88,13 @@ async fn probe(kas: usize, marker: String) -> Call {
     }
 }
 
-/// How the greedy caller's watches are named; it sends no correlation id of its own.
-pub const MARKER: &str = "greedy-";
-
 /// Opens one endless watch; `None` once kas holds it back for a second or refuses it.
 async fn watch(kas: usize) -> Option<Held> {
     let io = kube_caller::dial(kas).await.ok()?;
     let (mut sender, conn) = hyper::client::conn::http1::handshake(io).await.ok()?;
     let req = http::Request::get(format!(
-        "/api/v1/namespaces/default/pods/{MARKER}{}?watch=1&timeout=1s",
+        "/api/v1/namespaces/default/pods/{}{}?watch=1&timeout=1s",
+        crate::api_server::NO_CORRELATION_ID,
         madsim::rand::random::<u64>()
     ))
     .header("host", "kas")

@@ -75,10 +75,10 @@ pub async fn exchange(
             .header("connection", "Upgrade")
             .header("upgrade", "SPDY/3.1"),
     };
-    let correlation_id = correlation_id(marker);
+    let correlation_id = crate::api_server::correlation_id(marker);
     let req = req
         .header("host", "kas")
-        .header(CORRELATION, &correlation_id)
+        .header(crate::api_server::CORRELATION, &correlation_id)
         .header("authorization", format!("Bearer pat:{agent}:{USER_TOKEN}"))
         .header("impersonate-user", CLAIMED)
         .header("impersonate-group", CLAIMED)
@@ -103,7 +103,10 @@ pub async fn exchange(
         .await
         .map_err(|e| unavailable("request", &e))?;
     let status = resp.status();
-    let answered_id = resp.headers().get(CORRELATION).map(|v| v.as_bytes());
+    let answered_id = resp
+        .headers()
+        .get(crate::api_server::CORRELATION)
+        .map(|v| v.as_bytes());
     if answered_id != Some(correlation_id.as_bytes()) {
         *mismatch = Some(format!(
             "inv 14: sent correlation id {correlation_id}, kas answered {answered_id:?}"
@@ -154,15 +157,6 @@ pub async fn exchange(
     }
     pod.ok_or_else(|| Status::internal("the response named no pod"))
 }
-
-/// The correlation id a caller sends with the request `marker`; kas must answer with it,
-/// end its refusals with it and carry it to the API server (inv 14, see `api_server`).
-pub fn correlation_id(marker: &str) -> String {
-    format!("sim-{marker}")
-}
-
-/// GitLab's correlation id header.
-pub const CORRELATION: &str = "x-gitlab-correlation-id";
 
 /// An exec session: sends `sent` 0-50 ms a piece apart, reads as many bytes back, closes.
 async fn exec(io: hyper::upgrade::Upgraded, sent: &[u8]) -> Result<Vec<u8>, Status> {

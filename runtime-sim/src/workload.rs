@@ -152,7 +152,7 @@ async fn exchange(
 ) -> Result<String, tonic::Status> {
     use kas_proto::http::{HttpRequest, RequestHead, http_request, http_response};
     // As GitLab sends its own; the API server must see it (inv 14, see `api_server`).
-    let api = api.with_correlation_id(crate::kube_caller::correlation_id(marker));
+    let api = api.with_correlation_id(crate::api_server::correlation_id(marker));
     let pieces: Vec<Vec<u8>> = (0..thread_rng().gen_range(1..=4))
         .map(|i| format!("{marker}/{i};").into_bytes())
         .collect();

@@ -45,6 +45,11 @@ impl CorrelationId {
             .map(String::as_str)
     }
 
+    /// The id a call's first frame carries, for its log lines: empty when none.
+    pub fn logged(start: &RequestStart) -> &str {
+        Self::of_start(start).unwrap_or_default()
+    }
+
     /// A new id, a ULID as GitLab's labkit makes them: 48 bits of milliseconds since the
     /// epoch and 80 random bits, in Crockford's base 32 (26 characters, sorting by time).
     pub fn make() -> CorrelationId {

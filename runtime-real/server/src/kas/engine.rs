@@ -331,7 +331,7 @@ impl Engine {
                 call,
                 waited,
             } => {
-                let correlation_id = correlation_id(&call);
+                let correlation_id = CorrelationId::logged(&call.start).to_owned();
                 let order = Box::new(TunnelOrder { request, call });
                 let sent = self
                     .tunnels
@@ -374,7 +374,7 @@ impl Engine {
                     task.abort();
                 }
                 if let Some(error) = error {
-                    tracing::debug!(%request, correlation_id = correlation_id(&call), %error, "call ended by kas");
+                    tracing::debug!(%request, correlation_id = CorrelationId::logged(&call.start), %error, "call ended by kas");
                     let _ = call.responses.try_send(answer(request, origin, &error));
                 }
                 match origin {
@@ -424,11 +424,4 @@ fn answer(
         Origin::Public => Err(status),
         Origin::Private => Ok(frames::error(request.0, &status)),
     }
-}
-
-/// The call's correlation id for its log lines (empty for a call from a kas that sent none).
-pub fn correlation_id(call: &Call) -> String {
-    CorrelationId::of_start(&call.start)
-        .unwrap_or_default()
-        .to_owned()
 }

@@ -58,7 +58,7 @@ impl Forwarder {
             .checked_sub(waited)
             .unwrap_or_else(tokio::time::Instant::now);
         async move {
-            let correlation_id = super::engine::correlation_id(&call);
+            let correlation_id = super::correlation::CorrelationId::logged(&call.start).to_owned();
             match this.forward(&kas, request, call, started, &engine).await {
                 Forwarded::Done => engine.input(NodeInput::CallDone(request)),
                 Forwarded::Refused(why) => {
