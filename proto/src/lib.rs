@@ -23,6 +23,10 @@ pub mod codec;
 /// The envelope that carries a routed call on every hop.
 pub mod frame {
     package!("kas.frame");
+
+    /// The `RequestStart.metadata` key (and the caller's header) that carries a call's
+    /// correlation id on every hop, GitLab's name for it.
+    pub const CORRELATION_ID: &str = "x-gitlab-correlation-id";
 }
 
 /// Records kept in the registry store (Redis).

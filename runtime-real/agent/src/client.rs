@@ -8,7 +8,7 @@ use kas_core::frame_sequence::{Direction, FrameSequence, StreamKind};
 use kas_core::tunnel_pool::{PoolInput, Slot};
 use kas_proto::agent_api::agent_api_client::AgentApiClient;
 use kas_proto::agent_api::{ConfigurationRequest, ConfigurationResponse};
-use kas_proto::frame::{Descriptor, Frame, frame::Kind};
+use kas_proto::frame::{CORRELATION_ID, Descriptor, Frame, frame::Kind};
 use kas_proto::registry::AgentMeta;
 use kas_transport::channel_ends::reserve;
 use kas_transport::frames;
@@ -18,6 +18,7 @@ use tokio::sync::{mpsc, oneshot};
 use tokio_stream::wrappers::ReceiverStream;
 use tonic::transport::Channel;
 use tonic::{Request, Status, Streaming};
+use tracing::Instrument;
 
 /// A client of one kas's agent listener, authenticated with the agent token.
 #[derive(Clone)]
@@ -260,7 +261,14 @@ impl Tunnel {
             // Anything else is a late request frame of the call that just ended: dropped.
             if let Some(Kind::RequestStart(s)) = frame.kind {
                 self.report(PoolInput::Claimed);
-                if !self.call(s.request_id, &s.method).await? {
+                // The call's lines carry the id kas gave it (see kas's `correlation`).
+                let correlation_id = s
+                    .metadata
+                    .get(CORRELATION_ID)
+                    .and_then(|v| v.values.first())
+                    .map_or("", String::as_str);
+                let span = tracing::debug_span!("call", request = s.request_id, method = %s.method, correlation_id);
+                if !self.call(s.request_id, &s.method).instrument(span).await? {
                     return Ok(());
                 }
                 self.unanswered = 0;
@@ -306,7 +314,10 @@ impl Tunnel {
                 next = answer.next(), if to_kas.is_none() => {
                     let (frame, last) = match next {
                         Some(Ok(bytes)) => (frames::message(id, bytes), false),
-                        Some(Err(status)) => (frames::trailer(id, &status), true),
+                        Some(Err(status)) => {
+                            tracing::debug!(code = ?status.code(), error = %status.message(), "call answered with an error");
+                            (frames::trailer(id, &status), true)
+                        }
                         None => (frames::trailer(id, &Status::ok("")), true),
                     };
                     self.sequence

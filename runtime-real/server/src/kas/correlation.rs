@@ -11,7 +11,7 @@ use tonic::metadata::{MetadataMap, MetadataValue};
 use tonic::{Response, Status};
 
 /// The header (and gRPC metadata key) that carries the id, GitLab's name for it.
-pub const HEADER: &str = "x-gitlab-correlation-id";
+pub const HEADER: &str = kas_proto::frame::CORRELATION_ID;
 
 /// The longest id taken from a caller; a longer one is replaced (it would be in every
 /// log line and error about the call).
