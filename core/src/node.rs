@@ -1102,11 +1102,13 @@ impl<C: Clone> KasNode<C> {
                 // the agent that stayed busy after the call's local patience ran out
                 // (swarm seed 4568: an agent with one tunnel here, saturated, was reported
                 // "not connected" by the kas it was connected to).
-                let busy_here = self
-                    .registry
-                    .has_tunnels(state.wanted.agent, state.wanted.connection);
+                let Wanted {
+                    agent, connection, ..
+                } = state.wanted;
                 let (outcome, error) = match error {
-                    RouteError::NotConnected { agent, .. } if state.found_busy || busy_here => {
+                    RouteError::NotConnected { .. }
+                        if state.found_busy || self.registry.has_tunnels(agent, connection) =>
+                    {
                         (Outcome::DeadlineExceeded, CallError::TunnelsBusy { agent })
                     }
                     RouteError::NotConnected { .. } => {

@@ -27,6 +27,17 @@ pub mod frame {
     /// The `RequestStart.metadata` key (and the caller's header) that carries a call's
     /// correlation id on every hop, GitLab's name for it.
     pub const CORRELATION_ID: &str = "x-gitlab-correlation-id";
+
+    impl RequestStart {
+        /// The call's correlation id, for its log lines: empty when it carries none (a
+        /// call from a kas that sent none).
+        pub fn correlation_id(&self) -> &str {
+            self.metadata
+                .get(CORRELATION_ID)
+                .and_then(|v| v.values.first())
+                .map_or("", String::as_str)
+        }
+    }
 }
 
 /// Records kept in the registry store (Redis).

@@ -27,7 +27,7 @@ use std::time::Duration;
 use tokio::time::Instant;
 
 /// GitLab's correlation id header.
-pub const CORRELATION: &str = "x-gitlab-correlation-id";
+pub const CORRELATION: &str = kas_proto::frame::CORRELATION_ID;
 
 /// The correlation id a caller sends with the request `marker`: kas must answer with it,
 /// end its refusals with it and carry it to the API server (inv 14).

@@ -8,7 +8,7 @@ use kas_core::frame_sequence::{Direction, FrameSequence, StreamKind};
 use kas_core::tunnel_pool::{PoolInput, Slot};
 use kas_proto::agent_api::agent_api_client::AgentApiClient;
 use kas_proto::agent_api::{ConfigurationRequest, ConfigurationResponse};
-use kas_proto::frame::{CORRELATION_ID, Descriptor, Frame, frame::Kind};
+use kas_proto::frame::{Descriptor, Frame, frame::Kind};
 use kas_proto::registry::AgentMeta;
 use kas_transport::channel_ends::reserve;
 use kas_transport::frames;
@@ -262,12 +262,7 @@ impl Tunnel {
             if let Some(Kind::RequestStart(s)) = frame.kind {
                 self.report(PoolInput::Claimed);
                 // The call's lines carry the id kas gave it (see kas's `correlation`).
-                let correlation_id = s
-                    .metadata
-                    .get(CORRELATION_ID)
-                    .and_then(|v| v.values.first())
-                    .map_or("", String::as_str);
-                let span = tracing::debug_span!("call", request = s.request_id, method = %s.method, correlation_id);
+                let span = tracing::debug_span!("call", request = s.request_id, method = %s.method, correlation_id = s.correlation_id());
                 if !self.call(s.request_id, &s.method).instrument(span).await? {
                     return Ok(());
                 }

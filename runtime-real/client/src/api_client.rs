@@ -106,7 +106,7 @@ impl ApiClient {
             r.metadata_mut().insert("authorization", v);
         }
         if let Some(v) = self.correlation_id.as_ref().and_then(|id| id.parse().ok()) {
-            r.metadata_mut().insert("x-gitlab-correlation-id", v);
+            r.metadata_mut().insert(kas_proto::frame::CORRELATION_ID, v);
         }
         r
     }

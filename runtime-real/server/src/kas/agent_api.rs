@@ -16,7 +16,7 @@ use kas_proto::agent_api::agent_api_server::AgentApi;
 use kas_proto::agent_api::{ConfigurationRequest, ConfigurationResponse};
 use kas_proto::frame::{Frame, frame::Kind};
 use kas_proto::registry::{
-    AgentMeta, ConnectedAgentInfo, KUBERNETES_VERSION_FIELD_MAX, KasAddress,
+    AgentMeta, ConnectedAgentInfo, KUBERNETES_VERSION_FIELD_MAX, KasAddress, KubernetesVersion,
 };
 use sha2::{Digest, Sha256};
 use std::net::SocketAddr;
@@ -410,7 +410,8 @@ const META_LIMITS: [(&str, usize); 9] = [
 
 /// Refuses agent metadata with a field over its limit, naming the field.
 fn check_meta(meta: &AgentMeta) -> Result<(), Status> {
-    let k8s = meta.kubernetes_version.clone().unwrap_or_default();
+    let none = KubernetesVersion::default();
+    let k8s = meta.kubernetes_version.as_ref().unwrap_or(&none);
     let values = [
         &meta.version,
         &meta.commit,

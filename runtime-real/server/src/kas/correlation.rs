@@ -4,7 +4,7 @@
 //! to the serving kas and the agent in the call's metadata, and logs it with the call.
 
 use futures::{Stream, StreamExt};
-use kas_proto::frame::{RequestStart, Values};
+use kas_proto::frame::Values;
 use std::fmt;
 use std::time::{SystemTime, UNIX_EPOCH};
 use tonic::metadata::{MetadataMap, MetadataValue};
@@ -34,20 +34,6 @@ impl CorrelationId {
     /// The id in gRPC metadata, or a new one.
     pub fn of(metadata: &MetadataMap) -> CorrelationId {
         Self::from_caller(metadata.get(HEADER).and_then(|v| v.to_str().ok()))
-    }
-
-    /// The id a call's first frame carries, if any (a call from an older kas has none).
-    pub fn of_start(start: &RequestStart) -> Option<&str> {
-        start
-            .metadata
-            .get(HEADER)
-            .and_then(|v| v.values.first())
-            .map(String::as_str)
-    }
-
-    /// The id a call's first frame carries, for its log lines: empty when none.
-    pub fn logged(start: &RequestStart) -> &str {
-        Self::of_start(start).unwrap_or_default()
     }
 
     /// A new id, a ULID as GitLab's labkit makes them: 48 bits of milliseconds since the
@@ -170,6 +156,8 @@ mod tests {
         );
     }
 
+    use kas_proto::frame::RequestStart;
+
     #[test]
     fn an_error_ends_with_the_id_and_carries_it() {
         let id = CorrelationId::from_caller(Some("abc"));
@@ -181,6 +169,6 @@ mod tests {
             metadata: id.metadata().into(),
             ..Default::default()
         };
-        assert_eq!(CorrelationId::of_start(&start), Some("abc"));
+        assert_eq!(start.correlation_id(), "abc");
     }
 }

@@ -11,7 +11,6 @@
 //! a flood of calls can delay calls, never deadlines or wake-ups.
 
 use super::call::Call;
-use super::correlation::CorrelationId;
 use super::forward::Forwarder;
 use super::handle::{CALL_QUEUE, Command, EngineHandle, Orders, TunnelOrder};
 use super::metrics::Metrics;
@@ -331,7 +330,7 @@ impl Engine {
                 call,
                 waited,
             } => {
-                let correlation_id = CorrelationId::logged(&call.start).to_owned();
+                let start = call.start.clone();
                 let order = Box::new(TunnelOrder { request, call });
                 let sent = self
                     .tunnels
@@ -339,7 +338,7 @@ impl Engine {
                     .is_some_and(|orders| orders.try_send(order).is_ok());
                 if sent {
                     self.metrics.routing_latency.observe(waited.as_secs_f64());
-                    tracing::debug!(%request, %tunnel, correlation_id, "call handed to a tunnel");
+                    tracing::debug!(%request, %tunnel, correlation_id = start.correlation_id(), "call handed to a tunnel");
                 } else {
                     self.input(NodeInput::DeliveryFailed { request, tunnel });
                 }
@@ -374,7 +373,7 @@ impl Engine {
                     task.abort();
                 }
                 if let Some(error) = error {
-                    tracing::debug!(%request, correlation_id = CorrelationId::logged(&call.start), %error, "call ended by kas");
+                    tracing::debug!(%request, correlation_id = call.start.correlation_id(), %error, "call ended by kas");
                     let _ = call.responses.try_send(answer(request, origin, &error));
                 }
                 match origin {

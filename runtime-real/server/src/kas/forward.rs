@@ -58,15 +58,15 @@ impl Forwarder {
             .checked_sub(waited)
             .unwrap_or_else(tokio::time::Instant::now);
         async move {
-            let correlation_id = super::correlation::CorrelationId::logged(&call.start).to_owned();
+            let start = call.start.clone();
             match this.forward(&kas, request, call, started, &engine).await {
                 Forwarded::Done => engine.input(NodeInput::CallDone(request)),
                 Forwarded::Refused(why) => {
-                    tracing::debug!(%kas, %request, correlation_id, %why, "forward refused");
+                    tracing::debug!(%kas, %request, correlation_id = start.correlation_id(), %why, "forward refused");
                     engine.input(NodeInput::Bounced(request));
                 }
                 Forwarded::Busy(why) => {
-                    tracing::debug!(%kas, %request, correlation_id, %why, "forward refused: tunnels busy");
+                    tracing::debug!(%kas, %request, correlation_id = start.correlation_id(), %why, "forward refused: tunnels busy");
                     engine.input(NodeInput::BouncedBusy(request));
                 }
             }
