@@ -620,7 +620,10 @@ mod tests {
     }
 
     fn delivered(id: u64) -> Frame {
-        fr(Kind::Delivered(f::Delivered { request_id: id }))
+        fr(Kind::Delivered(f::Delivered {
+            request_id: id,
+            connection_id: None,
+        }))
     }
 
     #[test]

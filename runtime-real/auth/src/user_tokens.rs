@@ -172,6 +172,8 @@ pub fn impersonation(access: AccessAs, caller: &Caller, agent: AgentId) -> Optio
 pub struct Grant {
     /// Whom the agent acts as; `None`: as itself.
     pub impersonation: Option<Impersonation>,
+    /// Whose token it is (for the audit log).
+    pub caller: Caller,
 }
 
 #[derive(Deserialize)]
@@ -274,6 +276,7 @@ impl StaticUserTokens {
         }
         Ok(Grant {
             impersonation: impersonation(known.access_as, &known.caller, credential.agent),
+            caller: known.caller.clone(),
         })
     }
 }

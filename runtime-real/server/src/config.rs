@@ -147,6 +147,38 @@ pub struct KubernetesApi {
     /// `streaming-connection-idle-timeout`).
     #[serde(with = "humantime_serde")]
     pub streaming_idle_timeout: Duration,
+    /// The audit log: one JSON line per request this kas received (off when unset).
+    pub audit: Option<Audit>,
+}
+
+/// `agent.kubernetes_api.audit:`
+#[derive(Clone, Debug, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct Audit {
+    /// The file the lines are appended to, or `stdout` (`./stdout` for a file so named).
+    pub path: PathBuf,
+    /// The size, in bytes, past which the file is rotated: renamed to `PATH.1` (the older
+    /// ones shifting to `PATH.2` and on) and a new one started.
+    #[serde(default = "default_audit_max_size")]
+    pub max_size: u64,
+    /// How many rotated files are kept; the oldest beyond it is deleted.
+    #[serde(default = "default_audit_max_files")]
+    pub max_files: usize,
+}
+
+fn default_audit_max_size() -> u64 {
+    100 << 20
+}
+
+fn default_audit_max_files() -> usize {
+    5
+}
+
+impl Audit {
+    /// True when the lines go to standard output.
+    pub fn to_stdout(&self) -> bool {
+        self.path.as_os_str() == "stdout"
+    }
 }
 
 impl Default for KubernetesApi {
@@ -162,6 +194,7 @@ impl Default for KubernetesApi {
             max_requests_per_token: 500,
             max_requests_per_token_per_agent: 32,
             streaming_idle_timeout: Duration::from_secs(15 * 60),
+            audit: None,
         }
     }
 }
@@ -828,6 +861,17 @@ impl Config {
                 p.push(
                     "agent.kubernetes_api.max_requests_per_token must be greater than zero".into(),
                 );
+            }
+            if let Some(a) = &k.audit {
+                if a.max_size < 4096 {
+                    p.push(format!(
+                        "agent.kubernetes_api.audit.max_size {} is below 4096 bytes",
+                        a.max_size
+                    ));
+                }
+                if a.path.as_os_str().is_empty() {
+                    p.push("agent.kubernetes_api.audit.path is empty".into());
+                }
             }
             match &k.tokens_file {
                 Some(f) => {

@@ -301,6 +301,8 @@ struct Shared<'a> {
     config: &'a Config,
     engine: &'a handle::EngineHandle,
     metrics: &'a metrics::Metrics,
+    /// This kas.
+    kas_id: &'a KasId,
     /// The kas's stop.
     stop: Stop,
 }
@@ -347,8 +349,7 @@ impl Shared<'_> {
         let closing = || self.stop.reaches(Phase::Closing);
         let api_server = serve(public, api_l, api_listening, closing());
         let private_server = serve(private, private_l, private_listening, closing());
-        let kube_server =
-            kubernetes_api_server(config, kube_l, self.engine, self.metrics, closing())?;
+        let kube_server = kubernetes_api_server(self, kube_l, closing())?;
         Ok(tokio::spawn(async move {
             let (a, p, ()) = tokio::join!(api_server, private_server, kube_server);
             for r in [a, p] {
@@ -652,6 +653,7 @@ impl Kas {
             config: &config,
             engine: &engine,
             metrics: &metrics,
+            kas_id: &kas_id,
             stop: stop.clone(),
         };
         let public = shared.public_router(store, keys, &gitlab_secret);
@@ -761,12 +763,17 @@ impl Kas {
 /// The Kubernetes API listener's server, when `agent.kubernetes_api` is set; it stops
 /// with the other call listeners.
 fn kubernetes_api_server(
-    config: &Config,
+    shared: &Shared<'_>,
     listener: Option<TcpListener>,
-    engine: &handle::EngineHandle,
-    metrics: &metrics::Metrics,
     signal: impl Future<Output = ()> + Send + 'static,
 ) -> Result<impl Future<Output = ()> + Send + 'static, StartError> {
+    let Shared {
+        config,
+        engine,
+        metrics,
+        kas_id,
+        ..
+    } = *shared;
     let setup = match (&config.agent.kubernetes_api, listener) {
         (Some(k), Some(listener)) => {
             let tokens = match &k.tokens_file {
@@ -786,6 +793,12 @@ fn kubernetes_api_server(
                     kubernetes_api::UserTokens::GitLab(access.cached(cache_policy(&config.agent)))
                 }
             };
+            let audit = k
+                .audit
+                .as_ref()
+                .map(|a| kubernetes_api::AuditLog::open(a, metrics.clone()))
+                .transpose()
+                .map_err(StartError::Setup)?;
             let mut prefix = k.url_path_prefix.clone();
             if !prefix.ends_with('/') {
                 prefix.push('/');
@@ -801,18 +814,24 @@ fn kubernetes_api_server(
                     metrics.clone(),
                 ),
                 streaming_idle_timeout: k.streaming_idle_timeout,
+                kas: kas_id.clone(),
+                audit: audit.clone(),
+                metrics: metrics.clone(),
             };
             let what = "agent.kubernetes_api";
             let tls = tls_config(&k.listen, what, ALPN_GRPC_OR_HTTP1)?;
-            Some((listener, service, tls, k.listen.clone()))
+            Some((listener, service, tls, k.listen.clone(), audit))
         }
         _ => None,
     };
     let metrics = metrics.clone();
     Ok(async move {
         match setup {
-            Some((listener, service, tls, listen)) => {
-                kubernetes_api::serve(listener, service, tls, &listen, metrics, signal).await
+            Some((listener, service, tls, listen, audit)) => {
+                kubernetes_api::serve(listener, service, tls, &listen, metrics, signal).await;
+                if let Some(audit) = audit {
+                    audit.close().await;
+                }
             }
             None => signal.await,
         }

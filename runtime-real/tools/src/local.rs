@@ -90,6 +90,13 @@ struct KasFiles<'a> {
     user_tokens: &'a Path,
     gitlab: &'a Path,
     kas: &'a Path,
+    /// Where kas `i`'s audit log goes: `kas<i>-audit.jsonl` in it.
+    dir: &'a Path,
+}
+
+/// Kas `i`'s Kubernetes API audit log in the deployment's directory `dir`.
+pub fn audit_log(dir: &Path, i: usize) -> PathBuf {
+    dir.join(format!("kas{i}-audit.jsonl"))
 }
 
 /// The certificate every TLS listener serves: the Kubernetes API listener always, the
@@ -142,6 +149,7 @@ async fn start_kas(
             .path("agent.tokens_file", files.tokens)
             .set("agent.kubernetes_api.listen.address", "127.0.0.1:0")
             .path("agent.kubernetes_api.tokens_file", files.user_tokens)
+            .path("agent.kubernetes_api.audit.path", &audit_log(files.dir, i))
             .set(
                 "agent.kubernetes_api.routing_timeout",
                 format!("{KUBE_ROUTING_TIMEOUT_SECS}s"),
@@ -295,6 +303,7 @@ impl LocalDeployment {
                 user_tokens: &user_tokens_file,
                 gitlab: &gitlab_file,
                 kas: &kas_file,
+                dir,
             },
             &ListenTls {
                 cert: &cert,
@@ -541,7 +550,12 @@ impl LocalDeployment {
         let kubeconfig = self.kubeconfig();
         let _ = writeln!(
             s,
-            "\nkubectl through kas (a context per agent and kas: agent<N>-kas<I>):"
+            "\nkubectl through kas (a context per agent and kas: agent<N>-kas<I>); each kas \
+             writes one JSON line per request to its audit log, {}:",
+            audit_log(&self.dir, 0)
+                .display()
+                .to_string()
+                .replace("kas0-", "kas<I>-")
         );
         let _ = writeln!(s, "  export KUBECONFIG={}", kubeconfig.display());
         let last = n - 1;

@@ -953,3 +953,188 @@ async fn requests_that_end_normally_are_delivered_not_cancelled() {
     assert_eq!(routed("cancelled"), 0.0, "{counted} counted: {lines:?}");
     d.stop().await;
 }
+
+/// The lines of kas `i`'s audit log in the deployment's directory, each JSON.
+fn audit_lines(path: &Path) -> Vec<Value> {
+    std::fs::read_to_string(path)
+        .unwrap_or_default()
+        .lines()
+        .map(|l| serde_json::from_str(l).unwrap_or_else(|e| panic!("a broken line {l:?}: {e}")))
+        .collect()
+}
+
+/// Waits (10 s at most) for a line of the audit log at `path` that `wanted` picks: kas
+/// writes a request's line once the request is over.
+async fn audit_line(path: &Path, wanted: impl Fn(&Value) -> bool) -> Value {
+    support::eventually(Duration::from_secs(10), "the audit line", || async {
+        audit_lines(path).into_iter().find(|l| wanted(l))
+    })
+    .await
+}
+
+/// The kas a request reached writes its audit line: `kubectl exec` through a remote kas
+/// names the routing and the serving kas, the agent's replica, the caller and the verb; a
+/// request for an agent that never connects names its refusal under the correlation id
+/// its caller sees.
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn the_kas_a_request_reached_audits_it_with_its_route_and_caller() {
+    let (d, dir) = deployment().await;
+    let cache = dir.path();
+    let args = ["exec", "-n", "default", "web-1", "--", "echo", "audited"];
+    assert_eq!(ok(&d, cache, "agent1-kas2", &args).await, "audited\n");
+    let kas = |i: usize| Value::from(d.kas()[i].addresses.private_api.to_string());
+    let log = |i: usize| kas_tools::local::audit_log(dir.path(), i);
+    let exec = audit_line(&log(2), |l| l["verb"] == "exec").await;
+    assert_eq!(exec["routing_kas"], kas(2), "{exec}");
+    assert_eq!(exec["serving_kas"], kas(0), "{exec}");
+    assert!(exec["agent_connection_id"].as_i64().is_some(), "{exec}");
+    assert_eq!(exec["agent_id"], 1, "{exec}");
+    assert_eq!(exec["caller"]["kind"], "pat", "{exec}");
+    assert_eq!(exec["caller"]["username"], "local", "{exec}");
+    assert_eq!(exec["status"], 101, "{exec}");
+    assert!(exec["response_bytes"].as_u64() > Some(0), "{exec}");
+    assert_eq!(exec["correlation_id"].as_str().map(str::len), Some(26));
+    assert!(
+        exec["path"]
+            .as_str()
+            .is_some_and(|p| p.starts_with("/api/v1/namespaces/default/pods/web-1/exec?")),
+        "{exec}"
+    );
+    assert!(
+        exec["refusal"].is_null() && exec["error"].is_null(),
+        "{exec}"
+    );
+    // kas0, which served it, wrote no line of it.
+    assert!(!audit_lines(&log(0)).iter().any(|l| l["verb"] == "exec"));
+
+    let url = d.kubernetes_api_url(1).expect("a Kubernetes API listener");
+    let secret = d.user_bearer(1).rsplit(':').next().unwrap().to_string();
+    let resp = https_client(&d)
+        .get(format!("{url}/api/v1/pods?timeout=1s"))
+        .bearer_auth(format!("pat:3:{secret}"))
+        .send()
+        .await
+        .expect("kas answers");
+    assert_eq!(resp.status().as_u16(), 503);
+    let id = resp.headers()["x-gitlab-correlation-id"].clone();
+    let id = id.to_str().unwrap();
+    let refused = audit_line(&log(1), |l| l["correlation_id"] == id).await;
+    assert_eq!(refused["status"], 503, "{refused}");
+    assert_eq!(refused["verb"], "list", "{refused}");
+    assert!(refused["serving_kas"].is_null(), "{refused}");
+    assert!(
+        refused["refusal"]
+            .as_str()
+            .is_some_and(|r| r.contains("agent 3 is not connected")),
+        "{refused}"
+    );
+    let all = std::fs::read_to_string(log(1)).unwrap() + &std::fs::read_to_string(log(2)).unwrap();
+    assert!(!all.contains(&secret), "a caller's token in the audit log");
+    d.stop().await;
+}
+
+/// A small tmpfs mounted for the test, unmounted when dropped.
+struct SmallDisk(std::path::PathBuf);
+
+impl SmallDisk {
+    fn mount(at: &Path) -> SmallDisk {
+        std::fs::create_dir_all(at).unwrap();
+        let out = std::process::Command::new("mount")
+            .args(["-t", "tmpfs", "-o", "size=256k", "tmpfs"])
+            .arg(at)
+            .output()
+            .expect("mount runs");
+        assert!(
+            out.status.success(),
+            "mounting a 256 KiB tmpfs (the test needs root): {}",
+            String::from_utf8_lossy(&out.stderr)
+        );
+        SmallDisk(at.to_path_buf())
+    }
+
+    /// Fills the disk to its last byte with `filler`.
+    fn fill(&self) -> std::path::PathBuf {
+        use std::io::Write;
+        let filler = self.0.join("filler");
+        let mut f = std::fs::File::create(&filler).unwrap();
+        let block = [0u8; 4096];
+        while f.write_all(&block).is_ok() {}
+        let byte = [0u8; 1];
+        while f.write_all(&byte).is_ok() {}
+        filler
+    }
+}
+
+impl Drop for SmallDisk {
+    fn drop(&mut self) {
+        let _ = std::process::Command::new("umount")
+            .arg("-l")
+            .arg(&self.0)
+            .status();
+    }
+}
+
+/// A full disk under the audit log: the record that could not be written waits, kas
+/// answers new requests 503 naming `agent.kubernetes_api.audit` (counted), and once there
+/// is room again it writes every waiting record, whole, and takes requests again by itself.
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn a_full_disk_under_the_audit_log_refuses_requests_until_there_is_room() {
+    let secrets = support::Secrets::new();
+    let dir = tempfile::tempdir().unwrap();
+    let disk = SmallDisk::mount(&dir.path().join("disk"));
+    let path = disk.0.join("audit.jsonl");
+    let lines = format!("    audit:\n      path: {}\n", path.display());
+    let kas =
+        support::KasProc::with_kubernetes_api(&secrets, &["audit-user-token-01"], "", &lines).await;
+    let url = format!(
+        "http://{}/api/v1/pods",
+        kas.kubernetes_api.expect("a Kubernetes API listener")
+    );
+    // No token: refused at once, and recorded.
+    let get = || async { http_client().get(&url).send().await.expect("kas answers") };
+    let mut answered = 0;
+    assert_eq!(get().await.status(), 401);
+    answered += 1;
+    audit_line(&path, |l| l["status"] == 401).await;
+
+    let filler = disk.fill();
+    // The records of the requests that reach kas before its write fails wait; then 503.
+    let until = std::time::Instant::now() + Duration::from_secs(10);
+    let refused = loop {
+        let resp = get().await;
+        if resp.status() != 401 {
+            break resp;
+        }
+        answered += 1;
+        assert!(std::time::Instant::now() < until, "no 503 within 10 s");
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    };
+    assert_eq!(refused.status(), 503);
+    let status: Value = refused.json().await.expect("a Status");
+    let message = status["message"].as_str().unwrap_or_default();
+    assert!(
+        message.contains("agent.kubernetes_api.audit") && message.contains("No space left"),
+        "{status}"
+    );
+    kas.await_metric("kas_audit_unwritable 1").await;
+    assert!(kas.log_text().contains("the audit log cannot be written"));
+
+    std::fs::remove_file(filler).unwrap();
+    support::eventually(Duration::from_secs(10), "requests taken again", || async {
+        (get().await.status() == 401).then_some(())
+    })
+    .await;
+    answered += 1;
+    kas.await_metric("kas_audit_unwritable 0").await;
+    let metrics = kas.metrics().await;
+    assert!(
+        !metrics.contains("kas_audit_refusals_total 0"),
+        "refusals counted: {metrics}"
+    );
+    // Every request answered has its line, whole: none lost to the full disk.
+    support::eventually(Duration::from_secs(10), "every record", || async {
+        (audit_lines(&path).len() == answered).then_some(())
+    })
+    .await;
+    drop(disk);
+}

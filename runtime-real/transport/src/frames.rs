@@ -60,8 +60,11 @@ pub fn error(request_id: u64, status: &tonic::Status) -> Frame {
 }
 
 /// The serving kas's word that a streaming call was handed to a tunnel.
-pub fn delivered(request_id: u64) -> Frame {
-    frame(Kind::Delivered(f::Delivered { request_id }))
+pub fn delivered(request_id: u64, connection_id: i64) -> Frame {
+    frame(Kind::Delivered(f::Delivered {
+        request_id,
+        connection_id: Some(connection_id),
+    }))
 }
 
 /// A heartbeat.

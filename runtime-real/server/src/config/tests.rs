@@ -276,10 +276,20 @@ fn the_kubernetes_api_listener_is_off_unless_set_and_its_keys_are_checked() {
     assert_eq!(k.listen.address.to_string(), "0.0.0.0:8154");
     assert_eq!(k.url_path_prefix, "/");
     assert_eq!(k.routing_timeout, Duration::from_secs(20));
+    assert!(k.audit.is_none(), "the audit log is off unless set");
+    let c = Config::parse(
+        &with(&format!("{{tokens_file: {d}/u, audit: {{path: stdout}}}}")),
+        "t.yaml",
+    )
+    .unwrap();
+    let audit = c.agent.kubernetes_api.and_then(|k| k.audit).expect("set");
+    assert!(audit.to_stdout());
+    assert_eq!((audit.max_size, audit.max_files), (100 << 20, 5));
     let p = problems(&with(&format!(
-        "{{tokens_file: {d}/missing, url_path_prefix: k8s, routing_timeout: 0s, listen: {{address: '127.0.0.1:8153'}}}}"
+        "{{tokens_file: {d}/missing, url_path_prefix: k8s, routing_timeout: 0s, listen: {{address: '127.0.0.1:8153'}}, audit: {{path: {d}/a, max_size: 10}}}}"
     )));
     for says in [
+        "agent.kubernetes_api.audit.max_size 10 is below 4096 bytes",
         "agent.kubernetes_api.tokens_file: cannot read",
         "agent.kubernetes_api.url_path_prefix \"k8s\" must start with /",
         "agent.kubernetes_api.routing_timeout must be greater than zero",

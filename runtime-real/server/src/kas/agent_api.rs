@@ -227,6 +227,7 @@ impl AgentApi for AgentService {
         let (outbound, frames) = tunnel::outbound(16);
         let task = Tunnel {
             id: tunnel,
+            connection,
             inbound,
             outbound,
             orders,

@@ -1,10 +1,10 @@
 //! A routed call as the kas runtime carries it between its tasks.
 
 use kas_core::node::Wanted;
-use kas_core::{AgentId, ConnectionId, Holder, Time};
+use kas_core::{AgentId, ConnectionId, Holder, KasId, Time};
 use kas_proto::frame::{Frame, RequestStart, frame::Kind};
 use kas_transport::frames;
-use std::sync::{Arc, Mutex};
+use std::sync::{Arc, Mutex, OnceLock};
 use tokio::sync::mpsc;
 use tonic::Status;
 
@@ -58,6 +58,41 @@ pub struct Call {
     pub rest: Option<Rest>,
     /// Where the answer goes.
     pub responses: Responses,
+    /// Where a streaming call was delivered, when its caller asked to know.
+    pub delivered_to: DeliveredTo,
+}
+
+/// Where a streaming call was delivered, for whoever routed it here to record (the
+/// Kubernetes API's audit log): set once, by the tunnel or forward that delivered it.
+#[derive(Clone, Debug, Default)]
+pub struct DeliveredTo(Option<Arc<OnceLock<Delivery>>>);
+
+/// The kas and the agent replica that took a call.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct Delivery {
+    /// The kas holding the tunnel; `None`: this one.
+    pub kas: Option<KasId>,
+    /// The replica whose tunnel took it, when the serving kas said.
+    pub connection: Option<ConnectionId>,
+}
+
+impl DeliveredTo {
+    /// One that keeps what it is told.
+    pub fn watched() -> Self {
+        DeliveredTo(Some(Arc::default()))
+    }
+
+    /// Records where the call went (the first word stands: a call is delivered once).
+    pub fn set(&self, delivery: Delivery) {
+        if let Some(cell) = &self.0 {
+            let _ = cell.set(delivery);
+        }
+    }
+
+    /// Where the call went, once it did.
+    pub fn get(&self) -> Option<&Delivery> {
+        self.0.as_ref()?.get()
+    }
 }
 
 impl Call {

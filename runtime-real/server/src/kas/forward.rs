@@ -4,14 +4,14 @@
 //! frame — means no agent saw the call, and the router may try another kas. Anything
 //! after the first answer frame is relayed to the caller and the call is never retried.
 
-use super::call::{Call, REST_FRAMES};
+use super::call::{Call, Delivery, REST_FRAMES};
 use super::handle::EngineHandle;
 use super::metrics::Metrics;
 use super::peers::{self, Peers, Request};
 use crate::buggify::{self, Point};
 use kas_core::frame_sequence::{Direction, FrameSequence, Progress, StreamKind};
 use kas_core::node::NodeInput;
-use kas_core::{KasId, RequestId};
+use kas_core::{ConnectionId, KasId, RequestId};
 use kas_proto::frame::{Frame, frame::Kind};
 use kas_transport::channel_ends::{recv, reserve};
 use kas_transport::clock;
@@ -175,8 +175,12 @@ impl Forwarder {
                             return Forwarded::Done;
                         }
                     };
-                    if let Some(Kind::Delivered(_)) = frame.kind {
+                    if let Some(Kind::Delivered(d)) = &frame.kind {
                         engine.input(NodeInput::Delivered(request));
+                        call.delivered_to.set(Delivery {
+                            kas: Some(kas.clone()),
+                            connection: d.connection_id.map(ConnectionId),
+                        });
                         rest = call.rest.as_ref().and_then(|r| r.take());
                         continue;
                     }

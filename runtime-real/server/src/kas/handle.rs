@@ -150,6 +150,7 @@ mod tests {
             requests: Arc::new(Vec::new()),
             rest: None,
             responses: mpsc::channel(1).0,
+            delivered_to: Default::default(),
         }
     }
 

@@ -15,8 +15,10 @@
     deny(clippy::unwrap_used, clippy::expect_used, clippy::indexing_slicing)
 )]
 
+mod audit;
 mod gitlab;
 
+pub use audit::AuditLog;
 pub use gitlab::GitLabAccess;
 pub use kas_auth::user_tokens::{Credential, Grant, Refusal, StaticUserTokens};
 
@@ -27,12 +29,13 @@ use super::limits::{Place, Places};
 use super::listener::Busy;
 use super::metrics::Metrics;
 use super::reply::Reply;
+use audit::Entry;
 use axum::body::Body;
 use bytes::Bytes;
 use http::{HeaderValue, Request, Response, StatusCode, header};
 use http_body::Body as _;
-use kas_core::AgentId;
 use kas_core::node::Origin;
+use kas_core::{AgentId, KasId};
 use kas_proto::frame::{Frame, RequestStart};
 use kas_proto::http::{
     HttpRequest, HttpResponse, KUBERNETES_API_METHOD, RequestHead, ResponseHead, http_request,
@@ -44,6 +47,7 @@ use kas_transport::http_relay::{self, Incoming, Outgoing, UpgradedEnd};
 use prost::Message;
 use sha2::{Digest, Sha256};
 use std::sync::Arc;
+use std::sync::atomic::{AtomicU64, Ordering};
 use std::time::Duration;
 use tokio::sync::mpsc;
 use tonic::Status;
@@ -95,6 +99,12 @@ pub struct KubernetesApiService {
     pub open: OpenRequests,
     /// `streaming_idle_timeout`.
     pub streaming_idle_timeout: Duration,
+    /// This kas, as audit records name it.
+    pub kas: KasId,
+    /// The audit log, when on.
+    pub audit: Option<AuditLog>,
+    /// Counts refusals for want of the audit log.
+    pub metrics: Metrics,
 }
 
 /// The configuration keys of [`OpenRequests`]'s limits.
@@ -169,16 +179,24 @@ impl OpenRequests {
 }
 
 /// The agent's answer, and the caller's places under its token's limits (and its
-/// connection's busy mark) for as long as the answer is read.
+/// connection's busy mark) for as long as the answer is read; its audit record is written
+/// when it is dropped.
 struct Answer {
     reply: Reply,
+    entry: Entry,
     _open: Open,
     _busy: Option<Busy>,
 }
 
 impl Incoming for Answer {
     async fn recv(&mut self) -> Result<Option<Bytes>, String> {
-        self.reply.recv().await
+        let next = self.reply.recv().await;
+        match &next {
+            Ok(Some(message)) => self.entry.responded(message.len()),
+            Ok(None) => {}
+            Err(e) => self.entry.broke(e),
+        }
+        next
     }
 }
 
@@ -195,11 +213,23 @@ impl KubernetesApiService {
                     .map(|c| c.0.0.ip());
                 let caller_id = req.headers().get(correlation::HEADER);
                 let id = CorrelationId::from_caller(caller_id.and_then(|v| v.to_str().ok()));
-                let mut resp = match this.proxy(req, peer, &id).await {
+                // Dropped at the end of the request, or here on a refusal: recorded either
+                // way.
+                let mut entry = Entry::default();
+                let answer = match this.audit_entry(&id, peer, &req) {
+                    Ok(e) => {
+                        entry = e;
+                        this.proxy(req, peer, &id, &mut entry).await
+                    }
+                    Err(refusal) => Err(refusal),
+                };
+                let mut resp = match answer {
                     Ok(resp) => resp,
                     Err(refusal) => {
                         tracing::debug!(correlation_id = %id, error = ?refusal, "Kubernetes API request refused");
-                        refusal.into_response(&id)
+                        let (code, reason, message) = refusal.status();
+                        entry.refused(code.as_u16(), &message);
+                        kubernetes_status(code, reason, &id.suffix(&message))
                     }
                 };
                 if let Ok(value) = HeaderValue::from_str(id.as_str()) {
@@ -210,19 +240,42 @@ impl KubernetesApiService {
         })
     }
 
+    /// The audit record of `req`, or its refusal while the audit log cannot take one.
+    fn audit_entry(
+        &self,
+        id: &CorrelationId,
+        peer: Option<std::net::IpAddr>,
+        req: &Request<Body>,
+    ) -> Result<Entry, Failure> {
+        let Some(log) = &self.audit else {
+            return Ok(Entry::default());
+        };
+        match log.failing() {
+            Some(why) => {
+                self.metrics.audit_refusals.inc();
+                Err(Failure::AuditLog(why))
+            }
+            None => Ok(log.entry(&self.kas, id, peer, req.method(), req.uri())),
+        }
+    }
+
     async fn proxy(
         &self,
         mut req: Request<Body>,
         peer: Option<std::net::IpAddr>,
         id: &CorrelationId,
+        entry: &mut Entry,
     ) -> Result<Response<Body>, Failure> {
         let path = self.path(req.uri())?;
+        entry.path(&path);
         let auth = req
             .headers()
             .get(header::AUTHORIZATION)
             .and_then(|v| v.to_str().ok());
         let credential = Credential::parse(auth)?;
+        entry.presented(&credential);
         let grant = self.tokens.check(&credential, peer).await?;
+        entry.granted(&grant.caller, grant.impersonation.as_ref());
         let open = self.open.open(&credential)?;
         let upgrade =
             http_relay::wants_upgrade(req.headers()).then(|| hyper::upgrade::on(&mut req));
@@ -252,7 +305,11 @@ impl KubernetesApiService {
             (None, None)
         } else {
             let (tx, rest) = Rest::channel();
-            (Some(ToAgent(tx)), Some(rest))
+            let to_agent = ToAgent {
+                frames: tx,
+                relayed: entry.request_counter(),
+            };
+            (Some(to_agent), Some(rest))
         };
         let (tx, rx) = mpsc::channel(16);
         let agent = credential.agent;
@@ -275,6 +332,7 @@ impl KubernetesApiService {
             requests: Arc::new(requests),
             rest,
             responses: tx,
+            delivered_to: entry.delivered_to(),
         };
         let id = self.engine.next_request_id();
         self.engine
@@ -287,6 +345,8 @@ impl KubernetesApiService {
         let head_by = asked.map(|t| clock::now() + t);
         let mut from_agent = Answer {
             reply: Reply::new(agent, rx, cancel, head_by, true),
+            // Taken from the caller's once the answer is under way.
+            entry: Entry::default(),
             _open: open,
             _busy: req.extensions().get::<Busy>().cloned(),
         };
@@ -324,6 +384,8 @@ impl KubernetesApiService {
         http_relay::add_values(&head.headers, &mut headers).map_err(|e| {
             Failure::Agent(format!("agent {agent} answered with a bad header: {e}"))
         })?;
+        entry.answered(status.as_u16());
+        from_agent.entry = std::mem::take(entry);
         let respond = |body: Body| {
             let mut resp = Response::new(body);
             *resp.status_mut() = status;
@@ -382,16 +444,23 @@ fn request_timeout(path: &str) -> Option<Duration> {
     humantime::parse_duration(value).ok()
 }
 
-/// The request's messages after its head: body or upgraded bytes, then the close-send.
-struct ToAgent(mpsc::Sender<Frame>);
+/// The request's messages after its head: body or upgraded bytes, then the close-send;
+/// counted for the audit log when it is on.
+struct ToAgent {
+    frames: mpsc::Sender<Frame>,
+    relayed: Option<Arc<AtomicU64>>,
+}
 
 impl Outgoing for ToAgent {
     async fn send(&mut self, message: Bytes) -> bool {
-        self.0.send(frames::message(0, message)).await.is_ok()
+        if let Some(n) = &self.relayed {
+            n.fetch_add(message.len() as u64, Ordering::Relaxed);
+        }
+        self.frames.send(frames::message(0, message)).await.is_ok()
     }
 
     async fn close(&mut self) {
-        let _ = self.0.send(frames::close_send(0)).await;
+        let _ = self.frames.send(frames::close_send(0)).await;
     }
 }
 
@@ -436,6 +505,8 @@ enum Failure {
     Agent(String),
     /// The request's headers are more than kas relays.
     HeadersTooLarge(String),
+    /// The audit log cannot take the request's record.
+    AuditLog(String),
 }
 
 impl From<Refusal> for Failure {
@@ -445,10 +516,10 @@ impl From<Refusal> for Failure {
 }
 
 impl Failure {
-    /// A Kubernetes `Status` response, which kubectl prints as the error (its message
-    /// ending with the call's correlation id).
-    fn into_response(self, id: &CorrelationId) -> Response<Body> {
-        let (code, reason, message) = match self {
+    /// The HTTP status, the Kubernetes `Status` reason and the message of the response,
+    /// which kubectl prints as the error.
+    fn status(self) -> (StatusCode, &'static str, String) {
+        match self {
             Failure::Refused(Refusal::Unauthenticated(m)) => {
                 (StatusCode::UNAUTHORIZED, "Unauthorized", m)
             }
@@ -466,6 +537,14 @@ impl Failure {
                 "RequestEntityTooLarge",
                 format!("the request's headers: {m}"),
             ),
+            Failure::AuditLog(m) => (
+                StatusCode::SERVICE_UNAVAILABLE,
+                "ServiceUnavailable",
+                format!(
+                    "kas takes no Kubernetes API requests while its audit log ({}) cannot be written: {m}",
+                    audit::KEY
+                ),
+            ),
             Failure::Call(s) => {
                 let (code, reason) = match s.code() {
                     tonic::Code::DeadlineExceeded => (StatusCode::GATEWAY_TIMEOUT, "Timeout"),
@@ -481,8 +560,7 @@ impl Failure {
                 };
                 (code, reason, s.message().to_string())
             }
-        };
-        kubernetes_status(code, reason, &id.suffix(&message))
+        }
     }
 }
 

@@ -73,6 +73,14 @@ pub struct Metrics {
     pub timer_lag: Histogram,
     /// Inputs the kas node refused as a driver bug (each also logged at error level).
     pub driver_mistakes: Counter,
+    /// Failed writes of the Kubernetes API audit log (each retried).
+    pub audit_write_errors: Counter,
+    /// 1 while the audit log cannot be written and Kubernetes API requests are refused.
+    pub audit_unwritable: Gauge,
+    /// Kubernetes API requests refused because the audit log could not be written.
+    pub audit_refusals: Counter,
+    /// Audit records that arrived after kas stopped its audit log (each logged).
+    pub audit_lost: Counter,
     routed: Family<RoutedLabels, Counter>,
     served: Family<OutcomeLabels, Counter>,
     store_errors: Family<OpLabels, Counter>,
@@ -99,6 +107,30 @@ impl Default for Metrics {
         let accept_errors = Family::<ListenerLabels, Counter>::default();
         let handshake_errors = Family::<ListenerLabels, Counter>::default();
         let driver_mistakes = Counter::default();
+        let audit_write_errors = Counter::default();
+        let audit_unwritable = Gauge::default();
+        let audit_refusals = Counter::default();
+        let audit_lost = Counter::default();
+        registry.register(
+            "audit_write_errors",
+            "Failed writes of the Kubernetes API audit log (agent.kubernetes_api.audit), each retried",
+            audit_write_errors.clone(),
+        );
+        registry.register(
+            "audit_unwritable",
+            "1 while the audit log cannot be written (or lags) and Kubernetes API requests are refused",
+            audit_unwritable.clone(),
+        );
+        registry.register(
+            "audit_refusals",
+            "Kubernetes API requests refused with 503 because the audit log could not be written",
+            audit_refusals.clone(),
+        );
+        registry.register(
+            "audit_lost",
+            "Audit records that arrived after kas stopped its audit log, each logged at error level",
+            audit_lost.clone(),
+        );
         let timer_lag = Histogram::new(exponential_buckets(0.0001, 2.0, 20));
         registry.register(
             "engine_timer_lag_seconds",
@@ -184,6 +216,10 @@ impl Default for Metrics {
             routing_latency,
             open_files_limit,
             driver_mistakes,
+            audit_write_errors,
+            audit_unwritable,
+            audit_refusals,
+            audit_lost,
             timer_lag,
             routed,
             served,

@@ -102,6 +102,7 @@ impl KasPrivate for PrivateService {
                 requests: Arc::new(requests),
                 rest,
                 responses: tx,
+                delivered_to: Default::default(),
             };
             let responses = call.responses.clone();
             if let Err(status) = engine.submit(id, Origin::Private, call) {

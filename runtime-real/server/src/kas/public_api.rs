@@ -128,6 +128,7 @@ impl PublicService {
             requests: Arc::new(requests),
             rest,
             responses: tx,
+            delivered_to: Default::default(),
         };
         tracing::debug!(%agent, method, correlation_id = %id, request = %request, "call routed");
         self.engine.submit(request, Origin::Public, call)?;

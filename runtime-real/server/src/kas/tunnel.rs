@@ -2,7 +2,7 @@
 //! idle, carries one call at a time when the engine hands it one, and ends it when the
 //! agent asks (`Closing`) and no call is on it.
 
-use super::call::Responses;
+use super::call::{Delivery, Responses};
 use super::handle::{EngineHandle, TunnelOrder};
 use super::limits::Place;
 use super::stopping::{Phase, Stop};
@@ -43,6 +43,8 @@ pub fn outbound<T>(n: usize) -> (mpsc::Sender<Outgoing<T>>, OutboundStream<T>) {
 pub struct Tunnel {
     /// Its id.
     pub id: TunnelId,
+    /// The agent replica that opened it.
+    pub connection: ConnectionId,
     /// Frames from the agent (the descriptor already read).
     pub inbound: Streaming<Frame>,
     /// Frames to the agent.
@@ -188,7 +190,12 @@ impl Tunnel {
             self.engine.input(NodeInput::Delivered(request));
             if call.start.hops > 0 {
                 // The channel is fresh, so there is room.
-                let _ = responses.try_send(Ok(frames::delivered(id)));
+                let _ = responses.try_send(Ok(frames::delivered(id, self.connection.0)));
+            } else {
+                call.delivered_to.set(Delivery {
+                    kas: None,
+                    connection: Some(self.connection),
+                });
             }
         }
         let mut rest = match &call.rest {

@@ -179,6 +179,7 @@ impl GitLabAccess {
         })?;
         Ok(Grant {
             impersonation: impersonation(access, &caller, agent),
+            caller,
         })
     }
 }
