@@ -12,6 +12,7 @@ use kas_proto::frame::{Descriptor, Frame, frame::Kind};
 use kas_proto::registry::AgentMeta;
 use kas_transport::channel_ends::reserve;
 use kas_transport::frames;
+use kas_transport::traces::{self, Context, KeyValue, SpanKind};
 use std::sync::Arc;
 use std::time::Duration;
 use tokio::sync::{mpsc, oneshot};
@@ -263,7 +264,21 @@ impl Tunnel {
                 self.report(PoolInput::Claimed);
                 // The call's lines carry the id kas gave it (see kas's `correlation`).
                 let span = tracing::debug_span!("call", request = s.request_id, method = %s.method, correlation_id = s.correlation_id());
-                if !self.call(s.request_id, &s.method).instrument(span).await? {
+                // The call's trace span, child of the kas span that handed it here.
+                let parent = traces::from_metadata(&s.metadata);
+                let trace =
+                    traces::child("agentk", "agentk.call", SpanKind::Server, &parent, || {
+                        vec![
+                            KeyValue::new("rpc.method", s.method.clone()),
+                            KeyValue::new("kas.correlation_id", s.correlation_id().to_string()),
+                        ]
+                    });
+                let _ending = traces::Ending(trace.clone());
+                if !self
+                    .call(s.request_id, &s.method, trace)
+                    .instrument(span)
+                    .await?
+                {
                     return Ok(());
                 }
                 self.unanswered = 0;
@@ -282,10 +297,14 @@ impl Tunnel {
     /// Runs one call: its request messages to the module as kas sends them, the module's
     /// answer to kas as it comes, both at once, each through a one-frame slot so that
     /// neither way waits on the other. False when kas ended the tunnel meanwhile.
-    async fn call(&mut self, id: u64, method: &str) -> Result<bool, Status> {
+    async fn call(&mut self, id: u64, method: &str, trace: Context) -> Result<bool, Status> {
         let (requests, rx) = mpsc::channel(REQUEST_MESSAGES);
         let mut requests = Some(requests);
-        let mut answer = self.modules.call(method, rx);
+        // A module reads the call's trace as the current context when it starts.
+        let mut answer = {
+            let _current = trace.attach();
+            self.modules.call(method, rx)
+        };
         let mut to_module: Option<bytes::Bytes> = None;
         let mut to_kas: Option<(Frame, bool)> = None;
         let tx = self.tx.clone();

@@ -22,6 +22,9 @@ use kas_proto::http::{
     HttpRequest, HttpResponse, Impersonation, RequestHead, ResponseHead, http_request,
 };
 use kas_transport::http_relay::{self, BoxError, Incoming, Outgoing};
+use kas_transport::traces::{
+    self, Context, KeyValue, SpanKind, Status as SpanStatus, TraceContextExt,
+};
 use prost::Message;
 use tokio::sync::mpsc;
 use tonic::Status;
@@ -87,9 +90,11 @@ impl Modules {
 /// tunnel ended the call).
 fn proxy(upstream: Upstream, requests: Requests) -> Answer {
     let (tx, rx) = mpsc::channel(16);
+    // The call's trace, current while the call starts.
+    let trace = Context::current();
     let task = tokio::spawn(async move {
         let mut out = Answers(tx.clone());
-        if let Err(status) = exchange(upstream, requests, &mut out).await {
+        if let Err(status) = exchange(upstream, requests, &mut out, &trace).await {
             let _ = tx.send(Err(status)).await;
         }
     });
@@ -144,6 +149,7 @@ async fn exchange(
     upstream: Upstream,
     mut requests: Requests,
     out: &mut Answers,
+    trace: &Context,
 ) -> Result<(), Status> {
     let first = requests
         .recv()
@@ -184,11 +190,33 @@ async fn exchange(
         .body(body)
         .map_err(|e| Status::invalid_argument(format!("bad request path {:?}: {e}", head.path)))?;
     *req.headers_mut() = headers;
-    let mut resp = upstream
-        .send(req)
-        .await
-        .map_err(|e| Status::unavailable(format!("cannot reach the Kubernetes API server: {e}")))?;
+    // The API server's request, in the call's trace: it gets the span as its parent.
+    let sent = traces::child(
+        "agentk",
+        "kubernetes_api.upstream",
+        SpanKind::Client,
+        trace,
+        || {
+            vec![
+                KeyValue::new("http.request.method", head.method.clone()),
+                KeyValue::new("url.path", req.uri().path().to_string()),
+            ]
+        },
+    );
+    let _ending = traces::Ending(sent.clone());
+    traces::into_headers(&sent, req.headers_mut());
+    let resp = upstream.send(req).await;
+    let mut resp = resp.map_err(|e| {
+        let status = Status::unavailable(format!("cannot reach the Kubernetes API server: {e}"));
+        sent.span()
+            .set_status(SpanStatus::error(status.message().to_string()));
+        status
+    })?;
     let status = resp.status();
+    sent.span().set_attribute(KeyValue::new(
+        "http.response.status_code",
+        i64::from(status.as_u16()),
+    ));
     let headers = http_relay::to_values(resp.headers());
     http_relay::check_size(&headers)
         .map_err(|e| Status::unavailable(format!("the API server's response head: {e}")))?;

@@ -279,6 +279,57 @@ impl<'de> Deserialize<'de> for PrivateAddress {
 pub struct Observability {
     /// `/metrics`, `/liveness`, `/readiness`.
     pub listen: Listen,
+    /// Traces of calls, exported over OTLP/HTTP (off when unset).
+    pub tracing: Option<Tracing>,
+}
+
+/// `observability.tracing:` (GitLab kas's keys, and a sampling ratio).
+#[derive(Clone, Debug, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct Tracing {
+    /// The collector's OTLP/HTTP traces URL, e.g. `https://collector:4318/v1/traces`.
+    pub otlp_endpoint: String,
+    /// A file holding the token sent as `Private-Token` with each export.
+    #[serde(default)]
+    pub otlp_token_secret_file: Option<PathBuf>,
+    /// PEM CA certificates trusted for an `https` endpoint (the system's without).
+    #[serde(default)]
+    pub otlp_ca_certificate_file: Option<PathBuf>,
+    /// The share of new traces recorded, 0 to 1; a caller's `traceparent` sampled flag is
+    /// followed.
+    #[serde(default = "default_sampling_ratio")]
+    pub sampling_ratio: f64,
+}
+
+fn default_sampling_ratio() -> f64 {
+    1.0
+}
+
+#[cfg(not(madsim))]
+impl Tracing {
+    /// The exporter's settings, the token read from its file.
+    pub fn export(&self) -> Result<kas_transport::traces::Export, String> {
+        let token = match &self.otlp_token_secret_file {
+            Some(f) => Some(
+                std::fs::read_to_string(f)
+                    .map_err(|e| {
+                        format!(
+                            "observability.tracing.otlp_token_secret_file: {}: {e}",
+                            f.display()
+                        )
+                    })?
+                    .trim()
+                    .to_string(),
+            ),
+            None => None,
+        };
+        Ok(kas_transport::traces::Export {
+            endpoint: self.otlp_endpoint.clone(),
+            token,
+            ca_file: self.otlp_ca_certificate_file.clone(),
+            sampling_ratio: self.sampling_ratio,
+        })
+    }
 }
 
 /// A listener.
@@ -605,6 +656,7 @@ impl Default for Observability {
     fn default() -> Self {
         Observability {
             listen: listen(8151),
+            tracing: None,
         }
     }
 }
@@ -678,6 +730,7 @@ impl Config {
         self.check_listeners(&mut p);
         self.check_timings_and_secrets(&mut p);
         self.check_kubernetes_api(&mut p);
+        self.check_tracing(&mut p);
         self.check_sockets(&mut p);
         self.check_agent_auth(&mut p);
         self.check_redis(&mut p);
@@ -841,6 +894,34 @@ impl Config {
                     }
                 }
             }
+        }
+    }
+
+    /// `observability.tracing`.
+    fn check_tracing(&self, p: &mut Vec<String>) {
+        let Some(t) = &self.observability.tracing else {
+            return;
+        };
+        match t.otlp_endpoint.parse::<http::Uri>() {
+            Ok(u) if matches!(u.scheme_str(), Some("http" | "https")) => {}
+            _ => p.push(format!(
+                "observability.tracing.otlp_endpoint {:?} is not an http:// or https:// URL",
+                t.otlp_endpoint
+            )),
+        }
+        if !(0.0..=1.0).contains(&t.sampling_ratio) {
+            p.push(format!(
+                "observability.tracing.sampling_ratio {} is not between 0 and 1",
+                t.sampling_ratio
+            ));
+        }
+        if let Some(f) = &t.otlp_token_secret_file
+            && let Err(e) = std::fs::read_to_string(f)
+        {
+            p.push(format!(
+                "observability.tracing.otlp_token_secret_file: {}: {e}",
+                f.display()
+            ));
         }
     }
 

@@ -24,20 +24,6 @@ async fn deployment() -> (LocalDeployment, tempfile::TempDir) {
     (d, dir)
 }
 
-/// `kubectl --context CONTEXT ARGS` with `kubeconfig` (and its own cache directory).
-fn kubectl(kubeconfig: &Path, cache: &Path, context: &str, args: &[&str]) -> Command {
-    let mut c = Command::new("kubectl");
-    c.env("KUBECONFIG", kubeconfig)
-        .env("HOME", cache)
-        .arg("--cache-dir")
-        .arg(cache.join("kube-cache"))
-        .args(["--context", context, "--request-timeout", "30s"])
-        .args(args)
-        .stdin(Stdio::null())
-        .kill_on_drop(true);
-    c
-}
-
 /// Runs kubectl; (success, stdout, stderr).
 async fn run(
     kubeconfig: &Path,
@@ -47,7 +33,7 @@ async fn run(
 ) -> (bool, String, String) {
     let out = tokio::time::timeout(
         Duration::from_secs(40),
-        kubectl(kubeconfig, cache, context, args).output(),
+        support::kubectl(kubeconfig, cache, context, args).output(),
     )
     .await
     .unwrap_or_else(|_| panic!("kubectl {context} {args:?} did not finish in 40 s"))
@@ -79,7 +65,7 @@ struct Output {
 impl Output {
     /// Starts `kubectl --context CONTEXT ARGS` against the deployment.
     fn spawn(d: &LocalDeployment, cache: &Path, context: &str, args: &[&str]) -> Output {
-        let mut command = kubectl(&d.kubeconfig(), cache, context, args);
+        let mut command = support::kubectl(&d.kubeconfig(), cache, context, args);
         command.stderr(Stdio::null());
         Output::start(command)
     }
@@ -296,7 +282,7 @@ async fn port_forward_carries_bytes_both_ways_over_websocket_and_spdy() {
         let context = format!("agent{agent}-kas{kas}");
         for websocket in [true, false] {
             let what = format!("{context}, websocket {websocket}");
-            let mut command = kubectl(
+            let mut command = support::kubectl(
                 &d.kubeconfig(),
                 cache,
                 &context,
@@ -750,7 +736,7 @@ async fn h2_watch(
 /// through a remote kas: a second outside client.
 #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
 async fn the_python_kubernetes_client_lists_pods_through_kas() {
-    ensure_python_kubernetes();
+    support::ensure_python_module("kubernetes", "kubernetes");
     let (d, dir) = deployment().await;
     let script = dir.path().join("list.py");
     std::fs::write(
@@ -786,32 +772,6 @@ async fn the_python_kubernetes_client_lists_pods_through_kas() {
         .collect();
     assert_eq!(listed, expected);
     d.stop().await;
-}
-
-/// Installs PyPI's `kubernetes` for python3 when it is missing; fails the test, naming
-/// it, when that is not possible: never a silent skip.
-fn ensure_python_kubernetes() {
-    let present = || {
-        std::process::Command::new("python3")
-            .args(["-c", "import kubernetes"])
-            .output()
-            .is_ok_and(|o| o.status.success())
-    };
-    support::ensure_package("python3", "python3");
-    support::ensure_package("pip3", "python3-pip");
-    for extra in [&[][..], &["--break-system-packages"][..]] {
-        if present() {
-            break;
-        }
-        let _ = std::process::Command::new("pip3")
-            .args(["install", "--quiet", "kubernetes"])
-            .args(extra)
-            .status();
-    }
-    assert!(
-        present(),
-        "python3's kubernetes is missing: pip3 install kubernetes"
-    );
 }
 
 /// An agent's answers that are not HTTP are refused as 502, naming the agent, and kas

@@ -1,6 +1,6 @@
 //! What kas, agentk and the tools share below the protocols: TLS and WebSocket dialling
 //! and serving, HTTP proxies, the Kubernetes API's HTTP relay, frame helpers, and the
-//! runtime's basics (the clock, owned task sets, rate buckets, signals, logging).
+//! runtime's basics (the clock, owned task sets, rate buckets, signals, logging, traces).
 
 /// The largest HTTP/2 DATA frame kas and agentk take (`SETTINGS_MAX_FRAME_SIZE`), as
 /// servers and as clients: a streamed body's 256 KiB messages go in one frame each
@@ -28,4 +28,5 @@ pub mod rt;
 pub mod signals;
 pub mod tasks;
 pub mod tls;
+pub mod traces;
 pub mod ws;

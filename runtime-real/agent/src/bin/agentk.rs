@@ -30,6 +30,10 @@ use std::time::Duration;
 /// The Kubernetes API module (kubectl through kas) proxies to the same API server, as this
 /// agent or as the GitLab user kas names; it is off when there is no cluster.
 ///
+/// With `--otlp-endpoint`, each call's spans (the call, and the Kubernetes API server
+/// request, which gets the trace's `traceparent`) are exported over OTLP/HTTP, children of
+/// kas's spans; a collector that is down never slows a call (spans are dropped, counted).
+///
 /// kas is reached through the HTTP proxy HTTPS_PROXY names (an HTTP CONNECT tunnel)
 /// unless NO_PROXY lists its host; `wss://` suits proxies and CDNs that pass only
 /// HTTP/1.1 and WebSocket.
@@ -83,6 +87,29 @@ struct Args {
     /// This replica's pod name (Kubernetes downward API).
     #[arg(long, env = "POD_NAME", default_value = "")]
     pod_name: String,
+    /// Export traces to this OTLP/HTTP collector URL (e.g.
+    /// `https://collector:4318/v1/traces`), as kas's `observability.tracing.otlp_endpoint`.
+    #[arg(long, value_name = "URL", env = "AGENTK_OTLP_ENDPOINT")]
+    otlp_endpoint: Option<String>,
+    /// File holding the token sent as `Private-Token` with each export.
+    #[arg(
+        long,
+        value_name = "FILE",
+        env = "AGENTK_OTLP_TOKEN_FILE",
+        requires = "otlp_endpoint"
+    )]
+    otlp_token_file: Option<PathBuf>,
+    /// PEM CA certificates trusted for an `https` collector (default: the system's roots).
+    #[arg(
+        long,
+        value_name = "FILE",
+        env = "AGENTK_OTLP_CA_CERT_FILE",
+        requires = "otlp_endpoint"
+    )]
+    otlp_ca_cert_file: Option<PathBuf>,
+    /// The share of new traces recorded, 0 to 1 (kas's sampled flag is followed).
+    #[arg(long, value_name = "RATIO", default_value_t = 1.0)]
+    trace_sampling_ratio: f64,
     /// Log filter, e.g. `info`, `kas_agent=debug` (RUST_LOG syntax).
     #[arg(
         long,
@@ -102,11 +129,15 @@ fn main() -> ExitCode {
         Ok(o) => o,
         Err(e) => return fail(e),
     };
+    let traces = match traces(&args) {
+        Ok(t) => t,
+        Err(e) => return fail(e),
+    };
     let runtime = match tokio::runtime::Runtime::new() {
         Ok(r) => r,
         Err(e) => return fail(format!("cannot start the async runtime: {e}")),
     };
-    runtime.block_on(async {
+    let code = runtime.block_on(async {
         let source = match &args.pods_fixture {
             Some(path) => PodSource::fixture_file(path).map_err(|e| format!("--pods-fixture {e}")),
             None => PodSource::kube_default().await.map_err(|e| {
@@ -144,7 +175,36 @@ fn main() -> ExitCode {
         kas_agent::run(options, modules, shutdown).await;
         tracing::info!("agentk stopped");
         ExitCode::SUCCESS
-    })
+    });
+    if let Some(t) = traces {
+        t.shutdown();
+    }
+    code
+}
+
+/// The trace exporter the `--otlp-*` flags ask for.
+fn traces(args: &Args) -> Result<Option<kas_transport::traces::Installed>, String> {
+    let Some(endpoint) = &args.otlp_endpoint else {
+        return Ok(None);
+    };
+    let token = match &args.otlp_token_file {
+        Some(f) => Some(
+            std::fs::read_to_string(f)
+                .map_err(|e| format!("--otlp-token-file {}: {e}", f.display()))?
+                .trim()
+                .to_string(),
+        ),
+        None => None,
+    };
+    let export = kas_transport::traces::Export {
+        endpoint: endpoint.clone(),
+        token,
+        ca_file: args.otlp_ca_cert_file.clone(),
+        sampling_ratio: args.trace_sampling_ratio,
+    };
+    kas_transport::traces::install("agentk", export)
+        .map(Some)
+        .map_err(|e| format!("--otlp-endpoint: {e}"))
 }
 
 /// The options from the flags, checked.

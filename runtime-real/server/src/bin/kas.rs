@@ -80,6 +80,17 @@ fn main() -> ExitCode {
         println!("kas: {} is valid", args.config.display());
         return ExitCode::SUCCESS;
     }
+    let traces = match config.observability.tracing.as_ref().map(|t| {
+        t.export()
+            .and_then(|e| kas_transport::traces::install("kas", e))
+    }) {
+        None => None,
+        Some(Ok(installed)) => Some(installed),
+        Some(Err(e)) => {
+            eprintln!("kas: observability.tracing: {e}");
+            return ExitCode::from(2);
+        }
+    };
     let runtime = match tokio::runtime::Runtime::new() {
         Ok(r) => r,
         Err(e) => {
@@ -87,7 +98,7 @@ fn main() -> ExitCode {
             return ExitCode::FAILURE;
         }
     };
-    runtime.block_on(async {
+    let code = runtime.block_on(async {
         let kas = match Kas::start_configured(config).await {
             Ok(k) => k,
             Err(e) => {
@@ -98,5 +109,9 @@ fn main() -> ExitCode {
         kas_transport::signals::terminate_or_interrupt().await;
         kas.stop().await;
         ExitCode::SUCCESS
-    })
+    });
+    if let Some(traces) = traces {
+        traces.shutdown();
+    }
+    code
 }

@@ -4,6 +4,7 @@ use kas_core::node::Wanted;
 use kas_core::{AgentId, ConnectionId, Holder, KasId, Time};
 use kas_proto::frame::{Frame, RequestStart, frame::Kind};
 use kas_transport::frames;
+use kas_transport::traces::{self, Context};
 use std::sync::{Arc, Mutex, OnceLock};
 use tokio::sync::mpsc;
 use tonic::Status;
@@ -60,6 +61,8 @@ pub struct Call {
     pub responses: Responses,
     /// Where a streaming call was delivered, when its caller asked to know.
     pub delivered_to: DeliveredTo,
+    /// The trace span of the hop that routes it here, parent of the next hop's.
+    pub trace: Context,
 }
 
 /// Where a streaming call was delivered, for whoever routed it here to record (the
@@ -112,18 +115,21 @@ impl Call {
     }
 
     /// The call's frames for the kas that serves it (its second and last hop): its start,
-    /// numbered `id`, and its buffered request frames, renumbered.
-    pub fn frames_to_kas(&self, id: u64) -> Vec<Frame> {
+    /// numbered `id`, in `trace` (the forward's span), and its buffered request frames,
+    /// renumbered.
+    pub fn frames_to_kas(&self, id: u64, trace: &Context) -> Vec<Frame> {
         let mut start = RequestStart::clone(&self.start);
         start.hops = 1;
+        traces::into_metadata(trace, &mut start.metadata);
         self.frames(id, start)
     }
 
-    /// The call's frames for an agent's tunnel: as to a kas, less what only kas reads (the
-    /// caller's holder digest).
+    /// The call's frames for an agent's tunnel: as to a kas, in the call's trace, less what
+    /// only kas reads (the caller's holder digest).
     pub fn frames_to_agent(&self, id: u64) -> Vec<Frame> {
         let mut start = RequestStart::clone(&self.start);
         start.holder = None;
+        traces::into_metadata(&self.trace, &mut start.metadata);
         self.frames(id, start)
     }
 

@@ -16,6 +16,9 @@ use kas_proto::frame::{Frame, frame::Kind};
 use kas_transport::channel_ends::{recv, reserve};
 use kas_transport::clock;
 use kas_transport::frames;
+use kas_transport::traces::{
+    self, Context, KeyValue, SpanKind, Status as SpanStatus, TraceContextExt,
+};
 use std::time::Duration;
 use tokio::sync::mpsc;
 use tonic::{Status, Streaming};
@@ -59,14 +62,31 @@ impl Forwarder {
             .unwrap_or_else(tokio::time::Instant::now);
         async move {
             let start = call.start.clone();
-            match this.forward(&kas, request, call, started, &engine).await {
-                Forwarded::Done => engine.input(NodeInput::CallDone(request)),
+            let trace = traces::child("kas", "kas.forward", SpanKind::Client, &call.trace, || {
+                vec![
+                    KeyValue::new("kas.peer", kas.0.clone()),
+                    KeyValue::new("kas.agent_id", call.agent.0),
+                ]
+            });
+            let forwarded = this
+                .forward(&kas, request, call, started, &engine, &trace)
+                .await;
+            let span = trace.span();
+            match forwarded {
+                Forwarded::Done => {
+                    span.set_attribute(KeyValue::new("kas.outcome", "delivered"));
+                    engine.input(NodeInput::CallDone(request));
+                }
                 Forwarded::Refused(why) => {
                     tracing::debug!(%kas, %request, correlation_id = start.correlation_id(), %why, "forward refused");
+                    span.set_attribute(KeyValue::new("kas.outcome", "refused"));
+                    span.set_status(SpanStatus::error(why));
                     engine.input(NodeInput::Bounced(request));
                 }
                 Forwarded::Busy(why) => {
                     tracing::debug!(%kas, %request, correlation_id = start.correlation_id(), %why, "forward refused: tunnels busy");
+                    span.set_attribute(KeyValue::new("kas.outcome", "busy"));
+                    span.set_status(SpanStatus::error(why));
                     engine.input(NodeInput::BouncedBusy(request));
                 }
             }
@@ -80,10 +100,11 @@ impl Forwarder {
         call: Call,
         started: tokio::time::Instant,
         engine: &EngineHandle,
+        trace: &Context,
     ) -> Forwarded {
         let id = request.0;
         let mut sequence = FrameSequence::new(StreamKind::Forward);
-        let up = call.frames_to_kas(id);
+        let up = call.frames_to_kas(id, trace);
         for f in &up {
             if let Err(e) = sequence.check(Direction::ToAgent, f) {
                 let _ = call
@@ -97,7 +118,7 @@ impl Forwarder {
             mut inbound,
             rest: mut frames_tx,
             first,
-        } = match self.send(kas, &call, id, up).await {
+        } = match self.send(kas, &call, id, up, trace).await {
             Ok(sent) => sent,
             Err(e) => return Forwarded::Refused(e),
         };
@@ -210,6 +231,7 @@ impl Forwarder {
         call: &Call,
         id: u64,
         mut up: Vec<Frame>,
+        trace: &Context,
     ) -> Result<Sent, String> {
         let mut ahead = true;
         loop {
@@ -239,7 +261,7 @@ impl Forwarder {
             if was_ahead && refused {
                 tokio::spawn(peers::drain(inbound));
                 ahead = false;
-                up = call.frames_to_kas(id);
+                up = call.frames_to_kas(id, trace);
                 continue;
             }
             return Ok(Sent {

@@ -151,6 +151,7 @@ mod tests {
             rest: None,
             responses: mpsc::channel(1).0,
             delivered_to: Default::default(),
+            trace: Default::default(),
         }
     }
 

@@ -44,6 +44,9 @@ use kas_proto::http::{
 use kas_transport::clock;
 use kas_transport::frames;
 use kas_transport::http_relay::{self, Incoming, Outgoing, UpgradedEnd};
+use kas_transport::traces::{
+    self, Context, Ending, KeyValue, SpanKind, Status as SpanStatus, TraceContextExt,
+};
 use prost::Message;
 use sha2::{Digest, Sha256};
 use std::sync::Arc;
@@ -184,6 +187,8 @@ impl OpenRequests {
 struct Answer {
     reply: Reply,
     entry: Entry,
+    /// The request's span, ended with the answer.
+    _trace: Option<Ending>,
     _open: Open,
     _busy: Option<Busy>,
 }
@@ -213,13 +218,29 @@ impl KubernetesApiService {
                     .map(|c| c.0.0.ip());
                 let caller_id = req.headers().get(correlation::HEADER);
                 let id = CorrelationId::from_caller(caller_id.and_then(|v| v.to_str().ok()));
+                let parent = traces::from_headers(req.headers());
+                let trace = traces::child(
+                    "kas",
+                    "kubernetes_api.request",
+                    SpanKind::Server,
+                    &parent,
+                    || {
+                        vec![
+                            KeyValue::new("http.request.method", req.method().to_string()),
+                            KeyValue::new("url.path", req.uri().path().to_string()),
+                            KeyValue::new("kas.id", this.kas.0.clone()),
+                            KeyValue::new("kas.correlation_id", id.as_str().to_string()),
+                        ]
+                    },
+                );
                 // Dropped at the end of the request, or here on a refusal: recorded either
                 // way.
                 let mut entry = Entry::default();
                 let answer = match this.audit_entry(&id, peer, &req) {
                     Ok(e) => {
                         entry = e;
-                        this.proxy(req, peer, &id, &mut entry).await
+                        entry.traced(traces::trace_id(&trace));
+                        this.proxy(req, peer, &id, &mut entry, &trace).await
                     }
                     Err(refusal) => Err(refusal),
                 };
@@ -229,6 +250,13 @@ impl KubernetesApiService {
                         tracing::debug!(correlation_id = %id, error = ?refusal, "Kubernetes API request refused");
                         let (code, reason, message) = refusal.status();
                         entry.refused(code.as_u16(), &message);
+                        let span = trace.span();
+                        span.set_attribute(KeyValue::new(
+                            "http.response.status_code",
+                            i64::from(code.as_u16()),
+                        ));
+                        span.set_status(SpanStatus::error(message.clone()));
+                        span.end();
                         kubernetes_status(code, reason, &id.suffix(&message))
                     }
                 };
@@ -265,6 +293,7 @@ impl KubernetesApiService {
         peer: Option<std::net::IpAddr>,
         id: &CorrelationId,
         entry: &mut Entry,
+        trace: &Context,
     ) -> Result<Response<Body>, Failure> {
         let path = self.path(req.uri())?;
         entry.path(&path);
@@ -283,8 +312,12 @@ impl KubernetesApiService {
         // The caller's credentials and any identity it claims stay here: whom the agent
         // acts as is the grant's to say.
         headers.retain(|name, _| http_relay::caller_may_set(name));
-        // The API server's logs can name the call too.
+        // The API server's logs can name the call too, and its trace continue ours.
         headers.extend(id.metadata());
+        let route = traces::child("kas", "kas.route", SpanKind::Internal, trace, || {
+            vec![KeyValue::new("kas.agent_id", credential.agent.0)]
+        });
+        traces::into_metadata(&route, &mut headers);
         http_relay::check_size(&headers).map_err(Failure::HeadersTooLarge)?;
         let head = HttpRequest {
             kind: Some(http_request::Kind::Head(RequestHead {
@@ -333,6 +366,7 @@ impl KubernetesApiService {
             rest,
             responses: tx,
             delivered_to: entry.delivered_to(),
+            trace: route.clone(),
         };
         let id = self.engine.next_request_id();
         self.engine
@@ -347,6 +381,7 @@ impl KubernetesApiService {
             reply: Reply::new(agent, rx, cancel, head_by, true),
             // Taken from the caller's once the answer is under way.
             entry: Entry::default(),
+            _trace: None,
             _open: open,
             _busy: req.extensions().get::<Busy>().cloned(),
         };
@@ -366,7 +401,10 @@ impl KubernetesApiService {
             }
             _ => None,
         };
-        let head = response_head(&mut from_agent.reply, agent).await?;
+        let head = response_head(&mut from_agent.reply, agent).await;
+        // Routed (and answered) or not, the routing is over.
+        route.span().end();
+        let head = head?;
         // 1xx heads other than an asked-for upgrade's 101 have no place here.
         let status = StatusCode::from_u16(u16::try_from(head.status).unwrap_or(0))
             .ok()
@@ -386,6 +424,11 @@ impl KubernetesApiService {
         })?;
         entry.answered(status.as_u16());
         from_agent.entry = std::mem::take(entry);
+        trace.span().set_attribute(KeyValue::new(
+            "http.response.status_code",
+            i64::from(status.as_u16()),
+        ));
+        from_agent._trace = Some(Ending(trace.clone()));
         let respond = |body: Body| {
             let mut resp = Response::new(body);
             *resp.status_mut() = status;

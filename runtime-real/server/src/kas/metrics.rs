@@ -111,6 +111,7 @@ impl Default for Metrics {
         let audit_unwritable = Gauge::default();
         let audit_refusals = Counter::default();
         let audit_lost = Counter::default();
+        registry.register_collector(Box::new(DroppedSpans));
         registry.register(
             "audit_write_errors",
             "Failed writes of the Kubernetes API audit log (agent.kubernetes_api.audit), each retried",
@@ -294,5 +295,29 @@ impl Metrics {
         // Writing into a String cannot fail.
         let _ = prometheus_client::encoding::text::encode(&mut out, &self.registry);
         out
+    }
+}
+
+/// `kas_traces_dropped_total`: trace spans this process lost (kept by the exporter, which
+/// is the process's, not one kas's).
+#[derive(Debug)]
+struct DroppedSpans;
+
+impl prometheus_client::collector::Collector for DroppedSpans {
+    fn encode(
+        &self,
+        mut encoder: prometheus_client::encoding::DescriptorEncoder<'_>,
+    ) -> Result<(), std::fmt::Error> {
+        use prometheus_client::encoding::EncodeMetric;
+        let counter = prometheus_client::metrics::counter::ConstCounter::new(
+            kas_transport::traces::dropped(),
+        );
+        let metric = encoder.encode_descriptor(
+            "traces_dropped",
+            "Trace spans lost: the export queue full, or the collector not taking them (calls are not affected)",
+            None,
+            counter.metric_type(),
+        )?;
+        counter.encode(metric)
     }
 }

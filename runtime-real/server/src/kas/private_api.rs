@@ -11,6 +11,7 @@ use kas_core::{AgentId, ConnectionId, Time};
 use kas_proto::frame::{Frame, RequestStart, frame::Kind};
 use kas_proto::private_api::kas_private_server::KasPrivate;
 use kas_transport::frames;
+use kas_transport::traces::{self, KeyValue, SpanKind};
 use std::pin::Pin;
 use std::sync::Arc;
 use std::task::{Context, Poll};
@@ -94,6 +95,12 @@ impl KasPrivate for PrivateService {
                 }
                 false => (None, None),
             };
+            // The serving kas's span of the call: from its arrival until its last frame
+            // (it ends with the call's last clone).
+            let parent = traces::from_metadata(&start.metadata);
+            let trace = traces::child("kas", "kas.serve", SpanKind::Server, &parent, || {
+                vec![KeyValue::new("kas.agent_id", start.agent_id)]
+            });
             let call = Call {
                 agent: AgentId(start.agent_id),
                 connection: start.connection_id.map(ConnectionId),
@@ -103,6 +110,7 @@ impl KasPrivate for PrivateService {
                 rest,
                 responses: tx,
                 delivered_to: Default::default(),
+                trace,
             };
             let responses = call.responses.clone();
             if let Err(status) = engine.submit(id, Origin::Private, call) {

@@ -23,6 +23,7 @@ use kas_proto::public_api::{
 use kas_proto::registry::ConnectedAgentInfo;
 use kas_transport::clock;
 use kas_transport::frames;
+use kas_transport::traces::{self, Context, KeyValue, SpanKind};
 use prost::Message;
 use std::sync::Arc;
 use std::time::Duration;
@@ -109,6 +110,15 @@ impl PublicService {
         let request = self.engine.next_request_id();
         let (tx, rx) = mpsc::channel(16);
         let streaming = rest.is_some();
+        // The call's span on this kas, ending with it (a new trace: GitLab's trace context
+        // is not read yet).
+        let trace = traces::child("kas", "kas.call", SpanKind::Server, &Context::new(), || {
+            vec![
+                KeyValue::new("rpc.method", method.to_string()),
+                KeyValue::new("kas.agent_id", agent.0),
+                KeyValue::new("kas.correlation_id", id.as_str().to_string()),
+            ]
+        });
         let call = Call {
             agent,
             connection,
@@ -129,6 +139,7 @@ impl PublicService {
             rest,
             responses: tx,
             delivered_to: Default::default(),
+            trace,
         };
         tracing::debug!(%agent, method, correlation_id = %id, request = %request, "call routed");
         self.engine.submit(request, Origin::Public, call)?;

@@ -15,6 +15,7 @@ use kas_proto::frame::{Frame, frame::Kind};
 use kas_transport::channel_ends::recv;
 use kas_transport::clock;
 use kas_transport::frames;
+use kas_transport::traces::{self, KeyValue, TraceContextExt};
 use std::time::Duration;
 use tokio::sync::mpsc;
 use tokio::time::Instant;
@@ -184,6 +185,12 @@ impl Tunnel {
         // ends it (the tunnel ends with it when its caller goes).
         let mut give_up =
             (!streaming).then(|| Instant::now() + clock::until(call.deadline) + TUNNEL_GRACE);
+        if traces::on() {
+            call.trace.span().add_event(
+                "handed to a tunnel",
+                vec![KeyValue::new("kas.agent_connection_id", self.connection.0)],
+            );
+        }
         // A streaming call is delivered from here on: off the router's clock, and the
         // routing kas, if it came from one, hears so and streams the rest of its request.
         if streaming {

@@ -30,6 +30,11 @@ struct Args {
     /// Log filter for the log file `DIR/kas-local.log` (RUST_LOG syntax).
     #[arg(long, value_name = "FILTER", default_value = "info")]
     log: String,
+    /// Export the traces of every kas and agent here to this OTLP/HTTP collector URL
+    /// (e.g. `http://127.0.0.1:4318/v1/traces`): one exporter for the whole process, each
+    /// span naming its component (`kas`, `agentk`) as its instrumentation scope.
+    #[arg(long, value_name = "URL")]
+    otlp_endpoint: Option<String>,
 }
 
 fn main() -> ExitCode {
@@ -65,6 +70,32 @@ fn run(args: &Args, dir: &std::path::Path) -> ExitCode {
         eprintln!("kas-local: {e}");
         return ExitCode::from(2);
     }
+    let traces = match &args.otlp_endpoint {
+        Some(endpoint) => {
+            let export = kas_transport::traces::Export {
+                endpoint: endpoint.clone(),
+                token: None,
+                ca_file: None,
+                sampling_ratio: 1.0,
+            };
+            match kas_transport::traces::install("kas-local", export) {
+                Ok(t) => Some(t),
+                Err(e) => {
+                    eprintln!("kas-local: --otlp-endpoint: {e}");
+                    return ExitCode::from(2);
+                }
+            }
+        }
+        None => None,
+    };
+    let code = run_deployment(args, dir, &log_path);
+    if let Some(t) = traces {
+        t.shutdown();
+    }
+    code
+}
+
+fn run_deployment(args: &Args, dir: &std::path::Path, log_path: &std::path::Path) -> ExitCode {
     let with_redis = !args.in_memory && redis_server::installed();
     let kasctl = std::env::current_exe()
         .map(|p| p.with_file_name("kasctl").display().to_string())

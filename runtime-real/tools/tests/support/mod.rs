@@ -802,6 +802,52 @@ pub fn ensure_package(binary: &str, package: &str) {
     assert!(present(), "{binary} is missing: apt-get install {package}");
 }
 
+/// `kubectl --context CONTEXT ARGS` with `kubeconfig` (and its own cache directory under
+/// `cache`), killed when dropped.
+pub fn kubectl(
+    kubeconfig: &Path,
+    cache: &Path,
+    context: &str,
+    args: &[&str],
+) -> tokio::process::Command {
+    let mut c = tokio::process::Command::new("kubectl");
+    c.env("KUBECONFIG", kubeconfig)
+        .env("HOME", cache)
+        .arg("--cache-dir")
+        .arg(cache.join("kube-cache"))
+        .args(["--context", context, "--request-timeout", "30s"])
+        .args(args)
+        .stdin(Stdio::null())
+        .kill_on_drop(true);
+    c
+}
+
+/// Python's `module`, installed with pip as `package` when missing (on Debian's Python
+/// too, which pip may change only when told to).
+pub fn ensure_python_module(module: &str, package: &str) {
+    let present = || {
+        Command::new("python3")
+            .args(["-c", &format!("import {module}")])
+            .output()
+            .is_ok_and(|o| o.status.success())
+    };
+    ensure_package("python3", "python3");
+    ensure_package("pip3", "python3-pip");
+    for extra in [&[][..], &["--break-system-packages"][..]] {
+        if present() {
+            break;
+        }
+        let _ = Command::new("pip3")
+            .args(["install", "--quiet", package])
+            .args(extra)
+            .status();
+    }
+    assert!(
+        present(),
+        "python3's {module} is missing: pip3 install {package}"
+    );
+}
+
 /// A write of three fields to `key` for the GC tests: `live` (expiring after `now`),
 /// `dead` (expiring at `now`) and `junk` (not an expiring value), publishing `publish`.
 pub fn gc_fixture(

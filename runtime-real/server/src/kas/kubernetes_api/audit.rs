@@ -240,6 +240,9 @@ struct Line {
     /// When kas received the request (RFC 3339, UTC).
     time: String,
     correlation_id: String,
+    /// The request's trace (its caller's `traceparent`, or kas's own when traces are
+    /// exported); `null` without either.
+    trace_id: Option<String>,
     caller_address: Option<IpAddr>,
     caller: Option<CallerLine>,
     agent_id: Option<i64>,
@@ -297,6 +300,7 @@ impl AuditLog {
             line: Line {
                 time: humantime::format_rfc3339_millis(SystemTime::now()).to_string(),
                 correlation_id: id.as_str().to_string(),
+                trace_id: None,
                 caller_address: peer,
                 caller: None,
                 agent_id: None,
@@ -332,6 +336,13 @@ impl Entry {
         if let Some(line) = self.line() {
             line.verb = verb::of(&line.method, path);
             line.path = cut(path);
+        }
+    }
+
+    /// The request's trace id.
+    pub fn traced(&mut self, trace_id: Option<String>) {
+        if let Some(line) = self.line() {
+            line.trace_id = trace_id;
         }
     }
 

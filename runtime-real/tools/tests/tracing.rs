@@ -1,0 +1,221 @@
+//! Traces across hops, exported to a real OTLP receiver: a Python server that decodes each
+//! export with OpenTelemetry's own protobuf definitions (`opentelemetry-proto` from PyPI,
+//! installed when missing). This test binary installs the exporter for its process, as
+//! `kas-local --otlp-endpoint` does, so the local deployment's three kas and its agents all
+//! export through it; each span's instrumentation scope names its component.
+
+mod support;
+
+use kas_tools::local::LocalDeployment;
+use serde_json::Value;
+use std::collections::BTreeMap;
+use std::path::Path;
+use std::process::Stdio;
+use std::time::Duration;
+use tokio::io::AsyncBufReadExt;
+
+/// The receiver, killed when dropped (its child process with it).
+struct Receiver {
+    _child: tokio::process::Child,
+    port: u16,
+}
+
+impl Receiver {
+    async fn start(spans: &Path) -> Receiver {
+        support::ensure_python_module(
+            "opentelemetry.proto.collector.trace.v1.trace_service_pb2",
+            "opentelemetry-proto",
+        );
+        let script = Path::new(env!("CARGO_MANIFEST_DIR")).join("tests/support/otlp_receiver.py");
+        let mut child = tokio::process::Command::new("python3")
+            .arg(script)
+            .arg(spans)
+            .stdout(Stdio::piped())
+            .kill_on_drop(true)
+            .spawn()
+            .expect("python3 runs");
+        let stdout = child.stdout.take().expect("piped");
+        let line = tokio::time::timeout(
+            Duration::from_secs(20),
+            tokio::io::BufReader::new(stdout).lines().next_line(),
+        )
+        .await
+        .expect("the receiver says its port within 20 s")
+        .expect("read")
+        .expect("a line");
+        let port = line.trim().parse().expect("a port");
+        Receiver {
+            _child: child,
+            port,
+        }
+    }
+}
+
+fn spans(path: &Path) -> Vec<Value> {
+    std::fs::read_to_string(path)
+        .unwrap_or_default()
+        .lines()
+        .map(|l| serde_json::from_str(l).expect("the receiver writes JSON"))
+        .collect()
+}
+
+/// The spans of one trace, by name; waits until every name in `names` is there.
+async fn trace(path: &Path, trace_id: &str, names: &[&str]) -> BTreeMap<String, Value> {
+    support::eventually(Duration::from_secs(20), "the trace's spans", || async {
+        let got: BTreeMap<String, Value> = spans(path)
+            .into_iter()
+            .filter(|s| s["trace_id"] == trace_id)
+            .map(|s| (s["name"].as_str().unwrap_or_default().to_string(), s))
+            .collect();
+        names.iter().all(|n| got.contains_key(*n)).then_some(got)
+    })
+    .await
+}
+
+/// The tree under `root`, one span a line with its offset and duration in milliseconds.
+fn tree(spans: &BTreeMap<String, Value>, root: &str) -> String {
+    let t0 = spans[root]["start_ns"].as_u64().unwrap_or_default();
+    let mut out = String::new();
+    let mut stack = vec![(root.to_string(), 0)];
+    while let Some((name, depth)) = stack.pop() {
+        let s = &spans[&name];
+        let ms = |ns: u64| ns as f64 / 1e6;
+        let start = s["start_ns"].as_u64().unwrap_or_default();
+        let end = s["end_ns"].as_u64().unwrap_or_default();
+        out += &format!(
+            "{}{name} [{}] +{:.1} ms, {:.1} ms\n",
+            "  ".repeat(depth),
+            s["scope"].as_str().unwrap_or_default(),
+            ms(start - t0),
+            ms(end - start)
+        );
+        for (child, c) in spans {
+            if c["parent_span_id"] == s["span_id"] {
+                stack.push((child.clone(), depth + 1));
+            }
+        }
+    }
+    out
+}
+
+/// `kubectl exec` through a remote kas is one trace: the routing kas's request and routing
+/// spans, its forward, the serving kas's span, agentk's call and its request to the API
+/// server, each the child of the one before, from both kas and agentk; the routing kas's
+/// audit line names the same trace. With the receiver gone, calls still succeed and the
+/// spans lost are counted.
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn an_exec_through_a_remote_kas_is_one_trace_across_kas_and_agentk() {
+    support::ensure_package("kubectl", "kubernetes-client");
+    let dir = tempfile::tempdir().expect("temp dir");
+    let spans_file = dir.path().join("spans.jsonl");
+    let receiver = Receiver::start(&spans_file).await;
+    let export = kas_transport::traces::Export {
+        endpoint: format!("http://127.0.0.1:{}/v1/traces", receiver.port),
+        token: Some("otlp-test-token".into()),
+        ca_file: None,
+        sampling_ratio: 1.0,
+    };
+    let installed = kas_transport::traces::install("kas-local", export).expect("installs");
+    let d = LocalDeployment::start(dir.path(), true, false)
+        .await
+        .expect("the local deployment starts");
+    let cache = dir.path();
+    // Agent 1's replica is on kas0: through kas2 the call is forwarded.
+    let args = ["exec", "-n", "default", "web-1", "--", "echo", "traced"];
+    let out = support::kubectl(&d.kubeconfig(), cache, "agent1-kas2", &args)
+        .output()
+        .await
+        .expect("kubectl runs");
+    assert!(
+        out.status.success(),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+
+    let audit = kas_tools::local::audit_log(dir.path(), 2);
+    let line = support::eventually(Duration::from_secs(10), "the audit line", || async {
+        std::fs::read_to_string(&audit)
+            .unwrap_or_default()
+            .lines()
+            .filter_map(|l| serde_json::from_str::<Value>(l).ok())
+            .find(|l| l["verb"] == "exec")
+    })
+    .await;
+    let trace_id = line["trace_id"].as_str().expect("a trace id").to_string();
+    assert_eq!(trace_id.len(), 32, "{line}");
+    let chain = [
+        "kubernetes_api.request",
+        "kas.route",
+        "kas.forward",
+        "kas.serve",
+        "agentk.call",
+        "kubernetes_api.upstream",
+    ];
+    let got = trace(&spans_file, &trace_id, &chain).await;
+    eprintln!("{}", tree(&got, chain[0]));
+    for pair in chain.windows(2) {
+        assert_eq!(
+            got[pair[1]]["parent_span_id"], got[pair[0]]["span_id"],
+            "{} is a child of {}",
+            pair[1], pair[0]
+        );
+    }
+    assert_eq!(got[chain[0]]["parent_span_id"], "", "a new trace");
+    for (name, scope) in [("kas.serve", "kas"), ("agentk.call", "agentk")] {
+        assert_eq!(got[name]["scope"], scope, "{name}");
+    }
+    let request = &got["kubernetes_api.request"];
+    assert_eq!(request["attributes"]["http.response.status_code"], 101);
+    assert_eq!(
+        request["attributes"]["kas.correlation_id"],
+        line["correlation_id"]
+    );
+    assert_eq!(
+        got["kas.forward"]["attributes"]["kas.peer"],
+        Value::from(d.kas()[0].addresses.private_api.to_string())
+    );
+    assert_eq!(
+        got["kubernetes_api.upstream"]["attributes"]["http.response.status_code"],
+        101
+    );
+    assert_eq!(request["private_token"], "otlp-test-token");
+    // Each hop's span starts after the one it is a child of (clocks of one machine).
+    for pair in chain.windows(2) {
+        assert!(got[pair[1]]["start_ns"].as_u64() >= got[pair[0]]["start_ns"].as_u64());
+    }
+
+    // The receiver gone: calls go on, the spans they made are counted as dropped.
+    drop(receiver);
+    for _ in 0..3 {
+        let out = support::kubectl(
+            &d.kubeconfig(),
+            cache,
+            "agent1-kas2",
+            &["get", "pods", "-A"],
+        )
+        .output()
+        .await
+        .expect("kubectl runs");
+        assert!(
+            out.status.success(),
+            "{}",
+            String::from_utf8_lossy(&out.stderr)
+        );
+    }
+    let metrics = format!("http://{}/metrics", d.kas()[2].addresses.observability);
+    support::eventually(
+        Duration::from_secs(20),
+        "spans counted as dropped",
+        || async {
+            let text = reqwest::get(&metrics).await.ok()?.text().await.ok()?;
+            let line = text
+                .lines()
+                .find(|l| l.starts_with("kas_traces_dropped_total "))?;
+            let n: u64 = line.rsplit(' ').next()?.parse().ok()?;
+            (n > 0).then_some(())
+        },
+    )
+    .await;
+    d.stop().await;
+    installed.shutdown();
+}
