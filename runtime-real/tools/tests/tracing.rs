@@ -98,6 +98,20 @@ fn tree(spans: &BTreeMap<String, Value>, root: &str) -> String {
     out
 }
 
+/// Runs kubectl through kas2 (agent 1's replica is on kas0: the call is forwarded); it
+/// must succeed.
+async fn through_kas2(d: &LocalDeployment, cache: &Path, args: &[&str]) {
+    let out = support::kubectl(&d.kubeconfig(), cache, "agent1-kas2", args)
+        .output()
+        .await
+        .expect("kubectl runs");
+    assert!(
+        out.status.success(),
+        "kubectl {args:?}: {}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+}
+
 /// `kubectl exec` through a remote kas is one trace: the routing kas's request and routing
 /// spans, its forward, the serving kas's span, agentk's call and its request to the API
 /// server, each the child of the one before, from both kas and agentk; the routing kas's
@@ -120,17 +134,8 @@ async fn an_exec_through_a_remote_kas_is_one_trace_across_kas_and_agentk() {
         .await
         .expect("the local deployment starts");
     let cache = dir.path();
-    // Agent 1's replica is on kas0: through kas2 the call is forwarded.
     let args = ["exec", "-n", "default", "web-1", "--", "echo", "traced"];
-    let out = support::kubectl(&d.kubeconfig(), cache, "agent1-kas2", &args)
-        .output()
-        .await
-        .expect("kubectl runs");
-    assert!(
-        out.status.success(),
-        "{}",
-        String::from_utf8_lossy(&out.stderr)
-    );
+    through_kas2(&d, cache, &args).await;
 
     let audit = kas_tools::local::audit_log(dir.path(), 2);
     let line = support::eventually(Duration::from_secs(10), "the audit line", || async {
@@ -187,20 +192,7 @@ async fn an_exec_through_a_remote_kas_is_one_trace_across_kas_and_agentk() {
     // The receiver gone: calls go on, the spans they made are counted as dropped.
     drop(receiver);
     for _ in 0..3 {
-        let out = support::kubectl(
-            &d.kubeconfig(),
-            cache,
-            "agent1-kas2",
-            &["get", "pods", "-A"],
-        )
-        .output()
-        .await
-        .expect("kubectl runs");
-        assert!(
-            out.status.success(),
-            "{}",
-            String::from_utf8_lossy(&out.stderr)
-        );
+        through_kas2(&d, cache, &["get", "pods", "-A"]).await;
     }
     let metrics = format!("http://{}/metrics", d.kas()[2].addresses.observability);
     support::eventually(
