@@ -157,4 +157,24 @@ fn kas_bench_runs_every_part_and_writes_its_json() {
     assert!(stdout.contains("## Rollout"), "{stdout}");
     assert!(stdout.contains("## Re-homing"), "{stdout}");
     assert!(stdout.contains("## Kubernetes API"), "{stdout}");
+    // Traces: off, a live receiver that took exports, and one down whose spans were lost.
+    let traces = v["traces"]["points"].as_array().unwrap();
+    let modes: Vec<&str> = traces
+        .iter()
+        .map(|r| r["traces"].as_str().unwrap())
+        .collect();
+    assert_eq!(modes, ["off", "on, live receiver", "on, receiver down"]);
+    for row in traces {
+        assert!(row["calls"].as_u64().unwrap() > 0, "{row}");
+        assert_eq!(row["errors"], 0, "{row}");
+    }
+    assert!(
+        traces[1]["exports_received"].as_u64().unwrap() > 0,
+        "{traces:?}"
+    );
+    assert!(
+        traces[2]["spans_dropped"].as_u64().unwrap() > 0,
+        "{traces:?}"
+    );
+    assert!(stdout.contains("## Traces"), "{stdout}");
 }

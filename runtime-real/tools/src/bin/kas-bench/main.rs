@@ -9,6 +9,7 @@ mod scale;
 mod setup;
 mod stats;
 mod streaming;
+mod traces;
 mod unary;
 mod wakeup;
 
@@ -54,6 +55,9 @@ use std::time::{Duration, Instant};
 /// 7. Re-homing: --rehome-agents agents, each on two of three kas through one balancer;
 ///    one kas is killed and stays down: how long until every agent is on the two left, and
 ///    Redis's commands per second meanwhile, against the steady rate before.
+/// 8. Traces: the remote route's unary calls at --traces-concurrency with kas exporting no
+///    spans, every span to a live OTLP/HTTP receiver (in this process), and to a receiver
+///    that is down: p50, calls/s and kas CPU per call, as ratios to off.
 ///
 /// kas runs as child processes (`kas` next to this binary); agents and GitLab's client run
 /// in this process.
@@ -110,7 +114,7 @@ struct Args {
     #[arg(
         long,
         value_delimiter = ',',
-        default_value = "unary,streaming,wakeup,scale,kube,rollout,rehome"
+        default_value = "unary,streaming,wakeup,scale,kube,rollout,rehome,traces"
     )]
     parts: Vec<Part>,
     /// Size of the response body streamed through the Kubernetes API, in MiB.
@@ -147,6 +151,9 @@ struct Args {
     /// (Internal.) The kas agent addresses for --host-agents, comma-separated.
     #[arg(long, hide = true, value_delimiter = ',')]
     host_kas: Vec<std::net::SocketAddr>,
+    /// Calls in flight in the traces part.
+    #[arg(long, default_value_t = 64)]
+    traces_concurrency: usize,
     /// Where to write the results as JSON.
     #[arg(long, value_name = "FILE", default_value = "kas-bench.json")]
     json: PathBuf,
@@ -173,6 +180,8 @@ enum Part {
     Rollout,
     /// Many agents re-homing after a kas dies: time, and Redis's load (7).
     Rehome,
+    /// What traces cost a routed call: off, exported, the receiver down (8).
+    Traces,
 }
 
 /// The value of the first `key: value` line of `file` (a /proc file), or "?".
@@ -321,6 +330,7 @@ async fn run(args: &Args) -> Result<Value, String> {
         kubernetes_api: false,
         grace: Duration::from_secs(1),
         listen: None,
+        tracing: None,
     };
     let mut results = json!({
         "command": std::env::args().collect::<Vec<_>>().join(" "),
@@ -376,6 +386,10 @@ async fn run(args: &Args) -> Result<Value, String> {
     if args.parts.contains(&Part::Rehome) {
         let agents = args.rehome_agents.max(1);
         results["rehome"] = rehome::part(&mut world, pubsub, agents, rehome_first).await?;
+    }
+    if args.parts.contains(&Part::Traces) {
+        let concurrency = args.traces_concurrency;
+        results["traces"] = traces::part(&mut world, pubsub, concurrency, args.point).await?;
     }
     Ok(results)
 }

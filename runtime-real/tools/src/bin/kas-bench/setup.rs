@@ -31,6 +31,9 @@ pub struct KasOptions {
     /// The (agent, api, private, observability) addresses to listen on (free ports
     /// when `None`): a kas started again where it was.
     pub listen: Option<[SocketAddr; 4]>,
+    /// An OTLP/HTTP receiver to export traces to (`observability.tracing`); off when
+    /// `None`.
+    pub tracing: Option<SocketAddr>,
 }
 
 /// The Kubernetes API token of the bench's user, for agent 1 (`pat:1:<it>`).
@@ -156,6 +159,12 @@ impl World {
                 .set("agent.max_tunnels_per_connection", 10_000)
                 .set("agent.listen.max_concurrent_streams", 10_000)
                 .set("private_api.listen.max_concurrent_streams", 10_000);
+        }
+        if let Some(receiver) = options.tracing {
+            config = config.set(
+                "observability.tracing.otlp_endpoint",
+                format!("http://{receiver}/v1/traces"),
+            );
         }
         let path = write(&self.dir, &format!("{name}.yaml"), &config.text())?;
         KasProcess::spawn(
