@@ -2,7 +2,8 @@
 //! export with OpenTelemetry's own protobuf definitions (`opentelemetry-proto` from PyPI,
 //! installed when missing). This test binary installs the exporter for its process, as
 //! `kas-local --otlp-endpoint` does, so the local deployment's three kas and its agents all
-//! export through it; each span's instrumentation scope names its component.
+//! export through it; each span's instrumentation scope names its component. GitLab's
+//! calls continue the trace their `traceparent` names.
 
 mod support;
 
@@ -112,6 +113,33 @@ async fn through_kas2(d: &LocalDeployment, cache: &Path, args: &[&str]) {
     );
 }
 
+/// GitLab's GetPods for agent 1 through kas2, with `traceparent`.
+async fn gitlab_call(d: &LocalDeployment, traceparent: &str) {
+    use kas_auth::jwt::{self, Secret, Signer};
+    use kas_proto::public_api::GetPodsRequest;
+    use kas_proto::public_api::kas_api_client::KasApiClient;
+    let secret = std::fs::read_to_string(d.gitlab_secret_file()).expect("the secret");
+    let secret = Secret::from_base64(secret.trim()).expect("a secret");
+    let signer = Signer::new(&secret, jwt::GITLAB, jwt::GITLAB_KAS);
+    let url = format!("http://{}", d.kas()[2].addresses.api);
+    let channel = tonic::transport::Channel::from_shared(url)
+        .expect("a URL")
+        .connect()
+        .await
+        .expect("kas2's public API");
+    let mut req = tonic::Request::new(GetPodsRequest {
+        agent_id: 1,
+        ..Default::default()
+    });
+    let metadata = req.metadata_mut();
+    metadata.insert("authorization", signer.bearer().parse().expect("ascii"));
+    metadata.insert("traceparent", traceparent.parse().expect("ascii"));
+    KasApiClient::new(channel)
+        .get_pods(req)
+        .await
+        .expect("GitLab's call is answered");
+}
+
 /// `kubectl exec` through a remote kas is one trace: the routing kas's request and routing
 /// spans, its forward, the serving kas's span, agentk's call and its request to the API
 /// server, each the child of the one before, from both kas and agentk; the routing kas's
@@ -188,6 +216,21 @@ async fn an_exec_through_a_remote_kas_is_one_trace_across_kas_and_agentk() {
     for pair in chain.windows(2) {
         assert!(got[pair[1]]["start_ns"].as_u64() >= got[pair[0]]["start_ns"].as_u64());
     }
+
+    // GitLab's call carrying its own trace context: kas's span continues that trace.
+    let (gitlab_trace, gitlab_span) = ("4bf92f3577b34da6a3ce929d0e0e4736", "00f067aa0ba902b7");
+    gitlab_call(&d, &format!("00-{gitlab_trace}-{gitlab_span}-01")).await;
+    let got = trace(
+        &spans_file,
+        gitlab_trace,
+        &["kas.call", "kas.forward", "kas.serve", "agentk.call"],
+    )
+    .await;
+    assert_eq!(got["kas.call"]["parent_span_id"], gitlab_span);
+    assert_eq!(
+        got["agentk.call"]["parent_span_id"],
+        got["kas.serve"]["span_id"]
+    );
 
     // The receiver gone: calls go on, the spans they made are counted as dropped.
     drop(receiver);

@@ -21,6 +21,7 @@ use opentelemetry_sdk::propagation::TraceContextPropagator;
 use std::collections::HashMap;
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 
+pub use opentelemetry::context::FutureExt;
 pub use opentelemetry::trace::{Span, SpanKind, Status, TraceContextExt};
 pub use opentelemetry::{Context, KeyValue};
 

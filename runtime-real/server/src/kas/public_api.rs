@@ -23,7 +23,7 @@ use kas_proto::public_api::{
 use kas_proto::registry::ConnectedAgentInfo;
 use kas_transport::clock;
 use kas_transport::frames;
-use kas_transport::traces::{self, Context, KeyValue, SpanKind};
+use kas_transport::traces::{self, Context, FutureExt as _, KeyValue, SpanKind};
 use prost::Message;
 use std::sync::Arc;
 use std::time::Duration;
@@ -110,15 +110,21 @@ impl PublicService {
         let request = self.engine.next_request_id();
         let (tx, rx) = mpsc::channel(16);
         let streaming = rest.is_some();
-        // The call's span on this kas, ending with it (a new trace: GitLab's trace context
-        // is not read yet).
-        let trace = traces::child("kas", "kas.call", SpanKind::Server, &Context::new(), || {
-            vec![
-                KeyValue::new("rpc.method", method.to_string()),
-                KeyValue::new("kas.agent_id", agent.0),
-                KeyValue::new("kas.correlation_id", id.as_str().to_string()),
-            ]
-        });
+        // The call's span on this kas, ending with it: in GitLab's trace when its call
+        // carried one (the handler made it current).
+        let trace = traces::child(
+            "kas",
+            "kas.call",
+            SpanKind::Server,
+            &Context::current(),
+            || {
+                vec![
+                    KeyValue::new("rpc.method", method.to_string()),
+                    KeyValue::new("kas.agent_id", agent.0),
+                    KeyValue::new("kas.correlation_id", id.as_str().to_string()),
+                ]
+            },
+        );
         let call = Call {
             agent,
             connection,
@@ -327,7 +333,8 @@ impl KasApi for PublicService {
         req: Request<Streaming<HttpRequest>>,
     ) -> Result<Response<HttpResponses>, Status> {
         let id = CorrelationId::of(req.metadata());
-        id.answer(self.kubernetes_request(&id, req).await)
+        let trace = traces::from_headers(req.metadata().as_ref());
+        id.answer(self.kubernetes_request(&id, req).with_context(trace).await)
     }
 
     async fn get_pod_logs(
@@ -335,7 +342,8 @@ impl KasApi for PublicService {
         req: Request<GetPodLogsRequest>,
     ) -> Result<Response<LogChunks>, Status> {
         let id = CorrelationId::of(req.metadata());
-        id.answer(self.pod_logs(&id, req).await)
+        let trace = traces::from_headers(req.metadata().as_ref());
+        id.answer(self.pod_logs(&id, req).with_context(trace).await)
     }
 
     async fn get_pods(
@@ -343,7 +351,8 @@ impl KasApi for PublicService {
         req: Request<GetPodsRequest>,
     ) -> Result<Response<GetPodsResponse>, Status> {
         let id = CorrelationId::of(req.metadata());
-        id.answer(self.pods(&id, req).await)
+        let trace = traces::from_headers(req.metadata().as_ref());
+        id.answer(self.pods(&id, req).with_context(trace).await)
     }
 
     async fn connected_agents_for_project(
