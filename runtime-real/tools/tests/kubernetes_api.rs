@@ -1076,6 +1076,7 @@ async fn a_full_disk_under_the_audit_log_refuses_requests_until_there_is_room() 
         message.contains("agent.kubernetes_api.audit") && message.contains("No space left"),
         "{status}"
     );
+    eprintln!("refused while the disk is full: {message}");
     kas.await_metric("kas_audit_unwritable 1").await;
     assert!(kas.log_text().contains("the audit log cannot be written"));
 

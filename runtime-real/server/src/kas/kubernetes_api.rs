@@ -403,6 +403,9 @@ impl KubernetesApiService {
         };
         let head = response_head(&mut from_agent.reply, agent).await;
         // Routed (and answered) or not, the routing is over.
+        if let Err(e) = &head {
+            route.span().set_status(SpanStatus::error(e.status().2));
+        }
         route.span().end();
         let head = head?;
         // 1xx heads other than an asked-for upgrade's 101 have no place here.
@@ -561,20 +564,24 @@ impl From<Refusal> for Failure {
 impl Failure {
     /// The HTTP status, the Kubernetes `Status` reason and the message of the response,
     /// which kubectl prints as the error.
-    fn status(self) -> (StatusCode, &'static str, String) {
+    fn status(&self) -> (StatusCode, &'static str, String) {
         match self {
             Failure::Refused(Refusal::Unauthenticated(m)) => {
-                (StatusCode::UNAUTHORIZED, "Unauthorized", m)
+                (StatusCode::UNAUTHORIZED, "Unauthorized", m.clone())
             }
-            Failure::Refused(Refusal::Forbidden(m)) => (StatusCode::FORBIDDEN, "Forbidden", m),
+            Failure::Refused(Refusal::Forbidden(m)) => {
+                (StatusCode::FORBIDDEN, "Forbidden", m.clone())
+            }
             Failure::Refused(Refusal::Throttled(m)) => {
-                (StatusCode::TOO_MANY_REQUESTS, "TooManyRequests", m)
+                (StatusCode::TOO_MANY_REQUESTS, "TooManyRequests", m.clone())
             }
-            Failure::Refused(Refusal::Unavailable(m)) => {
-                (StatusCode::SERVICE_UNAVAILABLE, "ServiceUnavailable", m)
-            }
-            Failure::NotFound(m) => (StatusCode::NOT_FOUND, "NotFound", m),
-            Failure::Agent(m) => (StatusCode::BAD_GATEWAY, "InternalError", m),
+            Failure::Refused(Refusal::Unavailable(m)) => (
+                StatusCode::SERVICE_UNAVAILABLE,
+                "ServiceUnavailable",
+                m.clone(),
+            ),
+            Failure::NotFound(m) => (StatusCode::NOT_FOUND, "NotFound", m.clone()),
+            Failure::Agent(m) => (StatusCode::BAD_GATEWAY, "InternalError", m.clone()),
             Failure::HeadersTooLarge(m) => (
                 StatusCode::REQUEST_HEADER_FIELDS_TOO_LARGE,
                 "RequestEntityTooLarge",
