@@ -24,6 +24,7 @@ use kas_proto::registry::KasInstanceInfo;
 use kas_transport::clock;
 use kas_transport::frames;
 use kas_transport::tasks::Tasks;
+use kas_transport::traces;
 use prost::Message;
 use std::time::Duration;
 use tokio::sync::{mpsc, oneshot, watch};
@@ -373,7 +374,7 @@ impl Engine {
                     task.abort();
                 }
                 if let Some(error) = error {
-                    tracing::debug!(%request, correlation_id = call.start.correlation_id(), %error, "call ended by kas");
+                    tracing::debug!(%request, correlation_id = call.start.correlation_id(), trace_id = traces::trace_id(&call.trace).as_deref(), %error, "call ended by kas");
                     let _ = call.responses.try_send(answer(request, origin, &error));
                 }
                 match origin {

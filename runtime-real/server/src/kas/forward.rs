@@ -78,13 +78,13 @@ impl Forwarder {
                     engine.input(NodeInput::CallDone(request));
                 }
                 Forwarded::Refused(why) => {
-                    tracing::debug!(%kas, %request, correlation_id = start.correlation_id(), %why, "forward refused");
+                    tracing::debug!(%kas, %request, correlation_id = start.correlation_id(), trace_id = traces::trace_id(&trace).as_deref(), %why, "forward refused");
                     span.set_attribute(KeyValue::new("kas.outcome", "refused"));
                     span.set_status(SpanStatus::error(why));
                     engine.input(NodeInput::Bounced(request));
                 }
                 Forwarded::Busy(why) => {
-                    tracing::debug!(%kas, %request, correlation_id = start.correlation_id(), %why, "forward refused: tunnels busy");
+                    tracing::debug!(%kas, %request, correlation_id = start.correlation_id(), trace_id = traces::trace_id(&trace).as_deref(), %why, "forward refused: tunnels busy");
                     span.set_attribute(KeyValue::new("kas.outcome", "busy"));
                     span.set_status(SpanStatus::error(why));
                     engine.input(NodeInput::BouncedBusy(request));

@@ -247,7 +247,7 @@ impl KubernetesApiService {
                 let mut resp = match answer {
                     Ok(resp) => resp,
                     Err(refusal) => {
-                        tracing::debug!(correlation_id = %id, error = ?refusal, "Kubernetes API request refused");
+                        tracing::debug!(correlation_id = %id, trace_id = traces::trace_id(&trace).as_deref(), error = ?refusal, "Kubernetes API request refused");
                         let (code, reason, message) = refusal.status();
                         entry.refused(code.as_u16(), &message);
                         let span = trace.span();

@@ -147,7 +147,7 @@ impl PublicService {
             delivered_to: Default::default(),
             trace,
         };
-        tracing::debug!(%agent, method, correlation_id = %id, request = %request, "call routed");
+        tracing::debug!(%agent, method, correlation_id = %id, trace_id = traces::trace_id(&call.trace).as_deref(), request = %request, "call routed");
         self.engine.submit(request, Origin::Public, call)?;
         let cancel = CancelOnDrop::new(self.engine.clone(), request);
         Ok(Reply::new(agent, rx, cancel, Some(deadline), streaming))
