@@ -389,6 +389,7 @@ impl Shared<'_> {
                 stop: self.stop.clone(),
                 default_timeout: config.api.default_timeout,
                 max_timeout: config.api.max_timeout,
+                kas: self.kas_id.clone(),
             },
             JwtCheck {
                 verifier: Verifier::new(private_secret, jwt::GITLAB_KAS, jwt::GITLAB_KAS)

@@ -203,10 +203,19 @@ async fn an_exec_through_a_remote_kas_is_one_trace_across_kas_and_agentk() {
         request["attributes"]["kas.correlation_id"],
         line["correlation_id"]
     );
-    assert_eq!(
-        got["kas.forward"]["attributes"]["kas.peer"],
-        Value::from(d.kas()[0].addresses.private_api.to_string())
-    );
+    let kas0 = Value::from(d.kas()[0].addresses.private_api.to_string());
+    assert_eq!(got["kas.forward"]["attributes"]["kas.peer"], kas0);
+    assert_eq!(got["kas.serve"]["attributes"]["kas.id"], kas0);
+    let events = |name: &str| got[name]["events"].as_array().cloned().unwrap_or_default();
+    // The routing ended when kas0 took the call, well before the session did.
+    assert!(got["kas.route"]["end_ns"].as_u64() <= got["kas.forward"]["end_ns"].as_u64());
+    for event in ["routed", "handed to a tunnel"] {
+        assert!(
+            events("kas.serve").contains(&Value::from(event)),
+            "{:?}",
+            got["kas.serve"]
+        );
+    }
     assert_eq!(
         got["kubernetes_api.upstream"]["attributes"]["http.response.status_code"],
         101

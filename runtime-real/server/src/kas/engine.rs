@@ -13,7 +13,7 @@
 use super::call::Call;
 use super::forward::Forwarder;
 use super::handle::{CALL_QUEUE, Command, EngineHandle, Orders, TunnelOrder};
-use super::metrics::Metrics;
+use super::metrics::{self, Metrics};
 use crate::buggify::{self, Point};
 use crate::store::{PubSub, PubSubEvent, Store};
 use kas_core::fixed_hash::Map;
@@ -24,7 +24,7 @@ use kas_proto::registry::KasInstanceInfo;
 use kas_transport::clock;
 use kas_transport::frames;
 use kas_transport::tasks::Tasks;
-use kas_transport::traces;
+use kas_transport::traces::{self, KeyValue, Status as SpanStatus, TraceContextExt};
 use prost::Message;
 use std::time::Duration;
 use tokio::sync::{mpsc, oneshot, watch};
@@ -372,6 +372,26 @@ impl Engine {
                     && outcome != kas_core::node::Outcome::Delivered
                 {
                     task.abort();
+                }
+                if traces::on() {
+                    // The routing is over: how, on this kas's span of it.
+                    let span = call.trace.span();
+                    span.add_event(
+                        "routed",
+                        vec![
+                            KeyValue::new("kas.outcome", metrics::label(outcome)),
+                            KeyValue::new("kas.forwarded", hops > 0),
+                        ],
+                    );
+                    if let Some(error) = &error {
+                        span.set_status(SpanStatus::error(error.to_string()));
+                    }
+                    // A routing kas's span of the call is its routing's, over at the
+                    // latest now (when the call was taken, it ended then); the serving
+                    // kas's lasts for the whole call.
+                    if origin == Origin::Public {
+                        span.end();
+                    }
                 }
                 if let Some(error) = error {
                     tracing::debug!(%request, correlation_id = call.start.correlation_id(), trace_id = traces::trace_id(&call.trace).as_deref(), %error, "call ended by kas");

@@ -186,6 +186,8 @@ impl Forwarder {
                         self.metrics
                             .routing_latency
                             .observe(started.elapsed().as_secs_f64());
+                        // Taken (delivered, or answered): the routing is over.
+                        call.trace.span().end();
                         first = false;
                     }
                     let progress = match sequence.check(Direction::FromAgent, &frame) {

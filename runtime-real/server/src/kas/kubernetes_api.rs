@@ -401,13 +401,8 @@ impl KubernetesApiService {
             }
             _ => None,
         };
-        let head = response_head(&mut from_agent.reply, agent).await;
-        // Routed (and answered) or not, the routing is over.
-        if let Err(e) = &head {
-            route.span().set_status(SpanStatus::error(e.status().2));
-        }
-        route.span().end();
-        let head = head?;
+        // (The routing's span ends with the routing, in the engine.)
+        let head = response_head(&mut from_agent.reply, agent).await?;
         // 1xx heads other than an asked-for upgrade's 101 have no place here.
         let status = StatusCode::from_u16(u16::try_from(head.status).unwrap_or(0))
             .ok()

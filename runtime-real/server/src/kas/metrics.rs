@@ -11,8 +11,8 @@ use std::sync::Arc;
 use kas_core::node::NodeStats;
 pub use kas_core::node::Outcome;
 
-/// The metric label of an outcome.
-fn label(outcome: Outcome) -> &'static str {
+/// The metric label of an outcome (also a span event's `kas.outcome`).
+pub fn label(outcome: Outcome) -> &'static str {
     match outcome {
         Outcome::Delivered => "delivered",
         Outcome::NotConnected => "not_connected",

@@ -7,7 +7,7 @@ use super::handle::{CancelOnDrop, EngineHandle};
 use super::stopping::{Phase, Stop};
 use kas_core::frame_sequence::{Direction, FrameSequence, StreamKind};
 use kas_core::node::Origin;
-use kas_core::{AgentId, ConnectionId, Time};
+use kas_core::{AgentId, ConnectionId, KasId, Time};
 use kas_proto::frame::{Frame, RequestStart, frame::Kind};
 use kas_proto::private_api::kas_private_server::KasPrivate;
 use kas_transport::frames;
@@ -34,6 +34,8 @@ pub struct PrivateService {
     pub max_timeout: Duration,
     /// True once this kas is stopping: streams still waiting for a call are refused.
     pub stop: Stop,
+    /// This kas, as its spans name it.
+    pub kas: KasId,
 }
 
 /// The answer stream of a forwarded call; dropping it (the routing kas went away) cancels
@@ -66,6 +68,7 @@ impl KasPrivate for PrivateService {
         let (tx, rx) = mpsc::channel(16);
         let engine = self.engine.clone();
         let (stop, max_timeout) = (self.stop.clone(), self.max_timeout);
+        let kas = self.kas.clone();
         tokio::spawn(async move {
             let mut sequence = FrameSequence::new(StreamKind::Forward);
             let waiting = Waiting {
@@ -99,7 +102,10 @@ impl KasPrivate for PrivateService {
             // (it ends with the call's last clone).
             let parent = traces::from_metadata(&start.metadata);
             let trace = traces::child("kas", "kas.serve", SpanKind::Server, &parent, || {
-                vec![KeyValue::new("kas.agent_id", start.agent_id)]
+                vec![
+                    KeyValue::new("kas.id", kas.0),
+                    KeyValue::new("kas.agent_id", start.agent_id),
+                ]
             });
             let call = Call {
                 agent: AgentId(start.agent_id),

@@ -23,7 +23,7 @@ use kas_proto::public_api::{
 use kas_proto::registry::ConnectedAgentInfo;
 use kas_transport::clock;
 use kas_transport::frames;
-use kas_transport::traces::{self, Context, FutureExt as _, KeyValue, SpanKind};
+use kas_transport::traces::{self, Context, Ending, FutureExt as _, KeyValue, SpanKind};
 use prost::Message;
 use std::sync::Arc;
 use std::time::Duration;
@@ -110,8 +110,8 @@ impl PublicService {
         let request = self.engine.next_request_id();
         let (tx, rx) = mpsc::channel(16);
         let streaming = rest.is_some();
-        // The call's span on this kas, ending with it: in GitLab's trace when its call
-        // carried one (the handler made it current).
+        // The call's span on this kas, ending with its reply: in GitLab's trace when its
+        // call carried one (the handler made it current); its routing's span below it.
         let trace = traces::child(
             "kas",
             "kas.call",
@@ -145,12 +145,16 @@ impl PublicService {
             rest,
             responses: tx,
             delivered_to: Default::default(),
-            trace,
+            trace: traces::child("kas", "kas.route", SpanKind::Internal, &trace, Vec::new),
         };
         tracing::debug!(%agent, method, correlation_id = %id, trace_id = traces::trace_id(&call.trace).as_deref(), request = %request, "call routed");
         self.engine.submit(request, Origin::Public, call)?;
         let cancel = CancelOnDrop::new(self.engine.clone(), request);
-        Ok(Reply::new(agent, rx, cancel, Some(deadline), streaming))
+        let reply = Reply::new(agent, rx, cancel, Some(deadline), streaming);
+        Ok(match traces::on() {
+            true => reply.traced(Ending(trace)),
+            false => reply,
+        })
     }
 
     /// Routes a unary call to the agent and returns its one response message.

@@ -8,6 +8,7 @@ use kas_core::{AgentId, Time};
 use kas_proto::frame::{Frame, frame::Kind};
 use kas_transport::clock;
 use kas_transport::frames;
+use kas_transport::traces::Ending;
 use tokio::sync::mpsc;
 use tonic::Status;
 
@@ -20,6 +21,8 @@ pub struct Reply {
     give_up: Option<tokio::time::Instant>,
     streaming: bool,
     ended: bool,
+    /// The caller's span, ended with the reply.
+    _trace: Option<Ending>,
 }
 
 impl Reply {
@@ -45,7 +48,14 @@ impl Reply {
             give_up,
             streaming,
             ended: false,
+            _trace: None,
         }
+    }
+
+    /// The reply ending `trace`'s span with it.
+    pub fn traced(mut self, trace: Ending) -> Reply {
+        self._trace = Some(trace);
+        self
     }
 
     /// The next response message; `None` once the agent ended the call with OK.

@@ -186,10 +186,16 @@ impl Tunnel {
         let mut give_up =
             (!streaming).then(|| Instant::now() + clock::until(call.deadline) + TUNNEL_GRACE);
         if traces::on() {
-            call.trace.span().add_event(
+            let span = call.trace.span();
+            span.add_event(
                 "handed to a tunnel",
                 vec![KeyValue::new("kas.agent_connection_id", self.connection.0)],
             );
+            // On the kas that routed it, the routing is over; a forwarded call's span
+            // here is the whole call's.
+            if call.start.hops == 0 {
+                span.end();
+            }
         }
         // A streaming call is delivered from here on: off the router's clock, and the
         // routing kas, if it came from one, hears so and streams the rest of its request.
