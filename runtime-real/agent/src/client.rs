@@ -262,8 +262,6 @@ impl Tunnel {
             // Anything else is a late request frame of the call that just ended: dropped.
             if let Some(Kind::RequestStart(s)) = frame.kind {
                 self.report(PoolInput::Claimed);
-                // The call's lines carry the id kas gave it (see kas's `correlation`).
-                let span = tracing::debug_span!("call", request = s.request_id, method = %s.method, correlation_id = s.correlation_id());
                 // The call's trace span, child of the kas span that handed it here.
                 let parent = traces::from_metadata(&s.metadata);
                 let trace =
@@ -273,6 +271,15 @@ impl Tunnel {
                             KeyValue::new("kas.correlation_id", s.correlation_id().to_string()),
                         ]
                     });
+                // The call's lines carry the ids kas gave it (see kas's `correlation`), and
+                // its trace's.
+                let span = tracing::debug_span!(
+                    "call",
+                    request = s.request_id,
+                    method = %s.method,
+                    correlation_id = s.correlation_id(),
+                    trace_id = traces::trace_id(&trace).as_deref(),
+                );
                 let _ending = traces::Ending(trace.clone());
                 if !self
                     .call(s.request_id, &s.method, trace)
