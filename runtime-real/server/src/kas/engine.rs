@@ -18,7 +18,9 @@ use crate::buggify::{self, Point};
 use crate::store::{PubSub, PubSubEvent, Store};
 use kas_core::fixed_hash::Map;
 use kas_core::keys::tunnel_holders;
-use kas_core::node::{CallError, KasNode, NodeError, NodeInput, NodeOutput, NodeStats, Origin};
+use kas_core::node::{
+    CallError, KasNode, NodeError, NodeInput, NodeOutput, NodeStats, Origin, Outcome,
+};
 use kas_core::{RequestId, TunnelId};
 use kas_proto::registry::KasInstanceInfo;
 use kas_transport::clock;
@@ -369,29 +371,12 @@ impl Engine {
                 error,
             } => {
                 if let Some(task) = self.forwards.remove(&request)
-                    && outcome != kas_core::node::Outcome::Delivered
+                    && outcome != Outcome::Delivered
                 {
                     task.abort();
                 }
                 if traces::on() {
-                    // The routing is over: how, on this kas's span of it.
-                    let span = call.trace.span();
-                    span.add_event(
-                        "routed",
-                        vec![
-                            KeyValue::new("kas.outcome", metrics::label(outcome)),
-                            KeyValue::new("kas.forwarded", hops > 0),
-                        ],
-                    );
-                    if let Some(error) = &error {
-                        span.set_status(SpanStatus::error(error.to_string()));
-                    }
-                    // A routing kas's span of the call is its routing's, over at the
-                    // latest now (when the call was taken, it ended then); the serving
-                    // kas's lasts for the whole call.
-                    if origin == Origin::Public {
-                        span.end();
-                    }
+                    routed(&call, origin, outcome, hops, error.as_ref());
                 }
                 if let Some(error) = error {
                     tracing::debug!(%request, correlation_id = call.start.correlation_id(), trace_id = traces::trace_id(&call.trace).as_deref(), %error, "call ended by kas");
@@ -421,6 +406,26 @@ impl Engine {
                 tracing::error!(%what, "kas node bug: its machines disagreed");
             }
         }
+    }
+}
+
+/// On this kas's span of `call`, how its routing ended. A routing kas's span of a call is
+/// its routing's, over at the latest now (when the call was taken, it ended then); the
+/// serving kas's lasts for the whole call.
+fn routed(call: &Call, origin: Origin, outcome: Outcome, hops: u32, error: Option<&CallError>) {
+    let span = call.trace.span();
+    span.add_event(
+        "routed",
+        vec![
+            KeyValue::new("kas.outcome", metrics::label(outcome)),
+            KeyValue::new("kas.forwarded", hops > 0),
+        ],
+    );
+    if let Some(error) = error {
+        span.set_status(SpanStatus::error(error.to_string()));
+    }
+    if origin == Origin::Public {
+        span.end();
     }
 }
 

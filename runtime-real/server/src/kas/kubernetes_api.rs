@@ -366,7 +366,7 @@ impl KubernetesApiService {
             rest,
             responses: tx,
             delivered_to: entry.delivered_to(),
-            trace: route.clone(),
+            trace: route,
         };
         let id = self.engine.next_request_id();
         self.engine
@@ -427,39 +427,7 @@ impl KubernetesApiService {
             i64::from(status.as_u16()),
         ));
         from_agent._trace = Some(Ending(trace.clone()));
-        let respond = |body: Body| {
-            let mut resp = Response::new(body);
-            *resp.status_mut() = status;
-            *resp.headers_mut() = headers;
-            resp
-        };
-        match upgrading {
-            Some((on_upgrade, mut out)) if status == StatusCode::SWITCHING_PROTOCOLS => {
-                tokio::spawn(async move {
-                    let Ok(io) = on_upgrade.await else { return };
-                    let end = UpgradedEnd::Caller;
-                    let relay = http_relay::relay_upgraded::<HttpResponse, HttpRequest>(
-                        io,
-                        end,
-                        idle,
-                        &mut from_agent,
-                        &mut out,
-                    );
-                    if let Err(e) = relay.await {
-                        tracing::debug!(%agent, error = %e, "upgraded stream ended");
-                    }
-                });
-                Ok(respond(Body::empty()))
-            }
-            upgrading => {
-                if let Some((_, mut out)) = upgrading {
-                    // Refused: the upgrade's request is over.
-                    tokio::spawn(async move { out.close().await });
-                }
-                let body = http_relay::recv_body::<HttpResponse, _>(from_agent);
-                Ok(respond(Body::new(body)))
-            }
-        }
+        Ok(relay(agent, from_agent, (status, headers), upgrading, idle))
     }
 
     /// The path and query under `url_path_prefix`, as the API server sees it.
@@ -474,6 +442,49 @@ impl KubernetesApiService {
         })?;
         Ok(format!("/{rest}"))
     }
+}
+
+/// The upgrade a request asked for, and where its upgraded bytes go.
+type Upgrading = Option<(hyper::upgrade::OnUpgrade, ToAgent)>;
+
+/// The response to the caller, `status` with `headers`, its body or upgraded stream
+/// relayed from `from_agent` (agent `agent`'s answer).
+fn relay(
+    agent: AgentId,
+    mut from_agent: Answer,
+    (status, headers): (StatusCode, http::HeaderMap),
+    upgrading: Upgrading,
+    idle: Option<Duration>,
+) -> Response<Body> {
+    let mut resp = Response::new(Body::empty());
+    *resp.status_mut() = status;
+    *resp.headers_mut() = headers;
+    match upgrading {
+        Some((on_upgrade, mut out)) if status == StatusCode::SWITCHING_PROTOCOLS => {
+            tokio::spawn(async move {
+                let Ok(io) = on_upgrade.await else { return };
+                let end = UpgradedEnd::Caller;
+                let relay = http_relay::relay_upgraded::<HttpResponse, HttpRequest>(
+                    io,
+                    end,
+                    idle,
+                    &mut from_agent,
+                    &mut out,
+                );
+                if let Err(e) = relay.await {
+                    tracing::debug!(%agent, error = %e, "upgraded stream ended");
+                }
+            });
+        }
+        upgrading => {
+            if let Some((_, mut out)) = upgrading {
+                // Refused: the upgrade's request is over.
+                tokio::spawn(async move { out.close().await });
+            }
+            *resp.body_mut() = Body::new(http_relay::recv_body::<HttpResponse, _>(from_agent));
+        }
+    }
+    resp
 }
 
 /// A request's own `?timeout=` (kubectl's `--request-timeout`), e.g. `32s` or `1m0s`.
@@ -559,24 +570,22 @@ impl From<Refusal> for Failure {
 impl Failure {
     /// The HTTP status, the Kubernetes `Status` reason and the message of the response,
     /// which kubectl prints as the error.
-    fn status(&self) -> (StatusCode, &'static str, String) {
+    fn status(self) -> (StatusCode, &'static str, String) {
         match self {
             Failure::Refused(Refusal::Unauthenticated(m)) => {
-                (StatusCode::UNAUTHORIZED, "Unauthorized", m.clone())
+                (StatusCode::UNAUTHORIZED, "Unauthorized", m)
             }
-            Failure::Refused(Refusal::Forbidden(m)) => {
-                (StatusCode::FORBIDDEN, "Forbidden", m.clone())
-            }
+            Failure::Refused(Refusal::Forbidden(m)) => (StatusCode::FORBIDDEN, "Forbidden", m),
             Failure::Refused(Refusal::Throttled(m)) => {
-                (StatusCode::TOO_MANY_REQUESTS, "TooManyRequests", m.clone())
+                (StatusCode::TOO_MANY_REQUESTS, "TooManyRequests", m)
             }
             Failure::Refused(Refusal::Unavailable(m)) => (
                 StatusCode::SERVICE_UNAVAILABLE,
                 "ServiceUnavailable",
                 m.clone(),
             ),
-            Failure::NotFound(m) => (StatusCode::NOT_FOUND, "NotFound", m.clone()),
-            Failure::Agent(m) => (StatusCode::BAD_GATEWAY, "InternalError", m.clone()),
+            Failure::NotFound(m) => (StatusCode::NOT_FOUND, "NotFound", m),
+            Failure::Agent(m) => (StatusCode::BAD_GATEWAY, "InternalError", m),
             Failure::HeadersTooLarge(m) => (
                 StatusCode::REQUEST_HEADER_FIELDS_TOO_LARGE,
                 "RequestEntityTooLarge",
