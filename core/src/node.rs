@@ -19,7 +19,9 @@
 use crate::backoff::Backoff;
 use crate::ids::{AgentId, ConnectionId, Holder, KasId, ProjectId, RequestId, TunnelId};
 use crate::keys::Keys;
-use crate::router::{RouteError, Router, RouterConfig, RouterInput, RouterOutput, Target};
+use crate::router::{
+    RouteError, RouteStep, Router, RouterConfig, RouterInput, RouterOutput, Target, WaitReason,
+};
 use crate::time::{self, Time};
 use crate::tracker::{Batch, Tracker, TrackerConfig, TrackerInput, TrackerOutput};
 use crate::tunnel_registry::{RegistryConfig, RegistryInput, RegistryOutput, TunnelRegistry};
@@ -315,6 +317,14 @@ pub enum NodeOutput<C> {
     ShutdownComplete,
     /// The node's machines disagreed (a bug in the node): log it loudly and count it.
     Inconsistent(String),
+    /// A call's routing took this step (only with [`RouterConfig::steps`]): for its
+    /// trace; its payload is [`KasNode::call`].
+    Step {
+        /// The call.
+        request: RequestId,
+        /// What it is doing now.
+        step: RouteStep,
+    },
 }
 
 /// An input the node did not apply.
@@ -426,6 +436,7 @@ impl NodeConfig {
                 local_patience: LOCAL_PATIENCE,
                 grace: Duration::from_secs(2),
                 linger: Duration::from_secs(60),
+                steps: false,
             },
             registry: RegistryConfig {
                 heartbeat_timeout: Duration::from_secs(60),
@@ -580,6 +591,11 @@ impl<C: Clone> KasNode<C> {
         )
     }
 
+    /// The payload of a call this kas holds.
+    pub fn call(&self, request: RequestId) -> Option<&C> {
+        self.calls.get(&request).map(|s| &s.call)
+    }
+
     /// Sizes, for gauges.
     pub fn stats(&self) -> NodeStats {
         NodeStats {
@@ -649,6 +665,7 @@ impl<C: Clone> KasNode<C> {
                     self.bounced(now, request);
                 } else {
                     self.registry(now, wants_tunnel(request, wanted))?;
+                    self.busy_step(request);
                 }
             }
             NodeInput::DeliveryFailed { request, tunnel } => {
@@ -1081,6 +1098,7 @@ impl<C: Clone> KasNode<C> {
                         // A request id is fresh in the registry whenever the router
                         // attempts: the last attempt ended with a refusal.
                         self.registry_in_drain(now, wants_tunnel(request, wanted));
+                        self.busy_step(request);
                     }
                     Target::Kas(kas) => {
                         debug_assert_ne!(kas, self.config.kas_id, "the router never picks itself");
@@ -1093,6 +1111,9 @@ impl<C: Clone> KasNode<C> {
                         });
                     }
                 }
+            }
+            RouterOutput::Step { request, step } => {
+                self.outputs.push_back(NodeOutput::Step { request, step });
             }
             RouterOutput::Fail { request, error } => {
                 let Some(state) = self.calls.get(&request) else {
@@ -1123,6 +1144,17 @@ impl<C: Clone> KasNode<C> {
                 }
                 self.end(request, outcome, Some(error));
             }
+        }
+    }
+
+    /// Reports that the call waits for a busy tunnel here, when it does and steps are
+    /// asked for.
+    fn busy_step(&mut self, request: RequestId) {
+        if self.config.router.steps && self.registry.is_waiting(request) {
+            self.outputs.push_back(NodeOutput::Step {
+                request,
+                step: RouteStep::Waiting(WaitReason::TunnelsBusy),
+            });
         }
     }
 

@@ -140,6 +140,71 @@ pub enum RouterOutput {
         /// Why.
         error: RouteError,
     },
+    /// The call's routing took this step (only with [`RouterConfig::steps`]): for its
+    /// trace, nothing to do.
+    Step {
+        /// The call.
+        request: RequestId,
+        /// What it is doing now.
+        step: RouteStep,
+    },
+}
+
+/// What a call's routing is doing, from the step on until the next: where its time goes.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub enum RouteStep {
+    /// It waits for the agent's tunnel records: a subscription to the agent's events, then
+    /// a lookup (shared with the agent's other calls waiting for one).
+    LookingUp,
+    /// It knows `kas` other kas holding tunnels of the agent (`None`: the lookup failed);
+    /// `remembered`: from what the agent's subscription kept, with no lookup.
+    Found {
+        /// How many, this kas not counted.
+        kas: Option<u32>,
+        /// Known without a lookup.
+        remembered: bool,
+    },
+    /// It is tried at `target`, its `attempt`th try.
+    Attempt {
+        /// Where.
+        target: Target,
+        /// 1 for the first.
+        attempt: u32,
+    },
+    /// Nowhere is left to try: it waits, because of `reason`.
+    Waiting(WaitReason),
+    /// A tunnel of the agent appeared: it tries there next.
+    Woken,
+}
+
+/// Why a call waits.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum WaitReason {
+    /// No kas holds a tunnel of the agent (of the replica, when pinned): it waits for one
+    /// to be announced.
+    NoTunnel,
+    /// Every kas that held one refused the call: it waits for an announcement or a poll.
+    Refused,
+    /// The store could not be read: it polls.
+    StoreFailing,
+    /// The pub-sub connection is down, so no announcement can come: it polls.
+    PubSubDown,
+    /// Every tunnel of the agent at this kas is busy: it waits for one to be free (reported
+    /// by the node, which holds the tunnels).
+    TunnelsBusy,
+}
+
+impl WaitReason {
+    /// Its name in traces.
+    pub fn as_str(self) -> &'static str {
+        match self {
+            WaitReason::NoTunnel => "no_tunnel",
+            WaitReason::Refused => "refused",
+            WaitReason::StoreFailing => "store_failing",
+            WaitReason::PubSubDown => "pubsub_down",
+            WaitReason::TunnelsBusy => "tunnels_busy",
+        }
+    }
 }
 
 /// Why a call could not be routed.
@@ -195,6 +260,8 @@ pub struct RouterConfig {
     /// How long a call waits for a free tunnel among this kas's busy ones while another
     /// kas is known to hold the agent; then the others are tried.
     pub local_patience: Duration,
+    /// Report each call's steps ([`RouterOutput::Step`]), for traces; off, none is made.
+    pub steps: bool,
 }
 
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -223,8 +290,10 @@ impl Phase {
 enum Known {
     /// No lookup has answered yet.
     Nothing,
-    /// The last lookup failed, or a kas refused the call since.
-    Unsure,
+    /// The last lookup failed.
+    Failed,
+    /// A kas refused the call since the last lookup.
+    Refused,
     /// The last lookup succeeded and no kas refused the call since: with pub-sub up, an
     /// event is all it needs.
     Everything,
@@ -242,6 +311,8 @@ struct Route {
     woken: bool,
     known: Known,
     polls: u32,
+    /// Targets tried so far.
+    attempts: u32,
 }
 
 #[derive(Debug, Default)]
@@ -423,6 +494,7 @@ impl Router {
                         matches!(r.phase, Phase::Waiting { poll_at } if poll_at >= r.deadline);
                     if past || r.phase == Phase::Listening {
                         self.schedule_poll(now, id);
+                        self.step(id, || RouteStep::Waiting(WaitReason::PubSubDown));
                     }
                 }
             }
@@ -446,7 +518,7 @@ impl Router {
                     return;
                 }
                 if r.known == Known::Everything {
-                    r.known = Known::Unsure;
+                    r.known = Known::Refused;
                 }
                 let refused = r.current.take();
                 if refused == Some(Target::Local) {
@@ -567,6 +639,7 @@ impl Router {
                 woken: false,
                 known: Known::Nothing,
                 polls: 0,
+                attempts: 0,
             },
         );
         let a = self.agents.entry(agent).or_default();
@@ -595,6 +668,12 @@ impl Router {
         r.phase = Phase::NeedLookup;
         r.woken = false;
         let agent = r.agent;
+        let remembered = self.pubsub_up
+            && (self.agents.get(&agent))
+                .is_some_and(|a| a.subscription == Subscription::Active && a.known.is_some());
+        if !remembered {
+            self.step(request, || RouteStep::LookingUp);
+        }
         let a = self.agents.entry(agent).or_default();
         match (a.subscription, &a.known) {
             (Subscription::None, _) => {
@@ -608,7 +687,7 @@ impl Router {
             (Subscription::Pending, _) => {}
             (Subscription::Active, Some(known)) if self.pubsub_up => {
                 let kas: Vec<KasId> = known.iter().cloned().collect();
-                self.take_lookup(now, request, agent, Some(&kas));
+                self.take_lookup(now, request, agent, Some(&kas), true);
             }
             (Subscription::Active, _) => self.lookup(agent),
         }
@@ -651,7 +730,7 @@ impl Router {
             .filter(|id| self.routes[id].phase == Phase::NeedLookup)
             .collect();
         for id in waiting.iter().copied() {
-            self.take_lookup(now, id, agent, kas.as_deref());
+            self.take_lookup(now, id, agent, kas.as_deref(), false);
         }
         if early || raced {
             // The answer may predate a tunnel announced before the calls it leaves waiting
@@ -666,18 +745,33 @@ impl Router {
         }
     }
 
-    /// Gives the call the result of a lookup (`None`: it failed) and moves it on.
-    fn take_lookup(&mut self, now: Time, id: RequestId, agent: AgentId, kas: Option<&[KasId]>) {
+    /// Gives the call the result of a lookup (`None`: it failed; `remembered`: what the
+    /// subscription kept) and moves it on.
+    fn take_lookup(
+        &mut self,
+        now: Time,
+        id: RequestId,
+        agent: AgentId,
+        kas: Option<&[KasId]>,
+        remembered: bool,
+    ) {
         let connection = self.routes[&id].connection;
         let targets = match kas {
             Some(kas) => self.order(now, agent, connection, kas),
             None => Vec::new(),
         };
+        self.step(id, || RouteStep::Found {
+            kas: kas.map(|_| {
+                let others = targets.iter().filter(|t| matches!(t, Target::Kas(_)));
+                u32::try_from(others.count()).unwrap_or(u32::MAX)
+            }),
+            remembered,
+        });
         let r = self.routes.get_mut(&id).expect("a live route");
         r.known = if kas.is_some() {
             Known::Everything
         } else {
-            Known::Unsure
+            Known::Failed
         };
         for t in targets {
             if !r.candidates.contains(&t) {
@@ -756,6 +850,12 @@ impl Router {
         if let Some(target) = r.candidates.pop_front() {
             r.phase = Phase::Attempting;
             r.current = Some(target.clone());
+            r.attempts = r.attempts.saturating_add(1);
+            let attempt = r.attempts;
+            self.step(request, || RouteStep::Attempt {
+                target: target.clone(),
+                attempt,
+            });
             self.outputs
                 .push_back(RouterOutput::Attempt { request, target });
         } else if r.woken || r.known == Known::Nothing {
@@ -765,8 +865,26 @@ impl Router {
             && self.agents.get(&r.agent).map(|a| a.subscription) == Some(Subscription::Active)
         {
             r.phase = Phase::Listening;
+            self.step(request, || RouteStep::Waiting(WaitReason::NoTunnel));
         } else {
+            let reason = match r.known {
+                _ if !self.pubsub_up => WaitReason::PubSubDown,
+                Known::Failed => WaitReason::StoreFailing,
+                Known::Refused => WaitReason::Refused,
+                Known::Nothing | Known::Everything => WaitReason::NoTunnel,
+            };
             self.schedule_poll(now, request);
+            self.step(request, || RouteStep::Waiting(reason));
+        }
+    }
+
+    /// Reports the call's step when [`RouterConfig::steps`] asks for it.
+    fn step(&mut self, request: RequestId, step: impl FnOnce() -> RouteStep) {
+        if self.config.steps {
+            self.outputs.push_back(RouterOutput::Step {
+                request,
+                step: step(),
+            });
         }
     }
 
@@ -797,6 +915,7 @@ impl Router {
             }
             if r.phase.waiting() {
                 r.woken = false;
+                self.step(id, || RouteStep::Woken);
                 self.try_next(now, id);
             }
         }

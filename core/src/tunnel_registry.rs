@@ -374,6 +374,11 @@ impl TunnelRegistry {
         self.tunnels.len()
     }
 
+    /// Whether the call waits for a tunnel.
+    pub fn is_waiting(&self, request: RequestId) -> bool {
+        self.waiters.contains_key(&request)
+    }
+
     /// Calls waiting for a tunnel.
     pub fn waiter_count(&self) -> usize {
         self.waiters.len()

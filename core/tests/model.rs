@@ -22,7 +22,7 @@ use kas_core::keys::Keys;
 use kas_core::node::{
     CallError, KasNode, NodeConfig, NodeInput, NodeOutput, Origin, Outcome, PubSubEvent, Wanted,
 };
-use kas_core::router::RouterConfig;
+use kas_core::router::{RouteStep, RouterConfig, WaitReason};
 use kas_core::tracker::TrackerConfig;
 use kas_core::tunnel_registry::RegistryConfig;
 use kas_core::{AgentId, ConnectionId, Holder, KasId, ProjectId, RequestId, Time, TunnelId};
@@ -180,6 +180,8 @@ struct World {
     forwards: BTreeMap<RequestId, At>,
     /// Calls delivered and not yet answered: the call at its holder, and its tunnel.
     answering: Vec<(At, TunnelId)>,
+    /// The last attempt each call's routing reported.
+    attempts: BTreeMap<RequestId, u32>,
     lose_next_publish: bool,
     error_next_answer: bool,
     next_id: u64,
@@ -223,6 +225,7 @@ impl World {
                             local_patience: Duration::from_millis(300),
                             grace: GRACE,
                             linger: TTL / 2,
+                            steps: true,
                         },
                         registry: RegistryConfig {
                             heartbeat_timeout: Duration::from_secs(3600),
@@ -247,6 +250,7 @@ impl World {
             served: BTreeMap::new(),
             forwards: BTreeMap::new(),
             answering: Vec::new(),
+            attempts: BTreeMap::new(),
             lose_next_publish: false,
             error_next_answer: false,
             next_id: 1,
@@ -686,6 +690,27 @@ impl World {
             } => self.ended(n, request, origin, outcome, error),
             NodeOutput::StoreHealth(_) | NodeOutput::ShutdownComplete => {}
             NodeOutput::Inconsistent(what) => panic!("kas {n}: its machines disagreed: {what}"),
+            NodeOutput::Step { request, step } => self.step(n, request, step),
+        }
+    }
+
+    /// A routing step is reported for a call its kas holds, before it ends; its attempts
+    /// count up by one.
+    fn step(&mut self, n: usize, request: RequestId, step: RouteStep) {
+        if self.served.contains_key(&(n, request)) {
+            assert_eq!(
+                step,
+                RouteStep::Waiting(WaitReason::TunnelsBusy),
+                "{request}"
+            );
+            return;
+        }
+        let call = &self.calls[&request];
+        assert_eq!(call.origin, n, "a step of {request} from another kas");
+        assert!(call.outcome.is_none(), "a step of {request} after it ended");
+        if let RouteStep::Attempt { attempt, .. } = step {
+            let last = self.attempts.insert(request, attempt).unwrap_or(0);
+            assert_eq!(attempt, last + 1, "{request}'s attempts");
         }
     }
 

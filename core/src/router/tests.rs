@@ -12,21 +12,22 @@ fn router() -> Router {
 
 /// A router that keeps an agent's subscription `linger` after its last call.
 fn router_lingering(linger: Duration) -> Router {
-    Router::new(
-        RouterConfig {
-            poll_backoff: Backoff {
-                initial: Duration::from_millis(100),
-                max: Duration::from_millis(400),
-                factor: 2,
-            },
-            failure_memory: Duration::from_secs(10),
-            local_patience: Duration::from_millis(500),
-            grace: Duration::from_millis(50),
-            linger,
+    Router::new(config(linger), kas(0), 7)
+}
+
+fn config(linger: Duration) -> RouterConfig {
+    RouterConfig {
+        poll_backoff: Backoff {
+            initial: Duration::from_millis(100),
+            max: Duration::from_millis(400),
+            factor: 2,
         },
-        kas(0),
-        7,
-    )
+        failure_memory: Duration::from_secs(10),
+        local_patience: Duration::from_millis(500),
+        grace: Duration::from_millis(50),
+        linger,
+        steps: false,
+    }
 }
 
 /// A lingering router with pub-sub up, whose one call (id 1, at 0) found `found`, then
@@ -705,5 +706,90 @@ fn a_call_waits_for_local_busy_tunnels_only_the_patience_while_another_kas_holds
     assert_eq!(
         r.local_wait_until(Time(20_020), RequestId(2)),
         Some(Time(25_000))
+    );
+}
+
+fn step(id: u64, step: RouteStep) -> RouterOutput {
+    RouterOutput::Step {
+        request: RequestId(id),
+        step,
+    }
+}
+
+/// Asked for, a call's steps tell where its time goes: the lookup, why it waits, what
+/// woke it, each attempt counted. (Off, the other tests see none.)
+#[test]
+fn a_calls_steps_say_why_it_waits_and_count_its_attempts() {
+    let config = RouterConfig {
+        steps: true,
+        ..config(Duration::ZERO)
+    };
+    let mut r = Router::new(config, kas(0), 7);
+    r.handle_input(Time(0), RouterInput::PubSubUp);
+    start(&mut r, 0, 1, 1000);
+    assert_eq!(
+        drain(&mut r),
+        vec![step(1, RouteStep::LookingUp), RouterOutput::Subscribe(A)]
+    );
+    r.handle_input(Time(1), RouterInput::Subscribed { agent: A });
+    assert_eq!(drain(&mut r), vec![RouterOutput::Lookup(A)]);
+    answer_lookup(&mut r, 2, vec![kas(0)]);
+    let found = RouteStep::Found {
+        kas: Some(0),
+        remembered: false,
+    };
+    assert_eq!(
+        drain(&mut r),
+        vec![
+            step(1, found),
+            step(1, RouteStep::Waiting(WaitReason::NoTunnel))
+        ]
+    );
+    event(&mut r, 3, 1, true);
+    let first = RouteStep::Attempt {
+        target: Target::Kas(kas(1)),
+        attempt: 1,
+    };
+    assert_eq!(
+        drain(&mut r),
+        vec![
+            step(1, RouteStep::Woken),
+            step(1, first),
+            attempt(1, Target::Kas(kas(1)))
+        ]
+    );
+    r.handle_input(
+        Time(4),
+        RouterInput::AttemptRefused {
+            request: RequestId(1),
+        },
+    );
+    assert_eq!(
+        drain(&mut r),
+        vec![step(1, RouteStep::Waiting(WaitReason::Refused))]
+    );
+    event(&mut r, 5, 2, true);
+    let second = RouteStep::Attempt {
+        target: Target::Kas(kas(2)),
+        attempt: 2,
+    };
+    assert_eq!(
+        drain(&mut r),
+        vec![
+            step(1, RouteStep::Woken),
+            step(1, second),
+            attempt(1, Target::Kas(kas(2)))
+        ]
+    );
+    r.handle_input(Time(6), RouterInput::PubSubDown);
+    r.handle_input(
+        Time(7),
+        RouterInput::AttemptRefused {
+            request: RequestId(1),
+        },
+    );
+    assert_eq!(
+        drain(&mut r),
+        vec![step(1, RouteStep::Waiting(WaitReason::PubSubDown))]
     );
 }

@@ -25,6 +25,7 @@ mod private_api;
 mod public_api;
 mod replicas;
 mod reply;
+mod route_spans;
 mod stopping;
 pub mod timing;
 mod tunnel;
@@ -552,6 +553,8 @@ fn node_config(config: &Config, kas_id: &KasId, keys: &Keys, advertise: SocketAd
                 .redis
                 .as_ref()
                 .map_or(Duration::ZERO, |r| r.subscription_linger),
+            // Each call's steps, for its trace: only when traces are exported.
+            steps: kas_transport::traces::on(),
             ..defaults.router
         },
         registry: RegistryConfig {

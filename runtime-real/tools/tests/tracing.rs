@@ -207,6 +207,23 @@ async fn an_exec_through_a_remote_kas_is_one_trace_across_kas_and_agentk() {
     assert_eq!(got["kas.forward"]["attributes"]["kas.peer"], kas0);
     assert_eq!(got["kas.serve"]["attributes"]["kas.id"], kas0);
     let events = |name: &str| got[name]["events"].as_array().cloned().unwrap_or_default();
+    // One attempt, at kas0: found by a lookup, or known from the agent's subscription.
+    let route = &got["kas.route"];
+    assert_eq!(route["attributes"]["kas.attempts"], 1, "{route}");
+    match got.get("kas.lookup") {
+        Some(lookup) => {
+            assert_eq!(lookup["parent_span_id"], route["span_id"]);
+            assert_eq!(lookup["attributes"]["kas.found"], 1, "{lookup}");
+        }
+        None => assert!(
+            events("kas.route").contains(&Value::from("found")),
+            "{route}"
+        ),
+    }
+    assert!(
+        events("kas.route").contains(&Value::from("attempt")),
+        "{route}"
+    );
     // The routing ended when kas0 took the call, well before the session did.
     assert!(got["kas.route"]["end_ns"].as_u64() <= got["kas.forward"]["end_ns"].as_u64());
     for event in ["routed", "handed to a tunnel"] {
@@ -240,6 +257,48 @@ async fn an_exec_through_a_remote_kas_is_one_trace_across_kas_and_agentk() {
         got["agentk.call"]["parent_span_id"],
         got["kas.serve"]["span_id"]
     );
+
+    // Agent 3 never connects: the routing finds no kas, and the call waits for one to be
+    // announced until kas gives up; the trace says so. (kubectl first asks for `/version`
+    // and gives up on it after 5 s: its audit line is not the one read.)
+    let token = d.user_bearer(3);
+    let args = ["--token", &token, "get", "--raw", "/api/v1/pods"];
+    let out = support::kubectl(&d.kubeconfig(), cache, "agent1-kas1", &args)
+        .output()
+        .await
+        .expect("kubectl runs");
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    assert!(stderr.contains("agent 3 is not connected"), "{stderr}");
+    let audit = kas_tools::local::audit_log(dir.path(), 1);
+    let line = support::eventually(Duration::from_secs(10), "agent 3's audit line", || async {
+        std::fs::read_to_string(&audit)
+            .unwrap_or_default()
+            .lines()
+            .filter_map(|l| serde_json::from_str::<Value>(l).ok())
+            .find(|l| l["agent_id"] == 3 && l["verb"] == "list")
+    })
+    .await;
+    let trace_id = line["trace_id"].as_str().expect("a trace id");
+    let names = ["kubernetes_api.request", "kas.route", "kas.wait"];
+    let got = trace(&spans_file, trace_id, &names).await;
+    eprintln!("{}", tree(&got, names[0]));
+    let route = &got["kas.route"];
+    let wait = &got["kas.wait"];
+    assert_eq!(wait["parent_span_id"], route["span_id"]);
+    assert_eq!(wait["attributes"]["kas.wait.reason"], "no_tunnel");
+    assert!(wait["end_ns"].as_u64() <= route["end_ns"].as_u64());
+    assert_eq!(route["status"], 2, "an error: {route}");
+    // Looked up, or known from the subscription the `/version` request left.
+    match got.get("kas.lookup") {
+        Some(lookup) => {
+            assert_eq!(lookup["parent_span_id"], route["span_id"]);
+            assert_eq!(lookup["attributes"]["kas.found"], 0, "{lookup}");
+        }
+        None => {
+            let events = route["events"].as_array().cloned().unwrap_or_default();
+            assert!(events.contains(&Value::from("found")), "{route}");
+        }
+    }
 
     // The receiver gone: calls go on, the spans they made are counted as dropped.
     drop(receiver);

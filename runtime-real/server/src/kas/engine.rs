@@ -14,6 +14,7 @@ use super::call::Call;
 use super::forward::Forwarder;
 use super::handle::{CALL_QUEUE, Command, EngineHandle, Orders, TunnelOrder};
 use super::metrics::{self, Metrics};
+use super::route_spans::RouteSpans;
 use crate::buggify::{self, Point};
 use crate::store::{PubSub, PubSubEvent, Store};
 use kas_core::fixed_hash::Map;
@@ -65,6 +66,8 @@ struct Engine {
     tunnels: Map<TunnelId, Orders>,
     /// Running forwards, to abandon those of calls that ended otherwise.
     forwards: Map<RequestId, AbortHandle>,
+    /// Routing calls' open step spans (traces on).
+    route_spans: RouteSpans,
     /// Store I/O and forwards; aborted when the engine stops.
     tasks: Tasks,
     health_check_running: bool,
@@ -90,6 +93,7 @@ pub fn spawn(parts: EngineParts) -> EngineHandle {
         handle: handle.clone(),
         tunnels: Map::default(),
         forwards: Map::default(),
+        route_spans: RouteSpans::default(),
         tasks: Tasks::default(),
         health_check_running: false,
         shutdown: None,
@@ -339,6 +343,9 @@ impl Engine {
                     .tunnels
                     .get(&tunnel)
                     .is_some_and(|orders| orders.try_send(order).is_ok());
+                if traces::on() {
+                    self.route_spans.left(request);
+                }
                 if sent {
                     self.metrics.routing_latency.observe(waited.as_secs_f64());
                     tracing::debug!(%request, %tunnel, correlation_id = start.correlation_id(), "call handed to a tunnel");
@@ -376,6 +383,7 @@ impl Engine {
                     task.abort();
                 }
                 if traces::on() {
+                    self.route_spans.left(request);
                     routed(&call, origin, outcome, hops, error.as_ref());
                 }
                 if let Some(error) = error {
@@ -404,6 +412,10 @@ impl Engine {
             NodeOutput::Inconsistent(what) => {
                 self.metrics.driver_mistakes.inc();
                 tracing::error!(%what, "kas node bug: its machines disagreed");
+            }
+            NodeOutput::Step { request, step } => {
+                let call = self.node.call(request);
+                self.route_spans.step(request, call, step);
             }
         }
     }
