@@ -2,6 +2,7 @@
 
 use bytes::Bytes;
 use futures::stream::{self, BoxStream, Stream, StreamExt, TryStreamExt};
+use kas_transport::traces::{Context, FutureExt as _};
 use prost::Message;
 use std::collections::BTreeMap;
 use std::sync::Arc;
@@ -48,12 +49,17 @@ impl Modules {
         let f = Arc::new(f);
         let handler: Handler = Arc::new(move |requests: Requests| {
             let f = f.clone();
-            stream::once(async move {
-                Ok(f(single::<Req>(requests).await?)
-                    .await?
-                    .encode_to_vec()
-                    .into())
-            })
+            // `f` runs in the call's trace, current when the call starts.
+            let trace = Context::current();
+            stream::once(
+                async move {
+                    Ok(f(single::<Req>(requests).await?)
+                        .await?
+                        .encode_to_vec()
+                        .into())
+                }
+                .with_context(trace),
+            )
             .boxed()
         });
         self.handlers.insert(method.to_string(), handler);
@@ -72,7 +78,8 @@ impl Modules {
         let f = Arc::new(f);
         let handler: Handler = Arc::new(move |requests: Requests| {
             let f = f.clone();
-            stream::once(async move { f(single::<Req>(requests).await?).await })
+            let trace = Context::current();
+            stream::once(async move { f(single::<Req>(requests).await?).await }.with_context(trace))
                 .try_flatten()
                 .map_ok(|m| m.encode_to_vec().into())
                 .boxed()

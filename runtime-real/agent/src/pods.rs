@@ -4,6 +4,9 @@
 use super::modules::Modules;
 use futures::stream::{self, BoxStream, StreamExt};
 use kas_proto::pods::{ListRequest, ListResponse, LogChunk, LogsRequest, Pod};
+use kas_transport::traces::{
+    self, Context, KeyValue, SpanKind, Status as SpanStatus, TraceContextExt,
+};
 use serde::Deserialize;
 use std::path::Path;
 use std::sync::Arc;
@@ -250,17 +253,48 @@ impl Modules {
         self.unary(PODS_LIST, move |req: ListRequest| {
             let source = lister.clone();
             async move {
-                Ok(ListResponse {
-                    pods: source.list(&req.namespace).await?,
-                })
+                let at = || vec![KeyValue::new("k8s.namespace.name", req.namespace.clone())];
+                let pods = traced("pods.list", at, source.list(&req.namespace)).await?;
+                Ok(ListResponse { pods })
             }
         });
         self.server_streaming(PODS_LOGS, move |req: LogsRequest| {
             let source = source.clone();
-            async move { source.logs(req).await }
+            async move {
+                let at = || {
+                    vec![
+                        KeyValue::new("k8s.namespace.name", req.namespace.clone()),
+                        KeyValue::new("k8s.pod.name", req.pod.clone()),
+                    ]
+                };
+                traced("pods.logs", at, source.logs(req.clone())).await
+            }
         });
         self
     }
+}
+
+/// `read` from the pod source in a span `name` of the call's trace (the current context):
+/// the time a list, or the opening of a log, takes in the Kubernetes API.
+async fn traced<T>(
+    name: &'static str,
+    attributes: impl FnOnce() -> Vec<KeyValue>,
+    read: impl Future<Output = Result<T, Status>>,
+) -> Result<T, Status> {
+    let cx = traces::child(
+        "agentk",
+        name,
+        SpanKind::Client,
+        &Context::current(),
+        attributes,
+    );
+    let _ending = traces::Ending(cx.clone());
+    let result = read.await;
+    if let Err(status) = &result {
+        cx.span()
+            .set_status(SpanStatus::error(status.message().to_string()));
+    }
+    result
 }
 
 #[cfg(all(test, not(madsim)))]

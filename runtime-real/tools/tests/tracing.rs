@@ -249,7 +249,13 @@ async fn an_exec_through_a_remote_kas_is_one_trace_across_kas_and_agentk() {
     let got = trace(
         &spans_file,
         gitlab_trace,
-        &["kas.call", "kas.forward", "kas.serve", "agentk.call"],
+        &[
+            "kas.call",
+            "kas.forward",
+            "kas.serve",
+            "agentk.call",
+            "pods.list",
+        ],
     )
     .await;
     assert_eq!(got["kas.call"]["parent_span_id"], gitlab_span);
@@ -257,6 +263,12 @@ async fn an_exec_through_a_remote_kas_is_one_trace_across_kas_and_agentk() {
         got["agentk.call"]["parent_span_id"],
         got["kas.serve"]["span_id"]
     );
+    // The Pods module's read, in agentk's call.
+    assert_eq!(
+        got["pods.list"]["parent_span_id"],
+        got["agentk.call"]["span_id"]
+    );
+    assert_eq!(got["pods.list"]["scope"], "agentk");
 
     // Agent 3 never connects: the routing finds no kas, and the call waits for one to be
     // announced until kas gives up; the trace says so. (kubectl first asks for `/version`
