@@ -184,7 +184,12 @@ async fn an_exec_through_a_remote_kas_is_one_trace_across_kas_and_agentk() {
         "agentk.call",
         "kubernetes_api.upstream",
     ];
-    let got = trace(&spans_file, &trace_id, &chain).await;
+    let got = trace(
+        &spans_file,
+        &trace_id,
+        &[&chain[..], &["kas.admission"]].concat(),
+    )
+    .await;
     eprintln!("{}", tree(&got, chain[0]));
     for pair in chain.windows(2) {
         assert_eq!(
@@ -194,6 +199,10 @@ async fn an_exec_through_a_remote_kas_is_one_trace_across_kas_and_agentk() {
         );
     }
     assert_eq!(got[chain[0]]["parent_span_id"], "", "a new trace");
+    let admission = &got["kas.admission"];
+    assert_eq!(admission["parent_span_id"], got[chain[0]]["span_id"]);
+    assert_eq!(admission["attributes"]["kas.admitted"], true);
+    assert!(admission["end_ns"].as_u64() <= got["kas.route"]["start_ns"].as_u64());
     for (name, scope) in [("kas.serve", "kas"), ("agentk.call", "agentk")] {
         assert_eq!(got[name]["scope"], scope, "{name}");
     }

@@ -303,9 +303,20 @@ impl KubernetesApiService {
             .and_then(|v| v.to_str().ok());
         let credential = Credential::parse(auth)?;
         entry.presented(&credential);
-        let grant = self.tokens.check(&credential, peer).await?;
-        entry.granted(&grant.caller, grant.impersonation.as_ref());
-        let open = self.open.open(&credential)?;
+        // Admission: the token (GitLab's answer, or the cache's) and the caller's limits.
+        let admission = traces::child("kas", "kas.admission", SpanKind::Internal, trace, Vec::new);
+        let admitted = async {
+            let grant = self.tokens.check(&credential, peer).await?;
+            entry.granted(&grant.caller, grant.impersonation.as_ref());
+            let open = self.open.open(&credential)?;
+            Ok::<_, Failure>((grant, open))
+        }
+        .await;
+        // Refused: the request's span carries the refusal.
+        let span = admission.span();
+        span.set_attribute(KeyValue::new("kas.admitted", admitted.is_ok()));
+        span.end();
+        let (grant, open) = admitted?;
         let upgrade =
             http_relay::wants_upgrade(req.headers()).then(|| hyper::upgrade::on(&mut req));
         let mut headers = http_relay::to_values(req.headers());
