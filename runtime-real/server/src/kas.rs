@@ -718,7 +718,6 @@ impl Kas {
             .is_err()
         {
             tracing::warn!("calls still running after the shutdown grace period: cut off");
-            self.calls_server.abort();
         }
         let gone = self.stats.wait_for(|s| s.calls == 0 && s.connections == 0);
         if let Ok(Ok(_)) = tokio::time::timeout(left(), gone).await {
@@ -746,6 +745,17 @@ impl Kas {
         // What is left is connection teardown: bounded, so that a stop always ends
         // within the grace and a little more.
         self.stopping.enter(Phase::Closed);
+        // The calls cut off have failed with the tunnels: their callers are told so (a
+        // reset stream, an error status) before their connections close. (Closed at
+        // exit instead, an HTTP/2 connection that sent GOAWAY reads to kubectl as the
+        // normal end of a watch: fleet test, "restart kas1".)
+        if !self.calls_server.is_finished()
+            && tokio::time::timeout(timing::STOP_LISTENER, &mut self.calls_server)
+                .await
+                .is_err()
+        {
+            self.calls_server.abort();
+        }
         if tokio::time::timeout(timing::STOP_LISTENER, &mut self.agents_server)
             .await
             .is_err()

@@ -36,11 +36,12 @@ pub const FORWARD_DRAIN: Duration = Duration::from_secs(1);
 /// A stop past its grace: how long deleting this kas's registry records may take (what is
 /// not deleted expires by TTL, and readers skip it once this kas's liveness lapses).
 pub const STOP_CLEANUP: Duration = Duration::from_secs(1);
-/// A stop past its grace: how long each listener left (agents, observability) may take to
-/// close its connections. With [`STOP_CLEANUP`], a stop ends within the grace + 2 s.
-pub const STOP_LISTENER: Duration = Duration::from_millis(400);
+/// A stop past its grace: how long each listener left (the call listeners once their calls
+/// were cut off, agents, observability) may take to close its connections. With
+/// [`STOP_CLEANUP`], a stop ends within the grace + 2 s.
+pub const STOP_LISTENER: Duration = Duration::from_millis(300);
 
 const _: () = {
     assert!(DEADLINE_MARGIN.as_millis() < ROUTE_GRACE.as_millis());
-    assert!(STOP_CLEANUP.as_millis() + 2 * STOP_LISTENER.as_millis() < 2000);
+    assert!(STOP_CLEANUP.as_millis() + 3 * STOP_LISTENER.as_millis() < 2000);
 };
