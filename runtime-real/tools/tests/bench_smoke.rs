@@ -39,6 +39,12 @@ fn kas_bench_runs_every_part_and_writes_its_json() {
             "3s",
         ])
         .args(["--rehome-agents", "20", "--redis-cluster", "3"])
+        // Every part, and the instructions part, which is not run by default.
+        .args([
+            "--parts",
+            "unary,streaming,wakeup,scale,kube,rollout,rehome,traces,instructions",
+        ])
+        .args(["--instructions-calls", "20", "--instructions-top", "5"])
         .arg("--json")
         .arg(&json)
         .output()
@@ -177,4 +183,31 @@ fn kas_bench_runs_every_part_and_writes_its_json() {
         "{traces:?}"
     );
     assert!(stdout.contains("## Traces"), "{stdout}");
+    // Instructions: both routes at both points, counted, without errors; the remote route
+    // costs both kas; each profile lists its functions.
+    let points = v["instructions"]["points"].as_array().unwrap();
+    assert_eq!(points.len(), 4, "{points:?}");
+    for p in points {
+        assert_eq!(p["errors"], 0, "{p}");
+        assert!(p["instructions_per_call"].as_f64().unwrap() > 0.0, "{p}");
+    }
+    assert!(
+        points[2]["routing_kas_instructions_per_call"]
+            .as_f64()
+            .unwrap()
+            > 0.0
+    );
+    let profiles = v["instructions"]["profiles"].as_array().unwrap();
+    assert_eq!(
+        profiles.len(),
+        3,
+        "local serving, remote serving and routing"
+    );
+    for p in profiles {
+        for by in ["inclusive", "own"] {
+            assert_eq!(p[by].as_array().unwrap().len(), 5, "{p}");
+        }
+    }
+    // The watches' memory came from a pair of kas of its own, all the watches open.
+    assert_eq!(v["kubernetes_api"]["watch_memory"]["watches"], 20);
 }

@@ -25,15 +25,38 @@ impl KasProcess {
         filter: &str,
         log: &Path,
     ) -> Result<KasProcess, String> {
+        Self::spawn_under(&[], exe, config, filter, log).await
+    }
+
+    /// As [`Self::spawn`], run by `launcher` (a command and its arguments, e.g. valgrind's),
+    /// which is given up to ten times as long to start it.
+    pub async fn spawn_under(
+        launcher: &[String],
+        exe: &Path,
+        config: &Path,
+        filter: &str,
+        log: &Path,
+    ) -> Result<KasProcess, String> {
         let file = std::fs::File::create(log).map_err(|e| format!("{}: {e}", log.display()))?;
-        let child = Command::new(exe)
+        let mut command = match launcher.split_first() {
+            Some((program, args)) => {
+                let mut c = Command::new(program);
+                c.args(args).arg(exe);
+                c
+            }
+            None => Command::new(exe),
+        };
+        let child = command
             .arg("--config")
             .arg(config)
             .args(["--log", filter])
             .stdout(Stdio::null())
             .stderr(file)
             .spawn()
-            .map_err(|e| format!("cannot run {}: {e}", exe.display()))?;
+            .map_err(|e| match launcher.first() {
+                Some(l) => format!("cannot run {l} (is it installed?): {e}"),
+                None => format!("cannot run {}: {e}", exe.display()),
+            })?;
         let mut p = KasProcess {
             child: Some(child),
             addresses: Addresses {
@@ -45,7 +68,8 @@ impl KasProcess {
             },
             log: log.to_path_buf(),
         };
-        let end = Instant::now() + Duration::from_secs(20);
+        let within = Duration::from_secs(if launcher.is_empty() { 20 } else { 200 });
+        let end = Instant::now() + within;
         loop {
             let text = std::fs::read_to_string(log).unwrap_or_default();
             if let Some(line) = text.lines().find(|l| l.contains("kas started")) {
@@ -70,7 +94,7 @@ impl KasProcess {
                 return Err(format!("kas exited ({status}) at start:\n{text}"));
             }
             if Instant::now() > end {
-                return Err(format!("kas did not start within 20 s:\n{text}"));
+                return Err(format!("kas did not start within {within:?}:\n{text}"));
             }
             tokio::time::sleep(Duration::from_millis(20)).await;
         }

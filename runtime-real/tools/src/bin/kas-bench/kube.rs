@@ -1,7 +1,7 @@
 //! Part 5: the Kubernetes API through kas, against a local API server (kas-local's): `GET
 //! /api/v1/pods` latency and a long stream's throughput through the local and the remote
 //! route, each as a ratio to the API server dialled directly, and kas memory per open
-//! watch on both kas of the remote route.
+//! watch on both kas of the remote route (a pair of its own).
 
 use crate::setup::{self, KasOptions, USER_TOKEN, World};
 use crate::stats::{Latencies, ms};
@@ -93,13 +93,14 @@ impl Path {
     }
 }
 
-/// Runs the part on a fresh pair of kas with the Kubernetes API listener.
+/// Runs the part: latency and the long stream on a fresh pair of kas with the Kubernetes
+/// API listener, then memory per watch on another pair (the first's RSS keeps the long
+/// stream's freed pages, which would hide what the watches take).
 pub async fn part(world: &mut World, options: KasOptions, sizes: &Sizes) -> Result<Value, String> {
     let options = KasOptions {
         kubernetes_api: true,
         ..options
     };
-    let (a, b) = (world.kas(options).await?, world.kas(options).await?);
     let pods: Vec<FixturePodLog> = setup::pods()
         .pods
         .into_iter()
@@ -111,43 +112,77 @@ pub async fn part(world: &mut World, options: KasOptions, sizes: &Sizes) -> Resu
     let server = KubeServer::start(&pods)
         .await
         .map_err(|e| format!("the local API server: {e}"))?;
-    let upstream = kube::Config::new(server.url().parse().map_err(|e| format!("{e}"))?);
-    let modules = kas_agent::Modules::default().with_kubernetes_api(Upstream::new(upstream)?);
     let max_tunnels = sizes.watches + 64;
-    let (stop, task) =
-        crate::agent_with(world, &a, 1, false, Arc::new(modules), max_tunnels).await?;
-    let bearer = Some(format!("pat:1:{USER_TOKEN}"));
-    let url = |k: &KasProcess| {
-        let addr = k
-            .addresses
-            .kubernetes_api
-            .expect("a Kubernetes API listener");
-        format!("http://{addr}")
-    };
-    let paths = [
-        Path {
-            name: "direct",
-            base: server.url(),
-            bearer: None,
-        },
-        Path {
-            name: "local route",
-            base: url(&a),
-            bearer: bearer.clone(),
-        },
-        Path {
-            name: "remote route",
-            base: url(&b),
-            bearer: bearer.clone(),
-        },
-    ];
     let mut results = json!({});
-    results["get_pods"] = latency(&paths, sizes.point).await?;
-    results["stream"] = throughput(&paths, sizes).await?;
-    results["watch_memory"] = watch_memory(&paths[2], &a, &b, sizes.watches).await?;
-    let _ = stop.send(true);
-    let _ = tokio::time::timeout(Duration::from_secs(15), task).await;
+    let routes = Routes::start(world, options, &server, max_tunnels).await?;
+    results["get_pods"] = latency(&routes.paths, sizes.point).await?;
+    results["stream"] = throughput(&routes.paths, sizes).await?;
+    routes.stop().await;
+    let routes = Routes::start(world, options, &server, max_tunnels).await?;
+    let (serving, routing) = (&routes.kas[0], &routes.kas[1]);
+    results["watch_memory"] =
+        watch_memory(&routes.paths[2], serving, routing, sizes.watches).await?;
+    routes.stop().await;
     Ok(results)
+}
+
+/// A pair of kas, agent 1 on the first with the API server behind it, and the three paths:
+/// direct, the local route (the first kas), the remote route (the second).
+struct Routes {
+    kas: [KasProcess; 2],
+    paths: [Path; 3],
+    agent: crate::RunningAgent,
+}
+
+impl Routes {
+    async fn start(
+        world: &mut World,
+        options: KasOptions,
+        server: &KubeServer,
+        max_tunnels: usize,
+    ) -> Result<Routes, String> {
+        let (a, b) = (world.kas(options).await?, world.kas(options).await?);
+        let upstream = kube::Config::new(server.url().parse().map_err(|e| format!("{e}"))?);
+        let modules = kas_agent::Modules::default().with_kubernetes_api(Upstream::new(upstream)?);
+        let agent = crate::agent_with(world, &a, 1, false, Arc::new(modules), max_tunnels).await?;
+        let bearer = Some(format!("pat:1:{USER_TOKEN}"));
+        let url = |k: &KasProcess| {
+            let addr = k
+                .addresses
+                .kubernetes_api
+                .expect("a Kubernetes API listener");
+            format!("http://{addr}")
+        };
+        let paths = [
+            Path {
+                name: "direct",
+                base: server.url(),
+                bearer: None,
+            },
+            Path {
+                name: "local route",
+                base: url(&a),
+                bearer: bearer.clone(),
+            },
+            Path {
+                name: "remote route",
+                base: url(&b),
+                bearer,
+            },
+        ];
+        Ok(Routes {
+            kas: [a, b],
+            paths,
+            agent,
+        })
+    }
+
+    /// Stops the agent (the kas go when dropped).
+    async fn stop(self) {
+        let (stop, task) = self.agent;
+        let _ = stop.send(true);
+        let _ = tokio::time::timeout(Duration::from_secs(15), task).await;
+    }
 }
 
 /// `GET /api/v1/pods` at concurrency 1 and 16 on each path.

@@ -2,6 +2,7 @@
 //! kas router, measured in one run on loopback, printed as tables and written as JSON.
 
 mod deadlines;
+mod instructions;
 mod kube;
 mod rehome;
 mod rollout;
@@ -58,6 +59,10 @@ use std::time::{Duration, Instant};
 /// 8. Traces: the remote route's unary calls at --traces-concurrency with kas exporting no
 ///    spans, every span to a live OTLP/HTTP receiver (in this process), and to a receiver
 ///    that is down: p50, calls/s and kas CPU per call, as ratios to off.
+/// 9. Instructions (only when asked for: `--parts instructions`; needs valgrind): kas's
+///    instructions per unary call on each route, counted by callgrind over
+///    --instructions-calls calls at 1 and 16 in flight, and each kas's top functions by
+///    inclusive count. Unlike CPU time, comparable across machines and loads.
 ///
 /// kas runs as child processes (`kas` next to this binary); agents and GitLab's client run
 /// in this process.
@@ -154,6 +159,12 @@ struct Args {
     /// Calls in flight in the traces part.
     #[arg(long, default_value_t = 64)]
     traces_concurrency: usize,
+    /// Calls counted at each point of the instructions part.
+    #[arg(long, default_value_t = 2_000)]
+    instructions_calls: usize,
+    /// Functions listed per kas and route in the instructions part.
+    #[arg(long, default_value_t = 25)]
+    instructions_top: usize,
     /// Where to write the results as JSON.
     #[arg(long, value_name = "FILE", default_value = "kas-bench.json")]
     json: PathBuf,
@@ -182,6 +193,8 @@ enum Part {
     Rehome,
     /// What traces cost a routed call: off, exported, the receiver down (8).
     Traces,
+    /// kas's instructions per call on each route, under callgrind (9; not by default).
+    Instructions,
 }
 
 /// The value of the first `key: value` line of `file` (a /proc file), or "?".
@@ -331,6 +344,7 @@ async fn run(args: &Args) -> Result<Value, String> {
         grace: Duration::from_secs(1),
         listen: None,
         tracing: None,
+        callgrind: false,
     };
     let mut results = json!({
         "command": std::env::args().collect::<Vec<_>>().join(" "),
@@ -390,6 +404,10 @@ async fn run(args: &Args) -> Result<Value, String> {
     if args.parts.contains(&Part::Traces) {
         let concurrency = args.traces_concurrency;
         results["traces"] = traces::part(&mut world, pubsub, concurrency, args.point).await?;
+    }
+    if args.parts.contains(&Part::Instructions) {
+        let (calls, top) = (args.instructions_calls.max(1), args.instructions_top);
+        results["instructions"] = instructions::part(&mut world, pubsub, calls, top).await?;
     }
     Ok(results)
 }

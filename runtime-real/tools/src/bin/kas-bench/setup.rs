@@ -34,6 +34,8 @@ pub struct KasOptions {
     /// An OTLP/HTTP receiver to export traces to (`observability.tracing`); off when
     /// `None`.
     pub tracing: Option<SocketAddr>,
+    /// Run kas under valgrind's callgrind, its counts in [`World::callgrind_file`].
+    pub callgrind: bool,
 }
 
 /// The Kubernetes API token of the bench's user, for agent 1 (`pat:1:<it>`).
@@ -116,6 +118,12 @@ impl World {
         })
     }
 
+    /// Where callgrind writes the counts of the kas of process `pid`; a dump on request
+    /// ([`KasOptions::callgrind`]) gets `.1`, `.2`, ... appended.
+    pub fn callgrind_file(&self, pid: &str) -> PathBuf {
+        self.dir.join(format!("callgrind.{pid}"))
+    }
+
     /// Starts one kas process.
     pub async fn kas(&mut self, options: KasOptions) -> Result<KasProcess, String> {
         self.started += 1;
@@ -157,6 +165,12 @@ impl World {
                     &d.join("user-tokens.yaml"),
                 )
                 .set("agent.max_tunnels_per_connection", 10_000)
+                // The bench is one caller holding --watches watches of one agent at once.
+                .set("agent.kubernetes_api.max_requests_per_token", 100_000)
+                .set(
+                    "agent.kubernetes_api.max_requests_per_token_per_agent",
+                    100_000,
+                )
                 .set("agent.listen.max_concurrent_streams", 10_000)
                 .set("private_api.listen.max_concurrent_streams", 10_000);
         }
@@ -167,7 +181,19 @@ impl World {
             );
         }
         let path = write(&self.dir, &format!("{name}.yaml"), &config.text())?;
-        KasProcess::spawn(
+        let launcher: Vec<String> = match options.callgrind {
+            true => vec![
+                "valgrind".into(),
+                "--tool=callgrind".into(),
+                format!(
+                    "--callgrind-out-file={}",
+                    self.callgrind_file("%p").display()
+                ),
+            ],
+            false => Vec::new(),
+        };
+        KasProcess::spawn_under(
+            &launcher,
             &self.kas_exe,
             &path,
             // "kas started" (with the addresses) is logged at info.
