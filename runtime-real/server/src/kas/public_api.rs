@@ -145,7 +145,12 @@ impl PublicService {
             rest,
             responses: tx,
             delivered_to: Default::default(),
-            trace: traces::child("kas", "kas.route", SpanKind::Internal, &trace, Vec::new),
+            trace: traces::child("kas", "kas.route", SpanKind::Internal, &trace, || {
+                let agent = KeyValue::new("kas.agent_id", agent.0);
+                // A call pinned to one replica names it.
+                let pinned = connection.map(|c| KeyValue::new("kas.agent_connection_id", c.0));
+                std::iter::once(agent).chain(pinned).collect()
+            }),
         };
         tracing::debug!(%agent, method, correlation_id = %id, trace_id = traces::trace_id(&call.trace).as_deref(), request = %request, "call routed");
         self.engine.submit(request, Origin::Public, call)?;
