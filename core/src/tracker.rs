@@ -29,7 +29,9 @@
 //! every `liveness / 3`, so readers can skip the records of a kas that died without
 //! deleting them (SIGKILL, a lost node) within `liveness`, long before those expire.
 //!
-//! One batch is in flight at a time; changes made meanwhile go into the next one.
+//! One batch is in flight at a time; changes made meanwhile go into the next one. The
+//! instance record alone may go in a batch of its own beside it: this kas's liveness must
+//! not wait behind a slow batch of other writes.
 //! Driving contract: feed [`Tracker::handle_input`], drain [`Tracker::poll_output`], call
 //! [`Tracker::handle_timeout`] at [`Tracker::poll_timeout`].
 
@@ -261,6 +263,10 @@ pub struct Tracker {
     state: Map<String, KeyState>,
     dirty_queue: VecDeque<String>,
     in_flight: Option<InFlight>,
+    /// A batch of the instance record alone, sent while `in_flight` was out (`partition`
+    /// seed 1706: a batch slowed to 1.5 s held the record past its 2 s life, and this kas's
+    /// listings skipped its own agents).
+    liveness_in_flight: Option<InFlight>,
     next_batch_id: u64,
     failures: u32,
     retry_at: Option<Time>,
@@ -321,6 +327,7 @@ impl Tracker {
             state: Map::default(),
             dirty_queue: VecDeque::new(),
             in_flight: None,
+            liveness_in_flight: None,
             next_batch_id: 0,
             failures: 0,
             retry_at: None,
@@ -531,7 +538,7 @@ impl Tracker {
 
     /// True when nothing is waiting to be written and no batch is in flight.
     pub fn is_settled(&self) -> bool {
-        self.in_flight.is_none() && self.dirty_queue.is_empty()
+        self.in_flight.is_none() && self.liveness_in_flight.is_none() && self.dirty_queue.is_empty()
     }
 
     fn set(&mut self, now: Time, key: String, field: String, value: Vec<u8>) {
@@ -600,7 +607,9 @@ impl Tracker {
     }
 
     fn batch_result(&mut self, now: Time, batch: u64, ok: bool) {
-        let Some(in_flight) = self.in_flight.take_if(|f| f.id == batch) else {
+        let Some(in_flight) = (self.in_flight.take_if(|f| f.id == batch))
+            .or_else(|| self.liveness_in_flight.take_if(|f| f.id == batch))
+        else {
             return; // a stale or unknown id: ignore
         };
         for w in in_flight.writes {
@@ -652,72 +661,107 @@ impl Tracker {
     }
 
     fn flush(&mut self, now: Time) {
-        if self.in_flight.is_none() && self.retry_at.is_none_or(|at| at <= now) {
-            self.retry_at = None;
-            let mut writes = Vec::new();
-            while writes.len() < self.config.max_keys_per_batch.max(1) {
-                let Some(key) = self.dirty_queue.pop_front() else {
-                    break;
-                };
-                let Some(st) = self.state.get_mut(&key) else {
-                    continue;
-                };
-                st.queued = false;
-                let (ttl, every) = self.config.life(key == self.instances_key, st.listing);
-                let expires_at = now + ttl;
-                // Half a period to spare for batches that run late.
-                let key_ttl = ttl + every * KEY_REFRESHES + every / 2;
-                let renew = !st.fields.is_empty() && st.key_expires < expires_at;
-                let expire = if st.fields.is_empty() {
-                    KeyExpiry::Keep
-                } else if renew {
-                    KeyExpiry::Renew(key_ttl)
-                } else {
-                    KeyExpiry::IfCreated(key_ttl)
-                };
-                st.writing = Some(Writing {
-                    fields_expire: expires_at,
-                    key_expires: renew.then_some(now + key_ttl),
-                });
-                let mut publish = std::mem::take(&mut st.pending_publish);
-                // An explicit event already says what is true now.
-                let mut announce = match &st.announce {
-                    Some(a) if publish.is_empty() && !st.fields.is_empty() => vec![a.clone()],
-                    _ => Vec::new(),
-                };
-                // Fields that expired while the key kept them are revived, not created:
-                // announce them whatever the `set` finds.
-                if now >= st.fields_expire {
-                    publish.append(&mut announce);
+        // A retry's time has come for both lanes (one left standing is a timer in the past).
+        self.retry_at = self.retry_at.filter(|at| *at > now);
+        if self.retry_at.is_none() {
+            if self.in_flight.is_none() {
+                let mut writes = Vec::new();
+                // The instance record waits while a write of it alone is out.
+                let mut deferred = None;
+                while writes.len() < self.config.max_keys_per_batch.max(1) {
+                    let Some(key) = self.dirty_queue.pop_front() else {
+                        break;
+                    };
+                    if key == self.instances_key && self.liveness_in_flight.is_some() {
+                        deferred = Some(key);
+                        continue;
+                    }
+                    writes.extend(self.key_write(now, key));
                 }
-                writes.push(KeyWrite {
-                    delete: std::mem::take(&mut st.pending_delete).into_iter().collect(),
-                    set: st
-                        .fields
-                        .iter()
-                        .map(|(f, v)| (f.clone(), expiring::encode(v, expires_at)))
-                        .collect(),
-                    expire,
-                    announce,
-                    publish,
-                    key,
-                });
-            }
-            if !writes.is_empty() {
-                let id = self.next_batch_id;
-                self.next_batch_id += 1;
-                self.in_flight = Some(InFlight {
-                    id,
-                    writes: writes.clone(),
-                });
-                self.outputs
-                    .push_back(TrackerOutput::Write(Batch { id, writes }));
+                self.dirty_queue.extend(deferred);
+                if !writes.is_empty() {
+                    self.in_flight = Some(self.send(writes));
+                }
+            } else if self.liveness_in_flight.is_none() && self.stage == Stage::Running {
+                self.send_liveness(now);
             }
         }
         if self.stage == Stage::Stopping && self.is_settled() {
             self.stage = Stage::Stopped;
             self.outputs.push_back(TrackerOutput::ShutdownComplete);
         }
+    }
+
+    /// Sends the instance record alone, when it is due and not in the batch in flight.
+    fn send_liveness(&mut self, now: Time) {
+        let key = &self.instances_key;
+        let due = self.state.get(key).is_some_and(|st| st.queued);
+        let in_batch = (self.in_flight.iter()).any(|f| f.writes.iter().any(|w| w.key == *key));
+        if !due || in_batch {
+            return;
+        }
+        let key = key.clone();
+        self.dirty_queue.retain(|k| *k != key);
+        let writes: Vec<KeyWrite> = self.key_write(now, key).into_iter().collect();
+        if !writes.is_empty() {
+            self.liveness_in_flight = Some(self.send(writes));
+        }
+    }
+
+    /// Outputs a batch of `writes`; what it records on success.
+    fn send(&mut self, writes: Vec<KeyWrite>) -> InFlight {
+        let id = self.next_batch_id;
+        self.next_batch_id += 1;
+        self.outputs.push_back(TrackerOutput::Write(Batch {
+            id,
+            writes: writes.clone(),
+        }));
+        InFlight { id, writes }
+    }
+
+    /// The write of `key` (taken off the queue) at `now`; none when nothing is kept of it.
+    fn key_write(&mut self, now: Time, key: String) -> Option<KeyWrite> {
+        let st = self.state.get_mut(&key)?;
+        st.queued = false;
+        let (ttl, every) = self.config.life(key == self.instances_key, st.listing);
+        let expires_at = now + ttl;
+        // Half a period to spare for batches that run late.
+        let key_ttl = ttl + every * KEY_REFRESHES + every / 2;
+        let renew = !st.fields.is_empty() && st.key_expires < expires_at;
+        let expire = if st.fields.is_empty() {
+            KeyExpiry::Keep
+        } else if renew {
+            KeyExpiry::Renew(key_ttl)
+        } else {
+            KeyExpiry::IfCreated(key_ttl)
+        };
+        st.writing = Some(Writing {
+            fields_expire: expires_at,
+            key_expires: renew.then_some(now + key_ttl),
+        });
+        let mut publish = std::mem::take(&mut st.pending_publish);
+        // An explicit event already says what is true now.
+        let mut announce = match &st.announce {
+            Some(a) if publish.is_empty() && !st.fields.is_empty() => vec![a.clone()],
+            _ => Vec::new(),
+        };
+        // Fields that expired while the key kept them are revived, not created:
+        // announce them whatever the `set` finds.
+        if now >= st.fields_expire {
+            publish.append(&mut announce);
+        }
+        Some(KeyWrite {
+            delete: std::mem::take(&mut st.pending_delete).into_iter().collect(),
+            set: st
+                .fields
+                .iter()
+                .map(|(f, v)| (f.clone(), expiring::encode(v, expires_at)))
+                .collect(),
+            expire,
+            announce,
+            publish,
+            key,
+        })
     }
 }
 

@@ -292,6 +292,77 @@ fn liveness_is_a_short_lived_instance_record_rewritten_every_third_of_it() {
     }
 }
 
+/// The instance record does not wait behind a slow batch: it goes alone beside it, and
+/// the next batch leaves it out while that write is out (`partition` seed 1706: a batch
+/// slowed 1.5 s let a 2 s liveness lapse).
+#[test]
+fn the_liveness_goes_alone_beside_a_slow_batch() {
+    let mut t = Tracker::new(
+        Time(0),
+        TrackerConfig {
+            liveness: Duration::from_millis(90),
+            ..config()
+        },
+        Keys::new("kas"),
+        KasId("k1:1".into()),
+        &KasInstanceInfo::default(),
+        1,
+    );
+    let first = next_batch(&mut t);
+    ack(&mut t, 1, &first, true);
+    t.handle_input(Time(2), TrackerInput::AgentConnected(Box::new(info(7, 70))));
+    let slow = next_batch(&mut t);
+    assert!(!keys_of(&slow).contains(&"kas:kas_instances"));
+    t.handle_timeout(Time(30));
+    let beat = next_batch(&mut t);
+    assert_eq!(keys_of(&beat), vec!["kas:kas_instances"]);
+    // Due again while that write is out: the next batch leaves it out.
+    t.handle_input(Time(31), TrackerInput::AgentConnected(Box::new(info(8, 80))));
+    t.handle_timeout(Time(60));
+    ack(&mut t, 61, &slow, true);
+    let next = next_batch(&mut t);
+    assert!(!keys_of(&next).is_empty());
+    assert!(!keys_of(&next).contains(&"kas:kas_instances"), "{next:?}");
+    // Its answer frees the record, which goes alone again beside the batch out.
+    ack(&mut t, 62, &beat, true);
+    let again = next_batch(&mut t);
+    assert_eq!(keys_of(&again), vec!["kas:kas_instances"]);
+    assert_eq!(
+        expiring::decode(&again.writes[0].set[0].1).unwrap().0,
+        Time(62 + 90)
+    );
+}
+
+/// A failed write of the record alone is retried beside the slow batch, and its retry's
+/// time does not stay due (a timer in the past once spun a simulated kas forever).
+#[test]
+fn a_failed_liveness_write_beside_a_slow_batch_is_retried_once_due() {
+    let mut t = Tracker::new(
+        Time(0),
+        TrackerConfig {
+            liveness: Duration::from_millis(90),
+            ..config()
+        },
+        Keys::new("kas"),
+        KasId("k1:1".into()),
+        &KasInstanceInfo::default(),
+        1,
+    );
+    let first = next_batch(&mut t);
+    ack(&mut t, 1, &first, true);
+    t.handle_input(Time(2), TrackerInput::AgentConnected(Box::new(info(7, 70))));
+    let _slow = next_batch(&mut t);
+    t.handle_timeout(Time(30));
+    let beat = next_batch(&mut t);
+    ack(&mut t, 31, &beat, false);
+    let retry = t.poll_timeout().expect("a retry");
+    assert!(retry > Time(31) && retry < Time(60), "{retry:?}");
+    t.handle_timeout(retry);
+    let again = next_batch(&mut t);
+    assert_eq!(keys_of(&again), vec!["kas:kas_instances"]);
+    assert!(t.poll_timeout().is_some_and(|at| at > retry), "a timer in the past");
+}
+
 #[test]
 fn refresh_rewrites_what_routing_reads_and_a_project_s_connections_every_third_period() {
     let mut t = tracker();
