@@ -246,17 +246,7 @@ fn failed_batch_is_retried_after_backoff_with_its_deletes_and_events() {
 
 #[test]
 fn liveness_is_a_short_lived_instance_record_rewritten_every_third_of_it() {
-    let mut t = Tracker::new(
-        Time(0),
-        TrackerConfig {
-            liveness: Duration::from_millis(90),
-            ..config()
-        },
-        Keys::new("kas"),
-        KasId("k1:1".into()),
-        &KasInstanceInfo::default(),
-        1,
-    );
+    let mut t = short_liveness();
     let first = next_batch(&mut t);
     assert_eq!(
         first.writes[0].expire,
@@ -292,12 +282,9 @@ fn liveness_is_a_short_lived_instance_record_rewritten_every_third_of_it() {
     }
 }
 
-/// The instance record does not wait behind a slow batch: it goes alone beside it, and
-/// the next batch leaves it out while that write is out (`partition` seed 1706: a batch
-/// slowed 1.5 s let a 2 s liveness lapse).
-#[test]
-fn the_liveness_goes_alone_beside_a_slow_batch() {
-    let mut t = Tracker::new(
+/// A tracker whose liveness is 90 ms (a heartbeat every 30).
+fn short_liveness() -> Tracker {
+    Tracker::new(
         Time(0),
         TrackerConfig {
             liveness: Duration::from_millis(90),
@@ -307,7 +294,13 @@ fn the_liveness_goes_alone_beside_a_slow_batch() {
         KasId("k1:1".into()),
         &KasInstanceInfo::default(),
         1,
-    );
+    )
+}
+
+/// A batch of agent 7's records sent at 2 and not answered, and the instance record's
+/// heartbeat at 30 sent alone beside it: (tracker, that batch, the heartbeat's).
+fn beat_beside_a_slow_batch() -> (Tracker, Batch, Batch) {
+    let mut t = short_liveness();
     let first = next_batch(&mut t);
     ack(&mut t, 1, &first, true);
     t.handle_input(Time(2), TrackerInput::AgentConnected(Box::new(info(7, 70))));
@@ -316,8 +309,20 @@ fn the_liveness_goes_alone_beside_a_slow_batch() {
     t.handle_timeout(Time(30));
     let beat = next_batch(&mut t);
     assert_eq!(keys_of(&beat), vec!["kas:kas_instances"]);
+    (t, slow, beat)
+}
+
+/// The instance record does not wait behind a slow batch: it goes alone beside it, and
+/// the next batch leaves it out while that write is out (`partition` seed 1706: a batch
+/// slowed 1.5 s let a 2 s liveness lapse).
+#[test]
+fn the_liveness_goes_alone_beside_a_slow_batch() {
+    let (mut t, slow, beat) = beat_beside_a_slow_batch();
     // Due again while that write is out: the next batch leaves it out.
-    t.handle_input(Time(31), TrackerInput::AgentConnected(Box::new(info(8, 80))));
+    t.handle_input(
+        Time(31),
+        TrackerInput::AgentConnected(Box::new(info(8, 80))),
+    );
     t.handle_timeout(Time(60));
     ack(&mut t, 61, &slow, true);
     let next = next_batch(&mut t);
@@ -337,30 +342,17 @@ fn the_liveness_goes_alone_beside_a_slow_batch() {
 /// time does not stay due (a timer in the past once spun a simulated kas forever).
 #[test]
 fn a_failed_liveness_write_beside_a_slow_batch_is_retried_once_due() {
-    let mut t = Tracker::new(
-        Time(0),
-        TrackerConfig {
-            liveness: Duration::from_millis(90),
-            ..config()
-        },
-        Keys::new("kas"),
-        KasId("k1:1".into()),
-        &KasInstanceInfo::default(),
-        1,
-    );
-    let first = next_batch(&mut t);
-    ack(&mut t, 1, &first, true);
-    t.handle_input(Time(2), TrackerInput::AgentConnected(Box::new(info(7, 70))));
-    let _slow = next_batch(&mut t);
-    t.handle_timeout(Time(30));
-    let beat = next_batch(&mut t);
+    let (mut t, _slow, beat) = beat_beside_a_slow_batch();
     ack(&mut t, 31, &beat, false);
     let retry = t.poll_timeout().expect("a retry");
     assert!(retry > Time(31) && retry < Time(60), "{retry:?}");
     t.handle_timeout(retry);
     let again = next_batch(&mut t);
     assert_eq!(keys_of(&again), vec!["kas:kas_instances"]);
-    assert!(t.poll_timeout().is_some_and(|at| at > retry), "a timer in the past");
+    assert!(
+        t.poll_timeout().is_some_and(|at| at > retry),
+        "a timer in the past"
+    );
 }
 
 #[test]

@@ -99,6 +99,19 @@ fn tree(spans: &BTreeMap<String, Value>, root: &str) -> String {
     out
 }
 
+/// The first line of kas `i`'s audit log (in `dir`) that `wanted` takes, once written.
+async fn audit_line(dir: &Path, i: usize, wanted: impl Fn(&Value) -> bool) -> Value {
+    let audit = kas_tools::local::audit_log(dir, i);
+    support::eventually(Duration::from_secs(10), "the audit line", || async {
+        std::fs::read_to_string(&audit)
+            .unwrap_or_default()
+            .lines()
+            .filter_map(|l| serde_json::from_str::<Value>(l).ok())
+            .find(|l| wanted(l))
+    })
+    .await
+}
+
 /// Runs kubectl through kas2 (agent 1's replica is on kas0: the call is forwarded); it
 /// must succeed.
 async fn through_kas2(d: &LocalDeployment, cache: &Path, args: &[&str]) {
@@ -165,15 +178,7 @@ async fn an_exec_through_a_remote_kas_is_one_trace_across_kas_and_agentk() {
     let args = ["exec", "-n", "default", "web-1", "--", "echo", "traced"];
     through_kas2(&d, cache, &args).await;
 
-    let audit = kas_tools::local::audit_log(dir.path(), 2);
-    let line = support::eventually(Duration::from_secs(10), "the audit line", || async {
-        std::fs::read_to_string(&audit)
-            .unwrap_or_default()
-            .lines()
-            .filter_map(|l| serde_json::from_str::<Value>(l).ok())
-            .find(|l| l["verb"] == "exec")
-    })
-    .await;
+    let line = audit_line(dir.path(), 2, |l| l["verb"] == "exec").await;
     let trace_id = line["trace_id"].as_str().expect("a trace id").to_string();
     assert_eq!(trace_id.len(), 32, "{line}");
     let chain = [
@@ -290,15 +295,7 @@ async fn an_exec_through_a_remote_kas_is_one_trace_across_kas_and_agentk() {
         .expect("kubectl runs");
     let stderr = String::from_utf8_lossy(&out.stderr);
     assert!(stderr.contains("agent 3 is not connected"), "{stderr}");
-    let audit = kas_tools::local::audit_log(dir.path(), 1);
-    let line = support::eventually(Duration::from_secs(10), "agent 3's audit line", || async {
-        std::fs::read_to_string(&audit)
-            .unwrap_or_default()
-            .lines()
-            .filter_map(|l| serde_json::from_str::<Value>(l).ok())
-            .find(|l| l["agent_id"] == 3 && l["verb"] == "list")
-    })
-    .await;
+    let line = audit_line(dir.path(), 1, |l| l["agent_id"] == 3 && l["verb"] == "list").await;
     let trace_id = line["trace_id"].as_str().expect("a trace id");
     let names = ["kubernetes_api.request", "kas.route", "kas.wait"];
     let got = trace(&spans_file, trace_id, &names).await;
