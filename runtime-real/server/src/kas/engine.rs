@@ -336,23 +336,7 @@ impl Engine {
                 tunnel,
                 call,
                 waited,
-            } => {
-                let start = call.start.clone();
-                let order = Box::new(TunnelOrder { request, call });
-                let sent = self
-                    .tunnels
-                    .get(&tunnel)
-                    .is_some_and(|orders| orders.try_send(order).is_ok());
-                if traces::on() {
-                    self.route_spans.left(request);
-                }
-                if sent {
-                    self.metrics.routing_latency.observe(waited.as_secs_f64());
-                    tracing::debug!(%request, %tunnel, correlation_id = start.correlation_id(), "call handed to a tunnel");
-                } else {
-                    self.input(NodeInput::DeliveryFailed { request, tunnel });
-                }
-            }
+            } => self.deliver(request, tunnel, call, waited),
             NodeOutput::Forward {
                 request,
                 kas,
@@ -417,6 +401,25 @@ impl Engine {
                 let call = self.node.call(request);
                 self.route_spans.step(request, call, step);
             }
+        }
+    }
+
+    /// Hands `call` to `tunnel`'s task; one that cannot take it goes back to the node.
+    fn deliver(&mut self, request: RequestId, tunnel: TunnelId, call: Call, waited: Duration) {
+        let start = call.start.clone();
+        let order = Box::new(TunnelOrder { request, call });
+        let sent = self
+            .tunnels
+            .get(&tunnel)
+            .is_some_and(|orders| orders.try_send(order).is_ok());
+        if traces::on() {
+            self.route_spans.left(request);
+        }
+        if sent {
+            self.metrics.routing_latency.observe(waited.as_secs_f64());
+            tracing::debug!(%request, %tunnel, correlation_id = start.correlation_id(), "call handed to a tunnel");
+        } else {
+            self.input(NodeInput::DeliveryFailed { request, tunnel });
         }
     }
 }

@@ -287,6 +287,29 @@ impl KubernetesApiService {
         }
     }
 
+    /// Admission, in a span of its own: the token (GitLab's answer, or the cache's) and
+    /// the caller's limits. A refusal is carried by the request's span.
+    async fn admit(
+        &self,
+        credential: &Credential,
+        peer: Option<std::net::IpAddr>,
+        entry: &mut Entry,
+        trace: &Context,
+    ) -> Result<(Grant, Open), Failure> {
+        let admission = traces::child("kas", "kas.admission", SpanKind::Internal, trace, Vec::new);
+        let admitted = async {
+            let grant = self.tokens.check(credential, peer).await?;
+            entry.granted(&grant.caller, grant.impersonation.as_ref());
+            let open = self.open.open(credential)?;
+            Ok((grant, open))
+        }
+        .await;
+        let span = admission.span();
+        span.set_attribute(KeyValue::new("kas.admitted", admitted.is_ok()));
+        span.end();
+        admitted
+    }
+
     async fn proxy(
         &self,
         mut req: Request<Body>,
@@ -303,20 +326,7 @@ impl KubernetesApiService {
             .and_then(|v| v.to_str().ok());
         let credential = Credential::parse(auth)?;
         entry.presented(&credential);
-        // Admission: the token (GitLab's answer, or the cache's) and the caller's limits.
-        let admission = traces::child("kas", "kas.admission", SpanKind::Internal, trace, Vec::new);
-        let admitted = async {
-            let grant = self.tokens.check(&credential, peer).await?;
-            entry.granted(&grant.caller, grant.impersonation.as_ref());
-            let open = self.open.open(&credential)?;
-            Ok::<_, Failure>((grant, open))
-        }
-        .await;
-        // Refused: the request's span carries the refusal.
-        let span = admission.span();
-        span.set_attribute(KeyValue::new("kas.admitted", admitted.is_ok()));
-        span.end();
-        let (grant, open) = admitted?;
+        let (grant, open) = self.admit(&credential, peer, entry, trace).await?;
         let upgrade =
             http_relay::wants_upgrade(req.headers()).then(|| hyper::upgrade::on(&mut req));
         let mut headers = http_relay::to_values(req.headers());
