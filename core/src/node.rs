@@ -470,6 +470,8 @@ struct Connection {
     /// Its open `GetConfiguration` streams.
     streams: u32,
     tunnels: BTreeSet<TunnelId>,
+    /// The most tunnels its replica opens (`AgentMeta::max_tunnels`; 0: unknown).
+    max_tunnels: usize,
 }
 
 /// Where a call is.
@@ -617,7 +619,10 @@ impl<C: Clone> KasNode<C> {
         match input {
             NodeInput::AgentConnected(info) => {
                 let key = (AgentId(info.agent_id), ConnectionId(info.connection_id));
-                self.connections.entry(key).or_default().streams += 1;
+                let max_tunnels = info.agent_meta.as_ref().map_or(0, |m| m.max_tunnels);
+                let c = self.connections.entry(key).or_default();
+                c.streams += 1;
+                c.max_tunnels = usize::try_from(max_tunnels).unwrap_or(usize::MAX);
                 self.tracker
                     .handle_input(now, TrackerInput::AgentConnected(info));
             }
@@ -778,11 +783,13 @@ impl<C: Clone> KasNode<C> {
             return Err(NodeError::ConnectionNotOpen { agent, connection });
         };
         c.tunnels.insert(tunnel);
+        let max_tunnels = c.max_tunnels;
         self.tunnels.insert(tunnel, (agent, connection));
         let opened = RegistryInput::TunnelOpened {
             tunnel,
             agent,
             connection,
+            max_tunnels,
         };
         self.registry(now, opened)?;
         Ok(())

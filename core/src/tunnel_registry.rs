@@ -7,13 +7,14 @@
 //! elsewhere. Tunnels that miss their heartbeats are closed.
 //!
 //! Sharing: a call may name a [`Holder`] (a Kubernetes API caller). No holder may take
-//! more than three quarters of the tunnels the agent may open here ([`share`] of its
-//! connections' [`RegistryConfig::tunnels_per_connection`]), nor the last idle one
-//! while it holds any, so one caller cannot deny an agent to the others: a quarter of its
-//! tunnels (at least one) stays for them, and the last free tunnel goes to a caller that
-//! holds none. A holder's call beyond that waits like a call for a busy agent, until one of
-//! its own calls ends or tunnels open, or until its deadline. GitLab's calls (no holder)
-//! are not counted.
+//! more than three quarters of the tunnels the agent may open here ([`share`] of what its
+//! connections may open: each the smaller of its replica's pool maximum and
+//! [`RegistryConfig::tunnels_per_connection`]), nor the last idle one while it holds any,
+//! so one caller cannot deny an agent to the others: a quarter of its tunnels (at least
+//! one) stays for them, and the last free tunnel goes to a caller that holds none. An
+//! agent that may open one tunnel here keeps it for GitLab's calls. A holder's call beyond
+//! that waits like a call for a busy agent, until one of its own calls ends or tunnels
+//! open, or until its deadline. GitLab's calls (no holder) are not counted.
 //!
 //! Driving contract: feed [`TunnelRegistry::handle_input`], drain
 //! [`TunnelRegistry::poll_output`], and call [`TunnelRegistry::handle_timeout`] at
@@ -43,6 +44,10 @@ pub enum RegistryInput {
         agent: AgentId,
         /// The agent replica's connection.
         connection: ConnectionId,
+        /// The most tunnels the replica says it opens on the connection (0: it did not
+        /// say); the share counts the smaller of this and
+        /// [`RegistryConfig::tunnels_per_connection`].
+        max_tunnels: usize,
     },
     /// The tunnel sent a frame (heartbeat or call frame): it is alive.
     TunnelActivity {
@@ -141,8 +146,9 @@ pub struct RegistryConfig {
     /// A tunnel silent for this long is closed.
     pub heartbeat_timeout: Duration,
     /// The most tunnels kas takes on one agent connection: what an agent may open here is
-    /// this for each of its connections, and the sharing divides that, not the tunnels open
-    /// now (agentk keeps a couple idle and opens more as they are taken).
+    /// this (or its replica's smaller pool maximum) for each of its connections, and the
+    /// sharing divides that, not the tunnels open now (agentk keeps a couple idle and
+    /// opens more as they are taken).
     pub tunnels_per_connection: usize,
 }
 
@@ -171,9 +177,9 @@ struct Claim {
 }
 
 /// The most tunnels of an agent that may open `total` here that one holder may hold: all
-/// but a quarter, and at least one.
+/// but a quarter, and at least one, stays for the others (none of one tunnel).
 fn share(total: usize) -> usize {
-    total.saturating_sub((total / 4).max(1)).max(1)
+    total.saturating_sub((total / 4).max(1))
 }
 
 type ConnKey = (AgentId, ConnectionId);
@@ -193,8 +199,10 @@ pub struct TunnelRegistry {
     held: Map<(AgentId, Holder), usize>,
     /// Waiters per agent, pinned or not.
     waiting: Map<AgentId, usize>,
-    /// Connections with tunnels here, per agent.
-    connections: Map<AgentId, usize>,
+    /// The most tunnels each connection with tunnels here may open (its replica's pool
+    /// maximum, at most kas's limit), and their sum per agent: what the share divides.
+    conn_may_open: Map<ConnKey, usize>,
+    may_open: Map<AgentId, usize>,
     waiters: Map<RequestId, Waiter>,
     /// Waiters for any connection of an agent, and for one connection, by arrival.
     queue_by_agent: Map<AgentId, BTreeMap<u64, RequestId>>,
@@ -219,7 +227,8 @@ impl TunnelRegistry {
             claims: Map::default(),
             held: Map::default(),
             waiting: Map::default(),
-            connections: Map::default(),
+            conn_may_open: Map::default(),
+            may_open: Map::default(),
             waiters: Map::default(),
             queue_by_agent: Map::default(),
             queue_by_conn: Map::default(),
@@ -237,6 +246,7 @@ impl TunnelRegistry {
                 tunnel,
                 agent,
                 connection,
+                max_tunnels,
             } => {
                 if self.tunnels.contains_key(&tunnel) {
                     return Err(RegistryError::DuplicateTunnel(tunnel));
@@ -253,7 +263,13 @@ impl TunnelRegistry {
                 let tunnels = self.per_conn.entry((agent, connection)).or_default();
                 *tunnels += 1;
                 if *tunnels == 1 {
-                    *self.connections.entry(agent).or_default() += 1;
+                    let limit = self.config.tunnels_per_connection;
+                    let may_open = match max_tunnels {
+                        0 => limit,
+                        n => n.min(limit),
+                    };
+                    self.conn_may_open.insert((agent, connection), may_open);
+                    *self.may_open.entry(agent).or_default() += may_open;
                 }
                 let count = self.per_agent.entry(agent).or_default();
                 *count += 1;
@@ -421,12 +437,15 @@ impl TunnelRegistry {
         if per_agent != self.per_agent {
             return Err("per-agent tunnel counts disagree with the tunnels".into());
         }
-        let mut connections: Map<AgentId, usize> = Map::default();
-        for (agent, _) in self.per_conn.keys() {
-            *connections.entry(*agent).or_default() += 1;
+        let mut may_open: Map<AgentId, usize> = Map::default();
+        for key in self.per_conn.keys() {
+            let Some(n) = self.conn_may_open.get(key) else {
+                return Err(format!("connection {key:?} has tunnels but no maximum"));
+            };
+            *may_open.entry(key.0).or_default() += n;
         }
-        if connections != self.connections {
-            return Err("per-agent connection counts disagree with the tunnels".into());
+        if may_open != self.may_open || self.conn_may_open.len() != self.per_conn.len() {
+            return Err("per-agent tunnel maxima disagree with the connections".into());
         }
         let mut held: Map<(AgentId, Holder), usize> = Map::default();
         for share in self.claims.values().filter_map(|c| c.share) {
@@ -535,8 +554,7 @@ impl TunnelRegistry {
         let Some(holder) = holder else {
             return true;
         };
-        let connections = self.connections.get(&agent).copied().unwrap_or(0);
-        let may_open = connections.saturating_mul(self.config.tunnels_per_connection);
+        let may_open = self.may_open.get(&agent).copied().unwrap_or(0);
         let held = self.held.get(&(agent, holder)).copied().unwrap_or(0);
         held < share(may_open) && (held == 0 || idle > 1)
     }
@@ -642,7 +660,13 @@ impl TunnelRegistry {
             self.unclaim(r);
         }
         if decrement(&mut self.per_conn, (t.agent, t.connection)) {
-            decrement(&mut self.connections, t.agent);
+            let n = self.conn_may_open.remove(&(t.agent, t.connection));
+            if let Some(total) = self.may_open.get_mut(&t.agent) {
+                *total -= n.unwrap_or(0).min(*total);
+                if *total == 0 {
+                    self.may_open.remove(&t.agent);
+                }
+            }
         }
         if decrement(&mut self.per_agent, t.agent) {
             self.outputs.push_back(RegistryOutput::AgentPresence {

@@ -388,10 +388,12 @@ impl Cluster {
         let pod = pod_name(agent, replica);
         let truth = self.truth.clone();
         let (ha, kas_count) = (self.ha, self.kas_count);
-        // Half the replicas keep one tunnel only: a call then waits for it or takes
-        // another replica's, and a pinned call must not.
-        // (The greedy caller's agent keeps as many as kas allows.)
-        let one_tunnel = agent != crate::callers::CROWDED && thread_rng().gen_bool(0.5);
+        // Half the replicas keep two tunnels only: a call then waits for one or takes
+        // another replica's, and a pinned call must not. (Not one: kas keeps an agent's
+        // only tunnel for GitLab's calls, and the probes make Kubernetes API calls too.)
+        // The greedy caller's agent keeps fewer than kas allows: kas must share out what
+        // its pool may open, not kas's limit.
+        let few_tunnels = agent != crate::callers::CROWDED && thread_rng().gen_bool(0.5);
         // The delay applies to the first start only.
         let delay = Arc::new(AtomicU64::new(
             u64::try_from(delay.as_millis()).unwrap_or(u64::MAX),
@@ -412,9 +414,11 @@ impl Cluster {
                 }
                 options.seed = u64::from(ip);
                 options.heartbeat = Duration::from_millis(500);
-                if one_tunnel {
+                if few_tunnels {
                     options.pool.min_idle = 1;
-                    options.pool.max = 1;
+                    options.pool.max = 2;
+                } else if agent == crate::callers::CROWDED {
+                    options.pool.max = crate::greedy_caller::CROWDED_POOL;
                 }
                 // Reconnect delays capped at 4 s (the default cap is 60 s), so that the
                 // healed phase may expect every agent back within its settle time.

@@ -13,9 +13,13 @@ use std::time::Duration;
 use tokio::task::JoinHandle;
 use tokio::time::Instant;
 
-/// What one caller may hold of the tunnels one connection may open (16): all but a
-/// quarter. kas holds back its next request (it may not take the last free tunnel either).
-pub const SHARE: usize = crate::greedy::TUNNELS - crate::greedy::TUNNELS / 4;
+/// The most tunnels [`CROWDED`]'s pool opens: fewer than kas allows a connection
+/// ([`crate::greedy::TUNNELS`]), so kas must share out the pool's maximum.
+pub const CROWDED_POOL: usize = crate::greedy::TUNNELS / 2;
+
+/// What one caller may hold of the tunnels the agent may open: all but a quarter. kas
+/// holds back its next request (it may not take the last free tunnel either).
+pub const SHARE: usize = CROWDED_POOL - CROWDED_POOL / 4;
 
 /// More than the per-agent request limit (32): the tunnels' share stops it first.
 const MOST: usize = 40;

@@ -1176,7 +1176,7 @@ pub async fn run(scenario: Scenario) -> Report {
     let mut uncounted = 0;
     if let Some(greedy) = greedy {
         let crowding = greedy.await.expect("the greedy caller runs");
-        // Its agent's job is done: its 16 tunnels' heartbeats would slow the rest of the run.
+        // Its agent's job is done: its tunnels' heartbeats would slow the rest of the run.
         for (agent, _, node) in &cluster.agent_nodes {
             if *agent == crate::callers::CROWDED {
                 Handle::current().kill(node.id());
@@ -1190,10 +1190,11 @@ pub async fn run(scenario: Scenario) -> Report {
         }
         if crowding.held != greedy_caller::SHARE {
             violations.push(format!(
-                "inv 10: a greedy caller was given {} watches on agent {}, not {} (all but a quarter of the {} tunnels its one connection may open)",
+                "inv 10: a greedy caller was given {} watches on agent {}, not {} (all but a quarter of the {} tunnels its one connection's pool may open; kas allows {})",
                 crowding.held,
                 crate::callers::CROWDED,
                 greedy_caller::SHARE,
+                greedy_caller::CROWDED_POOL,
                 crate::greedy::TUNNELS
             ));
         }

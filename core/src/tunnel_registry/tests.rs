@@ -18,15 +18,22 @@ fn drain(r: &mut TunnelRegistry) -> Vec<RegistryOutput> {
 }
 
 fn open(r: &mut TunnelRegistry, now: u64, t: u64, agent: AgentId, c: ConnectionId) {
-    r.handle_input(
-        Time(now),
-        RegistryInput::TunnelOpened {
-            tunnel: TunnelId(t),
-            agent,
-            connection: c,
-        },
-    )
-    .unwrap();
+    open_at(r, now, t, (agent, c), 0);
+}
+
+/// Opens tunnel `t` of a connection whose replica says it opens at most `max`.
+fn open_with_max(r: &mut TunnelRegistry, t: u64, agent: AgentId, c: ConnectionId, max: usize) {
+    open_at(r, 0, t, (agent, c), max);
+}
+
+fn open_at(r: &mut TunnelRegistry, now: u64, t: u64, (agent, c): ConnKey, max: usize) {
+    let opened = RegistryInput::TunnelOpened {
+        tunnel: TunnelId(t),
+        agent,
+        connection: c,
+        max_tunnels: max,
+    };
+    r.handle_input(Time(now), opened).unwrap();
 }
 
 fn request(r: &mut TunnelRegistry, now: u64, id: u64, agent: AgentId, c: Option<ConnectionId>) {
@@ -254,6 +261,7 @@ fn driver_mistakes_are_errors_not_panics() {
         tunnel: TunnelId(1),
         agent: A,
         connection: C1,
+        max_tunnels: 0,
     };
     assert_eq!(
         r.handle_input(Time(0), dup),
@@ -358,15 +366,51 @@ fn a_holder_keeps_a_quarter_of_the_tunnels_and_the_last_free_one_for_others() {
 #[test]
 fn the_share_is_all_but_a_quarter_and_at_least_one() {
     let shares: Vec<usize> = [1, 2, 3, 4, 8, 100].into_iter().map(share).collect();
-    assert_eq!(shares, [1, 1, 2, 3, 6, 75]);
-    // An agent with a single tunnel here still serves a holder.
+    assert_eq!(shares, [0, 1, 2, 3, 6, 75]);
+    // An agent with a single tunnel here keeps it for GitLab's calls: a holder waits.
     let mut r = registry();
-    open(&mut r, 0, 1, A, C1);
+    open_with_max(&mut r, 1, A, C1, 1);
+    drain(&mut r);
     held_request(&mut r, 0, 1, A, Some(C1), Some(Holder(1)));
-    assert!(matches!(
-        drain(&mut r)[..],
-        [_, RegistryOutput::Matched { .. }]
-    ));
+    assert_eq!(drain(&mut r), []);
+    request(&mut r, 0, 2, A, None);
+    assert_eq!(matched_request(&mut r), Some(2));
+}
+
+#[test]
+fn the_share_divides_what_the_replicas_pools_may_open_not_kas_limit() {
+    // kas allows 8 a connection; the replica's pool stops at 2, so one caller may hold one
+    // of them, not both (seed 406 of `kas-crash-ha`: a watch held a one-tunnel agent's
+    // only tunnel and GitLab's calls waited out their deadlines).
+    let mut r = registry();
+    open_with_max(&mut r, 1, A, C1, 2);
+    open_with_max(&mut r, 2, A, C1, 2);
+    drain(&mut r);
+    held_request(&mut r, 0, 1, A, None, Some(Holder(1)));
+    assert_eq!(matched_request(&mut r), Some(1));
+    held_request(&mut r, 0, 2, A, None, Some(Holder(1)));
+    assert_eq!(drain(&mut r), []);
+    // A second replica's connection adds its own maximum: now 2 + 8 = 10, a share of 8.
+    open(&mut r, 0, 3, A, C2);
+    assert_eq!(matched_request(&mut r), Some(2));
+    // When that connection's last tunnel goes, the share is back to 1 of 2.
+    release(&mut r, 1, 2);
+    let closed = RegistryInput::TunnelClosed {
+        tunnel: TunnelId(3),
+    };
+    r.handle_input(Time(1), closed).unwrap();
+    drain(&mut r);
+    held_request(&mut r, 1, 3, A, None, Some(Holder(1)));
+    assert_eq!(drain(&mut r), []);
+    // An agent that claims more than kas allows gets kas's limit.
+    open_with_max(&mut r, 4, B, C1, 1_000);
+    for id in 10..=15 {
+        held_request(&mut r, 1, id, B, None, Some(Holder(1)));
+        open_with_max(&mut r, 100 + id, B, C1, 1_000);
+    }
+    assert_eq!(r.claimed_count(), 1 + 6);
+    held_request(&mut r, 1, 16, B, None, Some(Holder(1)));
+    assert_eq!(r.claimed_count(), 1 + 6);
 }
 
 #[test]

@@ -24,6 +24,8 @@ pub fn own(pod_namespace: &str, pod_name: &str) -> AgentMeta {
         pod_name: pod_name.into(),
         kubernetes_version: None,
         architecture: architecture().into(),
+        // Set per connection from the tunnel pool's maximum.
+        max_tunnels: 0,
     }
 }
 

@@ -318,8 +318,13 @@ impl Connection {
                 .map_err(Status::unavailable)?;
             let client =
                 AgentClient::new(channel, options.token.clone()).with_proof(self.proof.to_vec());
+            // kas shares out what the pool may open among Kubernetes API callers.
+            let meta = AgentMeta {
+                max_tunnels: u32::try_from(options.pool.max).unwrap_or(u32::MAX),
+                ..options.meta.clone()
+            };
             // Bounded too: a link dead one way may carry the request and never the answer.
-            let first = client.connect(options.meta.clone(), Some(self.replica));
+            let first = client.connect(meta, Some(self.replica));
             let (connection, first, config) = tokio::time::timeout(CONNECT_TIMEOUT, first)
                 .await
                 .map_err(|_| {

@@ -187,6 +187,7 @@ async fn oversized_agent_metadata_is_refused_naming_the_field() {
             git_version: long(64),
             platform: long(64),
         }),
+        max_tunnels: u32::MAX,
     };
     let (_connection, _, _config) = client.connect(fits, None).await.expect("within limits");
     let gl = GitLab::new(&s, kas.api).await;

@@ -66,7 +66,10 @@ struct Args {
     /// Tunnels kept idle per connection, ready for calls.
     #[arg(long, value_name = "N", default_value_t = 2)]
     min_idle_tunnels: usize,
-    /// Most tunnels open at once per connection.
+    /// Most tunnels open at once per connection (kas's `agent.max_tunnels_per_connection`
+    /// caps it too). kas lets one Kubernetes API caller hold at most three quarters of what
+    /// an agent may open on it and keeps at least one for the others: with 1, kubectl's
+    /// requests never get a tunnel there (GitLab's own calls do).
     #[arg(long, value_name = "N", default_value_t = 100)]
     max_tunnels: usize,
     /// Close a tunnel idle this long, when more than the minimum are idle.

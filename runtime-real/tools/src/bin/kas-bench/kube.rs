@@ -112,7 +112,9 @@ pub async fn part(world: &mut World, options: KasOptions, sizes: &Sizes) -> Resu
     let server = KubeServer::start(&pods)
         .await
         .map_err(|e| format!("the local API server: {e}"))?;
-    let max_tunnels = sizes.watches + 64;
+    // One caller token holds every watch: kas lets one caller hold three quarters of
+    // what the agent's pool may open.
+    let max_tunnels = sizes.watches * 4 / 3 + 64;
     let mut results = json!({});
     let routes = Routes::start(world, options, &server, max_tunnels).await?;
     results["get_pods"] = latency(&routes.paths, sizes.point).await?;
