@@ -2,9 +2,13 @@
 //! `agent.kubernetes_api.tokens_file`), whom kas makes the agent act as for them, and the
 //! identity they claim for themselves, which must never get through (inv 12).
 
-/// The agent the greedy caller (see `greedy_caller`) crowds: one replica keeping as many
-/// tunnels as kas allows.
+/// The agent the greedy caller (see `greedy_caller`) crowds: one replica, whose pool keeps
+/// at most [`CROWDED_POOL`] tunnels.
 pub const CROWDED: i64 = 59;
+
+/// The most tunnels [`CROWDED`]'s pool opens: half of what kas allows a connection
+/// (`greedy::TUNNELS`, 16), so kas must share out the pool's maximum, not its own limit.
+pub const CROWDED_POOL: usize = 8;
 
 /// The greedy caller's token (`pat:59:` before it), the agent acting as itself for it.
 pub const GREEDY_TOKEN: &str = "greedy-user-token-0123456789";

@@ -418,7 +418,7 @@ impl Cluster {
                     options.pool.min_idle = 1;
                     options.pool.max = 2;
                 } else if agent == crate::callers::CROWDED {
-                    options.pool.max = crate::greedy_caller::CROWDED_POOL;
+                    options.pool.max = crate::callers::CROWDED_POOL;
                 }
                 // Reconnect delays capped at 4 s (the default cap is 60 s), so that the
                 // healed phase may expect every agent back within its settle time.

@@ -5,17 +5,13 @@
 //! it must have been given exactly its share.
 //! Run in the steady runs without failing fault points, where every call is judged.
 
-use crate::callers::{CROWDED, GREEDY_TOKEN};
+use crate::callers::{CROWDED, CROWDED_POOL, GREEDY_TOKEN};
 use crate::kube_caller;
 use crate::workload::{self, Call};
 use http_body_util::{BodyExt, Empty};
 use std::time::Duration;
 use tokio::task::JoinHandle;
 use tokio::time::Instant;
-
-/// The most tunnels [`CROWDED`]'s pool opens: fewer than kas allows a connection
-/// ([`crate::greedy::TUNNELS`]), so kas must share out the pool's maximum.
-pub const CROWDED_POOL: usize = crate::greedy::TUNNELS / 2;
 
 /// What one caller may hold of the tunnels the agent may open: all but a quarter. kas
 /// holds back its next request (it may not take the last free tunnel either).

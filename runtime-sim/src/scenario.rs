@@ -1194,7 +1194,7 @@ pub async fn run(scenario: Scenario) -> Report {
                 crowding.held,
                 crate::callers::CROWDED,
                 greedy_caller::SHARE,
-                greedy_caller::CROWDED_POOL,
+                crate::callers::CROWDED_POOL,
                 crate::greedy::TUNNELS
             ));
         }

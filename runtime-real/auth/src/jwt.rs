@@ -158,11 +158,12 @@ fn algorithm(token: &str) -> Option<String> {
     serde_json::from_slice::<H>(&bytes).ok().map(|h| h.alg)
 }
 
-/// Checks the tokens one listener accepts.
+/// Checks the tokens one listener accepts. Cloned for every call (tonic's interceptor):
+/// the key and the rules (sets of issuers, audiences and claims) are shared, not copied.
 #[derive(Clone)]
 pub struct Verifier {
-    key: DecodingKey,
-    validation: Validation,
+    key: Arc<DecodingKey>,
+    validation: Arc<Validation>,
     max_lifetime: Duration,
     /// Tokens whose signature and claims were verified, with their times (shared by the
     /// clones): seen again, a token is checked against the clock only.
@@ -180,8 +181,8 @@ impl Verifier {
         validation.set_required_spec_claims(&["exp", "iss", "aud"]);
         validation.leeway = LEEWAY;
         Verifier {
-            key: DecodingKey::from_secret(&secret.0),
-            validation,
+            key: Arc::new(DecodingKey::from_secret(&secret.0)),
+            validation: Arc::new(validation),
             max_lifetime: DEFAULT_MAX_TOKEN_LIFETIME,
             verified: Arc::default(),
         }
