@@ -695,16 +695,15 @@ impl Tracker {
     /// Sends the instance record alone, when it is due and not in the batch in flight.
     fn send_liveness(&mut self, now: Time) {
         let key = &self.instances_key;
-        let due = self.state.get(key).is_some_and(|st| st.queued);
-        let in_batch = (self.in_flight.iter()).any(|f| f.writes.iter().any(|w| w.key == *key));
-        if !due || in_batch {
+        let due = self.state.get(key).is_some_and(|st| st.queued)
+            && !(self.in_flight.iter()).any(|f| f.writes.iter().any(|w| w.key == *key));
+        if !due {
             return;
         }
         let key = key.clone();
         self.dirty_queue.retain(|k| *k != key);
-        let writes: Vec<KeyWrite> = self.key_write(now, key).into_iter().collect();
-        if !writes.is_empty() {
-            self.liveness_in_flight = Some(self.send(writes));
+        if let Some(write) = self.key_write(now, key) {
+            self.liveness_in_flight = Some(self.send(vec![write]));
         }
     }
 

@@ -659,14 +659,10 @@ impl TunnelRegistry {
         if let Some(r) = t.claimed_by {
             self.unclaim(r);
         }
-        if decrement(&mut self.per_conn, (t.agent, t.connection)) {
-            let n = self.conn_may_open.remove(&(t.agent, t.connection));
-            if let Some(total) = self.may_open.get_mut(&t.agent) {
-                *total -= n.unwrap_or(0).min(*total);
-                if *total == 0 {
-                    self.may_open.remove(&t.agent);
-                }
-            }
+        if decrement(&mut self.per_conn, (t.agent, t.connection))
+            && let Some(n) = self.conn_may_open.remove(&(t.agent, t.connection))
+        {
+            decrease(&mut self.may_open, t.agent, n);
         }
         if decrement(&mut self.per_agent, t.agent) {
             self.outputs.push_back(RegistryOutput::AgentPresence {
@@ -746,9 +742,14 @@ fn remove_from_queue<K: std::hash::Hash + Eq>(
 
 /// Decrements a count, removing it at zero; true when it reached zero.
 fn decrement<K: std::hash::Hash + Eq>(counts: &mut Map<K, usize>, key: K) -> bool {
+    decrease(counts, key, 1)
+}
+
+/// Takes `by` off a count, removing it at zero; true when it reached zero.
+fn decrease<K: std::hash::Hash + Eq>(counts: &mut Map<K, usize>, key: K, by: usize) -> bool {
     match counts.get_mut(&key) {
-        Some(n) if *n > 1 => {
-            *n -= 1;
+        Some(n) if *n > by => {
+            *n -= by;
             false
         }
         Some(_) => {
