@@ -23,6 +23,9 @@
 //!    was delivered), or that was under way when a kas serving its agent was killed (it
 //!    may have been on that kas), may fail (`ha`);
 //! 11. a token GitLab revokes stops being served within a bound (`revoked`).
+//!
+//! Invariant 15 (a tunnel record that becomes live is announced) is judged by the
+//! simulated Redis itself (`redis::announced`).
 
 mod ha;
 mod revoked;

@@ -8,7 +8,7 @@
 
 use crate::gitlab::{GitLab, MAX_AGENT, token};
 use crate::redis::{NODES, RedisState, SENTINEL, SHARDS, shard_address};
-use crate::redis_dial::SimDial;
+use crate::redis_dial::{Path, SimDial};
 use crate::truth::{Truth, pod_name};
 use kas_agent::AgentOptions;
 use kas_auth::jwt::Secret;
@@ -97,6 +97,8 @@ pub struct Cluster {
     pub redis_nodes: Vec<NodeHandle>,
     /// How the kas reach Redis.
     pub redis_mode: RedisMode,
+    /// The kas's `redis.timeout`.
+    pub redis_timeout: Duration,
     /// The kas nodes, by index.
     pub kas_nodes: Vec<NodeHandle>,
     /// Agent replica nodes: (agent, replica index, node).
@@ -155,16 +157,22 @@ fn write_files() -> PathBuf {
 
 /// The store a simulated kas runs on: the production Redis store, reaching the simulated
 /// Redis node its configuration names over the simulated network.
-fn sim_store(config: &Config) -> Store {
+fn sim_store(config: &Config, path: Path) -> Store {
     let r = config
         .redis
         .as_ref()
         .expect("a simulated kas has a redis section");
     let topology = kas_server::kas::redis_topology(r).expect("the redis section's topology");
-    let dial = Arc::new(SimDial { timeout: r.timeout });
+    let dial = Arc::new(SimDial {
+        timeout: r.timeout,
+        path,
+    });
     let store = RedisStore::over(&topology, dial.clone(), dial, r.timeout);
     Store::new(store.expect("the simulated Redis node's address"))
 }
+
+/// The `redis.timeout`s a run may have.
+const REDIS_TIMEOUTS: [Duration; 2] = [Duration::from_secs(1), Duration::from_secs(3)];
 
 /// The port of each kas's Kubernetes API listener.
 pub const KUBERNETES_API_PORT: u16 = 8154;
@@ -187,7 +195,13 @@ pub const LINGER: Duration = Duration::from_secs(6);
 
 /// A simulated kas's configuration: production defaults but for the short record TTL that
 /// lets a run see records expire and the short [`LINGER`]; Redis as `mode` says.
-fn kas_config(i: usize, dir: &std::path::Path, spec: &ClusterSpec, mode: RedisMode) -> Config {
+fn kas_config(
+    i: usize,
+    dir: &std::path::Path,
+    spec: &ClusterSpec,
+    mode: RedisMode,
+    redis_timeout: Duration,
+) -> Config {
     let listen = [8150, 8153, 8155, 8151].map(|port| kas_addr(i, port));
     let text = ConfigWriter::kas_in(dir, listen)
         // Agent tokens resolved through GitLab (the simulation's, see `gitlab`), cached for
@@ -223,7 +237,7 @@ fn kas_config(i: usize, dir: &std::path::Path, spec: &ClusterSpec, mode: RedisMo
             &dir.join("user-tokens.yaml"),
         )
         .set("redis.key_prefix", "kas")
-        .set("redis.timeout", "1s")
+        .duration("redis.timeout", redis_timeout)
         .set("redis.pubsub_wakeups", spec.pubsub_wakeups)
         .duration("redis.subscription_linger", LINGER)
         .duration("shutdown_grace", spec.grace);
@@ -305,18 +319,27 @@ impl Cluster {
                 .init(move || state.clone().serve_sentinel())
                 .build();
         }
+        // Half the runs wait 3 s for Redis's answers (production waits 5): a command held
+        // by a clog then lands after what it wrote was due, and a read can outlast several
+        // keepalives; the others 1 s.
+        let redis_timeout = REDIS_TIMEOUTS[thread_rng().gen_range(0..REDIS_TIMEOUTS.len())];
+        tracing::info!(?redis_mode, ?redis_timeout, "this run's Redis");
         let kas_nodes = (0..spec.kas)
             .map(|i| {
-                let config = kas_config(i, &dir, spec, redis_mode);
+                let config = kas_config(i, &dir, spec, redis_mode, redis_timeout);
                 let (slot, stop_slot) = (health[i].clone(), stopped[i].clone());
                 let gitlab = gitlab.clone();
+                let path = Path {
+                    client: kas_addr(i, 0).ip(),
+                    knobs: redis.knobs.clone(),
+                };
                 handle
                     .create_node()
                     .name(format!("kas{i}"))
                     .ip(kas_addr(i, 0).ip())
                     .init(move || {
                         let (config, slot) = (config.clone(), slot.clone());
-                        let store = sim_store(&config);
+                        let store = sim_store(&config, path.clone());
                         let stop_slot = stop_slot.clone();
                         let agent_info = gitlab.agent_info();
                         async move {
@@ -356,6 +379,7 @@ impl Cluster {
             stopped,
             redis_nodes,
             redis_mode,
+            redis_timeout,
             kas_nodes,
             agent_nodes: Vec::new(),
             gitlab_secret: Secret::load(&dir.join("gitlab.secret")).expect("secret"),

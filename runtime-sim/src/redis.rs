@@ -12,10 +12,12 @@
 //! shard's master may fail over alone ([`RedisState::fail_shard`]). Latency is injected
 //! per request through [`RedisKnobs`].
 
+mod announced;
 mod resp;
 mod script;
 pub mod slots;
 
+use self::announced::Announcements;
 pub use self::resp::Reply;
 use self::script::Scripts;
 use self::slots::SlotTable;
@@ -36,12 +38,35 @@ use tokio::net::{Endpoint, Receiver, Sender};
 use tokio::sync::mpsc;
 use tokio::time::Instant;
 
+/// A stall of the node (see [`RedisKnobs::stall`]).
+#[derive(Debug, Default)]
+enum Stall {
+    #[default]
+    None,
+    /// Begins, lasting this long, at the next request naming an agent's record.
+    Armed(Duration),
+    /// Under way until then.
+    Until(Instant),
+}
+
+/// How long an armed stall waits for its request.
+const STALL_ARMED: Duration = Duration::from_secs(5);
+
+/// What the keys of agents' records hold (`P:agent:{agent:N}`).
+const AGENT_KEY: &[u8] = b":agent:{agent:";
+
 /// Faults injected into the server, shared with the fault injector.
 #[derive(Debug, Default)]
 pub struct RedisKnobs {
     latency_ms: AtomicU64,
     /// The last slow spell: since when, and when it ended (`None` while it lasts).
     slow: Mutex<Option<(Instant, Option<Instant>)>>,
+    /// A stall: armed, or under way until its end.
+    stall: Mutex<Stall>,
+    /// Clients whose path to Redis drops packets without a word (a clog): madsim refuses
+    /// a connection across a clogged link at once, where TCP would retry its SYN until
+    /// the caller's timeout, so the simulation's dialler asks here.
+    cut_off: Mutex<BTreeSet<IpAddr>>,
 }
 
 impl RedisKnobs {
@@ -70,6 +95,64 @@ impl RedisKnobs {
 
     fn latency(&self) -> Duration {
         Duration::from_millis(self.latency_ms.load(Ordering::Relaxed))
+    }
+
+    /// The node answers nothing for `lasting` from the next request that touches an
+    /// agent's record (a refresh, at best), then everything at once (a fork under memory
+    /// pressure, a slow script); a slow spell for [`Self::slow_between`]. Gives up when
+    /// no such request comes within [`STALL_ARMED`].
+    pub async fn stall(&self, lasting: Duration) {
+        let armed = Instant::now();
+        *self.stall.lock().unwrap_or_else(|p| p.into_inner()) = Stall::Armed(lasting);
+        *self.slow.lock().unwrap_or_else(|p| p.into_inner()) = Some((armed, None));
+        loop {
+            tokio::time::sleep(Duration::from_millis(50)).await;
+            let stall = self.stall.lock().unwrap_or_else(|p| p.into_inner());
+            match *stall {
+                Stall::Until(end) if Instant::now() >= end => break,
+                Stall::Armed(_) if armed.elapsed() >= STALL_ARMED => break,
+                _ => {}
+            }
+        }
+        *self.stall.lock().unwrap_or_else(|p| p.into_inner()) = Stall::None;
+        *self.slow.lock().unwrap_or_else(|p| p.into_inner()) = Some((armed, Some(Instant::now())));
+    }
+
+    /// Waits out a stall; `request` starts an armed one if it names an agent's record.
+    async fn stalled(&self, request: &[u8]) {
+        let until = {
+            let mut stall = self.stall.lock().unwrap_or_else(|p| p.into_inner());
+            match *stall {
+                Stall::Armed(lasting)
+                    if request.windows(AGENT_KEY.len()).any(|w| w == AGENT_KEY) =>
+                {
+                    let end = Instant::now() + lasting;
+                    *stall = Stall::Until(end);
+                    Some(end)
+                }
+                Stall::Until(end) => Some(end),
+                _ => None,
+            }
+        };
+        if let Some(until) = until {
+            tokio::time::sleep_until(until).await;
+        }
+    }
+
+    /// Packets between `client` and Redis are dropped (`true`) or flow again (`false`).
+    pub fn cut_off(&self, client: IpAddr, cut: bool) {
+        let mut cut_off = self.cut_off.lock().unwrap_or_else(|p| p.into_inner());
+        if cut {
+            cut_off.insert(client);
+        } else {
+            cut_off.remove(&client);
+        }
+    }
+
+    /// Whether packets between `client` and Redis are dropped.
+    pub fn is_cut_off(&self, client: IpAddr) -> bool {
+        let cut_off = self.cut_off.lock().unwrap_or_else(|p| p.into_inner());
+        cut_off.contains(&client)
     }
 }
 
@@ -139,6 +222,8 @@ pub struct Db {
     disturbed: Option<Instant>,
     /// On a cluster, which shard serves each slot.
     slots: SlotTable,
+    /// Tunnel records owed an announcement (invariant 15); kept across restarts.
+    announcements: Announcements,
 }
 
 #[derive(Debug)]
@@ -189,6 +274,11 @@ impl Db {
         self.disturbed.is_some_and(|at| at >= since)
     }
 
+    /// Invariant 15's violations: tunnel records made live and never announced.
+    pub fn unannounced(&self) -> Vec<String> {
+        self.announcements.violations().to_vec()
+    }
+
     /// When the first message on `channel` was published (since the last restart).
     pub fn first_publication(&self, channel: &str) -> Option<Instant> {
         self.published
@@ -222,6 +312,11 @@ impl Db {
             return shard_down(down);
         }
         let rest = &args[2..];
+        let keyspace = &mut self.keyspace;
+        self.announcements.judge(now, |key, field| {
+            let fields = keyspace.read(key, now);
+            fields.into_iter().find(|(f, _)| f == field).map(|(_, v)| v)
+        });
         match name.as_str() {
             "HGETALL" if rest.is_empty() => Reply::Array(
                 self.keyspace
@@ -243,6 +338,14 @@ impl Db {
                     .chunks(2)
                     .map(|p| (text(&p[0]), p[1].clone()))
                     .collect();
+                let before = self.keyspace.read(&key, now);
+                let before = |field: &str| {
+                    before
+                        .iter()
+                        .find(|(f, _)| f == field)
+                        .map(|(_, v)| v.as_slice())
+                };
+                self.announcements.written(&key, &pairs, before, now);
                 let n = self.keyspace.hset(&key, &pairs, now);
                 self.replica
                     .backlog
@@ -263,6 +366,7 @@ impl Db {
             }
             "PUBLISH" | "SPUBLISH" if rest.len() == 1 => {
                 self.published.push((now, key.clone()));
+                self.announcements.published(&key);
                 Reply::Int(self.publish(&key, rest[0].clone(), name == "SPUBLISH"))
             }
             "HGETALL" | "HDEL" | "HSET" | "PEXPIRE" | "PUBLISH" | "SPUBLISH" => wrong_arity(&name),
@@ -476,6 +580,7 @@ impl RedisState {
         db.replica.catch_up(now.checked_sub(lost).unwrap_or(now));
         db.next_start = Some(std::mem::take(&mut db.replica.keyspace));
         db.disturbed = Some(now);
+        db.announcements.forget();
     }
 
     /// Kills the master of `shard`, whose replica lacks the writes of the last `lost` (at
@@ -488,6 +593,7 @@ impl RedisState {
         db.replica.catch_up(now.checked_sub(lost).unwrap_or(now));
         db.down = Some((shard, db.replica.keyspace.clone()));
         db.disturbed = Some(now);
+        db.announcements.forget();
         for s in db.subscribers.values() {
             if s.channels.iter().any(|c| db.slots.owner(c) == shard) {
                 let _ = s.queue.send(shard_down(shard));
@@ -501,6 +607,7 @@ impl RedisState {
         let mut db = self.lock();
         let db = &mut *db;
         db.disturbed = Some(now);
+        db.announcements.forget();
         for keyspace in [&mut db.keyspace, &mut db.replica.keyspace] {
             let writes: Vec<KeyWrite> = keyspace
                 .entries(now)
@@ -534,6 +641,7 @@ impl RedisState {
         };
         db.slots.swap_sides(shard);
         db.disturbed = Some(Instant::now());
+        db.announcements.forget();
         let db = &mut *db;
         let slots = &db.slots;
         db.keyspace
@@ -613,7 +721,10 @@ impl RedisState {
     pub fn start_afresh(&self) {
         let mut db = self.lock();
         let keyspace = db.next_start.take().unwrap_or_default();
+        let mut announcements = std::mem::take(&mut db.announcements);
+        announcements.forget();
         *db = Db::default();
+        db.announcements = announcements;
         *self.scripts.lock().unwrap_or_else(|p| p.into_inner()) = Scripts::default();
         db.replica.keyspace = keyspace.clone();
         db.keyspace = keyspace;
@@ -754,6 +865,7 @@ impl RedisState {
                     if !latency.is_zero() {
                         tokio::time::sleep(latency).await;
                     }
+                    self.knobs.stalled(&bytes).await;
                     let at = match role {
                         Role::Shard(shard, side) => {
                             let master = self.lock().slots.side(shard) == side;

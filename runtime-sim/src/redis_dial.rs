@@ -6,13 +6,14 @@
 //! here.
 
 use crate::planted_bug::{Bug, planted};
+use crate::redis::RedisKnobs;
 use futures::future::BoxFuture;
 use kas_server::buggify::{self, Point};
 use kas_server::store::pubsub::Pushed;
 use kas_server::store::{Dial, NodeConn, NodeConnection, NodeSubscriber, StoreError};
 use redis::{Cmd, RedisError, RedisFuture, Value};
 use std::collections::{BTreeSet, VecDeque};
-use std::net::SocketAddr;
+use std::net::{IpAddr, SocketAddr};
 use std::sync::Arc;
 use std::time::Duration;
 use tokio::net::{Endpoint, Receiver, Sender};
@@ -23,7 +24,22 @@ use tokio::time::Instant;
 pub struct SimDial {
     /// `redis.timeout`.
     pub timeout: Duration,
+    /// The client's address and the faults on its path to Redis.
+    pub path: Path,
 }
+
+/// One client's path to the simulated Redis nodes.
+#[derive(Clone, Debug)]
+pub struct Path {
+    /// The client's address.
+    pub client: IpAddr,
+    /// Whether the path is cut off now.
+    pub knobs: Arc<RedisKnobs>,
+}
+
+/// How often a connection attempt across a cut-off path is tried again (TCP retries its
+/// SYN after 1 s, then 2, 4...; the caller's timeout ends it first in the simulation).
+const SYN_RETRY: Duration = Duration::from_millis(250);
 
 fn err(e: impl std::fmt::Display) -> StoreError {
     StoreError(format!("simulated redis: {e}"))
@@ -40,10 +56,21 @@ fn address(address: &str) -> Result<SocketAddr, StoreError> {
         .map_err(|e| err(format!("address {address:?}: {e}")))
 }
 
-/// Opens a connection to the server.
-async fn connect(server: SocketAddr) -> std::io::Result<(Sender, Receiver)> {
+/// Opens a connection to the server; across a cut-off path it hangs until the path heals
+/// (or the caller gives up), as a real connection attempt into a black hole does.
+async fn connect(server: SocketAddr, path: &Path) -> std::io::Result<(Sender, Receiver)> {
     let endpoint = Endpoint::bind("0.0.0.0:0").await?;
-    endpoint.connect1(server).await
+    loop {
+        match endpoint.connect1(server).await {
+            Err(e)
+                if e.kind() == std::io::ErrorKind::ConnectionRefused
+                    && path.knobs.is_cut_off(path.client) =>
+            {
+                tokio::time::sleep(SYN_RETRY).await;
+            }
+            connected => return connected,
+        }
+    }
 }
 
 /// The next answer or push, parsed as redis-rs parses what a server writes.
@@ -61,6 +88,7 @@ impl Dial for SimDial {
         Ok(NodeConn(Arc::new(SimConnection {
             server,
             timeout: self.timeout,
+            path: self.path.clone(),
         })))
     }
 
@@ -69,8 +97,11 @@ impl Dial for SimDial {
         address: String,
         sharded: bool,
     ) -> BoxFuture<'static, Result<Box<dyn NodeSubscriber>, StoreError>> {
+        let path = self.path.clone();
         Box::pin(async move {
-            let (tx, rx) = connect(self::address(&address)?).await.map_err(err)?;
+            let (tx, rx) = connect(self::address(&address)?, &path)
+                .await
+                .map_err(err)?;
             Ok(Box::new(SimSubscriber {
                 tx,
                 rx,
@@ -88,6 +119,7 @@ impl Dial for SimDial {
 struct SimConnection {
     server: SocketAddr,
     timeout: Duration,
+    path: Path,
 }
 
 impl NodeConnection for SimConnection {
@@ -109,7 +141,7 @@ impl SimConnection {
             }
             let exchange = async {
                 buggify::pause(Point::RedisLatency).await;
-                let (tx, mut rx) = connect(self.server).await?;
+                let (tx, mut rx) = connect(self.server, &self.path).await?;
                 if asking {
                     tx.send(Box::new(redis::cmd("ASKING").get_packed_command()))
                         .await?;
@@ -342,6 +374,10 @@ mod tests {
                 let seeds = (0..SHARDS).map(|s| shard_address(s).to_string()).collect();
                 let dial = Arc::new(SimDial {
                     timeout: Duration::from_secs(1),
+                    path: Path {
+                        client: "10.0.9.1".parse().unwrap(),
+                        knobs: state.knobs.clone(),
+                    },
                 });
                 let redis = RedisStore::over(
                     &RedisTopology::Cluster(seeds),

@@ -5,7 +5,7 @@
 use crate::checker::{self, Far, HalfOpen, Outage, Revocation, Stall, Stats};
 use crate::cluster::{AgentSpec, Cluster, ClusterSpec, RedisMode, Script};
 use crate::greedy_caller;
-use crate::redis::{MAX_REPLICATION_LAG, SHARDS};
+use crate::redis::{Db, MAX_REPLICATION_LAG, SHARDS};
 use crate::store_back;
 use crate::truth::pod_name;
 use crate::workload::{self, Call};
@@ -297,8 +297,11 @@ async fn faults(
                 if way != 1 {
                     net.clog_link(r, a);
                 }
+                let ip = crate::cluster::kas_addr(kas, 0).ip();
+                cluster.redis.knobs.cut_off(ip, true);
                 tokio::time::sleep(lasting).await;
                 heal((a, r));
+                cluster.redis.knobs.cut_off(ip, false);
             }
             Fault::ClogNode => {
                 log.agents_cut_off = true;
@@ -311,10 +314,15 @@ async fn faults(
                     at: Instant::now(),
                     lasting: lasting * 2,
                 });
-                let id = cluster.kas_nodes[kas].id();
+                let (id, ip) = (
+                    cluster.kas_nodes[kas].id(),
+                    crate::cluster::kas_addr(kas, 0).ip(),
+                );
                 net.clog_node(id);
+                cluster.redis.knobs.cut_off(ip, true);
                 tokio::time::sleep(lasting).await;
                 net.unclog_node(id);
+                cluster.redis.knobs.cut_off(ip, false);
             }
             Fault::TimeJump => {
                 // The whole world stalls past the record TTL (a VM pause, say): records
@@ -331,6 +339,20 @@ async fn faults(
             Fault::MoveSlots => move_slots(cluster, agents, lasting, &mut log).await,
             Fault::FailoverRedis | Fault::FailoverShard => {
                 fail_over(cluster, fault, lasting, &mut log).await;
+            }
+            // A slow spell, or a third of the times a stall: Redis answers nothing for
+            // longer than a refresh period but less than kas's timeout (where it can), so
+            // refreshes sent before land late, after the records they refresh expired, and
+            // are answered (what invariant 15 watches).
+            Fault::SlowRedis if thread_rng().gen_ratio(1, 3) => {
+                let period = cluster.ttl / 2;
+                let lasting = match cluster.redis_timeout.checked_sub(period) {
+                    Some(spare) if !spare.is_zero() => {
+                        period + spare.mul_f64(thread_rng().gen_range(0.0..1.0))
+                    }
+                    _ => lasting,
+                };
+                cluster.redis.knobs.stall(lasting).await;
             }
             Fault::SlowRedis => {
                 cluster.redis.knobs.set_latency(random_ms(50, 800));
@@ -1251,6 +1273,7 @@ pub async fn run(scenario: Scenario) -> Report {
         &log.outages,
         &log.cuts,
     ));
+    violations.extend(cluster.redis.with_db(Db::unannounced));
     violations.extend(leaks_left(&cluster, calls.len() + uncounted).await);
     violations.extend(cluster.truth.violations());
     if !violations.is_empty() {
