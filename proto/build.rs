@@ -20,6 +20,12 @@ const FILES: &[&str] = &[
     "kas/http.proto",
 ];
 
+/// Messages written by hand: GetPods' answer keeps the agent's bytes (see `pod_list.rs`).
+const EXTERN: [(&str, &str); 1] = [(
+    ".kas.public_api.GetPodsResponse",
+    "crate::pod_list::GetPodsResponse",
+)];
+
 /// The fields decoded as `Bytes`.
 const BYTES: [&str; 3] = [
     ".kas.frame.Message.data",
@@ -41,7 +47,11 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
 
 #[cfg(feature = "grpc")]
 fn compile(fds_path: &std::path::Path) -> Result<(), Box<dyn std::error::Error>> {
-    let builder = tonic_build::configure();
+    let builder = EXTERN
+        .into_iter()
+        .fold(tonic_build::configure(), |b, (proto, rust)| {
+            b.extern_path(proto, rust)
+        });
     // madsim's generator passes messages without encoding them, so it has no codec.
     #[cfg(not(madsim))]
     let builder = builder.codec_path("crate::codec::LeanCodec");
@@ -59,7 +69,11 @@ fn compile(fds_path: &std::path::Path) -> Result<(), Box<dyn std::error::Error>>
 
 #[cfg(not(feature = "grpc"))]
 fn compile(fds_path: &std::path::Path) -> Result<(), Box<dyn std::error::Error>> {
-    prost_build::Config::new()
+    let mut config = prost_build::Config::new();
+    for (proto, rust) in EXTERN {
+        config.extern_path(proto, rust);
+    }
+    config
         .bytes(BYTES)
         .file_descriptor_set_path(fds_path)
         .skip_protoc_run()

@@ -52,6 +52,8 @@ pub mod registry {
 /// GitLab -> kas.
 pub mod public_api {
     package!("kas.public_api");
+
+    pub use crate::pod_list::GetPodsResponse;
 }
 
 /// kas -> kas (a service only, so it exists with the `grpc` feature).
@@ -64,6 +66,8 @@ pub mod private_api {
 pub mod agent_api {
     package!("kas.agent_api");
 }
+
+pub mod pod_list;
 
 /// The agent-side Pods module.
 pub mod pods {

@@ -148,7 +148,10 @@ impl ApiClient {
             namespace: namespace.into(),
         });
         let mut client = self.client.clone();
-        Ok(self.within(client.get_pods(req)).await?.into_inner().pods)
+        let answer = self.within(client.get_pods(req)).await?.into_inner();
+        answer
+            .pods()
+            .map_err(|e| Status::internal(format!("kas sent a malformed pod list: {e}")))
     }
 
     /// One HTTP exchange with `agent`'s Kubernetes API (its replica `connection`, when

@@ -14,7 +14,7 @@ use kas_core::node::Origin;
 use kas_core::{AgentId, ConnectionId, ProjectId, Time};
 use kas_proto::frame::{Frame, RequestStart, frame::Kind};
 use kas_proto::http::{HttpRequest, HttpResponse, KUBERNETES_API_METHOD, http_request};
-use kas_proto::pods::{ListRequest, ListResponse, LogChunk, LogsRequest};
+use kas_proto::pods::{ListRequest, LogChunk, LogsRequest};
 use kas_proto::public_api::kas_api_server::KasApi;
 use kas_proto::public_api::{
     ConnectedAgentsByIdRequest, ConnectedAgentsByIdResponse, ConnectedAgentsForProjectRequest,
@@ -324,9 +324,9 @@ impl PublicService {
                 deadline,
             )
             .await?;
-        let list = ListResponse::decode(answer)
-            .map_err(|e| Status::internal(format!("agent sent a malformed pod list: {e}")))?;
-        Ok(Response::new(GetPodsResponse { pods: list.pods }))
+        GetPodsResponse::from_list(answer)
+            .map(Response::new)
+            .map_err(|e| Status::internal(format!("agent sent a malformed pod list: {e}")))
     }
 }
 
