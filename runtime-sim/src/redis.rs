@@ -43,7 +43,7 @@ use tokio::time::Instant;
 enum Stall {
     #[default]
     None,
-    /// Begins, lasting this long, at the next request naming an agent's record.
+    /// Begins, lasting this long, at the next script call naming an agent's record.
     Armed(Duration),
     /// Under way until then.
     Until(Instant),
@@ -54,6 +54,9 @@ const STALL_ARMED: Duration = Duration::from_secs(5);
 
 /// What the keys of agents' records hold (`P:agent:{agent:N}`).
 const AGENT_KEY: &[u8] = b":agent:{agent:";
+
+/// How a script call (the store's writes, its collections) starts, as RESP.
+const SCRIPT: &[u8] = b"$7\r\nEVALSHA\r\n";
 
 /// Faults injected into the server, shared with the fault injector.
 #[derive(Debug, Default)]
@@ -97,8 +100,8 @@ impl RedisKnobs {
         Duration::from_millis(self.latency_ms.load(Ordering::Relaxed))
     }
 
-    /// The node answers nothing for `lasting` from the next request that touches an
-    /// agent's record (a refresh, at best), then everything at once (a fork under memory
+    /// The node answers nothing for `lasting` from the next script call that touches an
+    /// agent's record (a refresh, most often), then everything at once (a fork under memory
     /// pressure, a slow script); a slow spell for [`Self::slow_between`]. Gives up when
     /// no such request comes within [`STALL_ARMED`].
     pub async fn stall(&self, lasting: Duration) {
@@ -118,13 +121,15 @@ impl RedisKnobs {
         *self.slow.lock().unwrap_or_else(|p| p.into_inner()) = Some((armed, Some(Instant::now())));
     }
 
-    /// Waits out a stall; `request` starts an armed one if it names an agent's record.
+    /// Waits out a stall; `request` starts an armed one if it is a script call naming an
+    /// agent's record.
     async fn stalled(&self, request: &[u8]) {
         let until = {
             let mut stall = self.stall.lock().unwrap_or_else(|p| p.into_inner());
             match *stall {
                 Stall::Armed(lasting)
-                    if request.windows(AGENT_KEY.len()).any(|w| w == AGENT_KEY) =>
+                    if request.windows(SCRIPT.len()).any(|w| w == SCRIPT)
+                        && request.windows(AGENT_KEY.len()).any(|w| w == AGENT_KEY) =>
                 {
                     let end = Instant::now() + lasting;
                     *stall = Stall::Until(end);
