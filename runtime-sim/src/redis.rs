@@ -69,7 +69,8 @@ pub struct RedisKnobs {
     /// Clients whose path to Redis drops packets without a word (a clog): madsim refuses
     /// a connection across a clogged link at once, where TCP would retry its SYN until
     /// the caller's timeout, so the simulation's dialler asks here.
-    cut_off: Mutex<BTreeSet<IpAddr>>,
+    /// Each cut: the client, since when, and until when (`None` while it lasts).
+    cut_off: Mutex<Vec<(IpAddr, Instant, Option<Instant>)>>,
 }
 
 impl RedisKnobs {
@@ -146,18 +147,31 @@ impl RedisKnobs {
 
     /// Packets between `client` and Redis are dropped (`true`) or flow again (`false`).
     pub fn cut_off(&self, client: IpAddr, cut: bool) {
-        let mut cut_off = self.cut_off.lock().unwrap_or_else(|p| p.into_inner());
+        let now = Instant::now();
+        let mut spells = self.cut_off.lock().unwrap_or_else(|p| p.into_inner());
         if cut {
-            cut_off.insert(client);
+            spells.push((client, now, None));
         } else {
-            cut_off.remove(&client);
+            for (c, _, until) in spells.iter_mut() {
+                if *c == client && until.is_none() {
+                    *until = Some(now);
+                }
+            }
         }
     }
 
     /// Whether packets between `client` and Redis are dropped.
     pub fn is_cut_off(&self, client: IpAddr) -> bool {
-        let cut_off = self.cut_off.lock().unwrap_or_else(|p| p.into_inner());
-        cut_off.contains(&client)
+        self.cut_between(client, Instant::now(), Instant::now())
+    }
+
+    /// Whether `client`'s path to Redis was cut off at some moment between `from` and
+    /// `to`.
+    pub fn cut_between(&self, client: IpAddr, from: Instant, to: Instant) -> bool {
+        let spells = self.cut_off.lock().unwrap_or_else(|p| p.into_inner());
+        spells
+            .iter()
+            .any(|&(c, since, until)| c == client && since <= to && until.is_none_or(|u| u >= from))
     }
 }
 

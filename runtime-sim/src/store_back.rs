@@ -12,7 +12,8 @@ use tokio::time::Instant;
 /// How long after a kas finds the store answering again its liveness record must be in
 /// it: the batch in flight then and the rewrite's, each delayed by the fault points.
 /// Not judged while the store is slowed on purpose (up to 800 ms a request: two of those
-/// in a row ran past 1.5 s at `redis-restart` seed 1447).
+/// in a row ran past 1.5 s at `redis-restart` seed 1447), nor while the kas's path to it
+/// is cut off (its writes wait for the path: `partition` seed 1850).
 pub const LIVE_AGAIN: Duration = Duration::from_millis(1500);
 
 /// How often the watcher reads each kas's readiness.
@@ -20,7 +21,7 @@ const POLL: Duration = Duration::from_millis(50);
 
 /// Kas `kas` found the store answering again `at`; `LIVE_AGAIN` later its liveness record
 /// was (`live`) or was not in it. Not judged when its readiness dropped again meanwhile,
-/// the store lost data behind its back, or it was slowed on purpose.
+/// the store lost data behind its back, or it was slowed or cut off on purpose.
 #[derive(Clone, Copy, Debug)]
 pub struct Return {
     kas: usize,
@@ -61,7 +62,11 @@ pub async fn watch(cluster: &Cluster, until: Instant) -> Vec<Return> {
                 || cluster
                     .redis
                     .knobs
-                    .slow_between(at.checked_sub(LIVE_AGAIN).unwrap_or(at), now);
+                    .slow_between(at.checked_sub(LIVE_AGAIN).unwrap_or(at), now)
+                || cluster
+                    .redis
+                    .knobs
+                    .cut_between(kas_addr(kas, 0).ip(), at, now);
             seen.push(Return {
                 kas,
                 at,
