@@ -334,6 +334,8 @@ enum FaultKind {
     CutFromKas,
     /// Cut off from Redis.
     CutFromRedis,
+    /// The load balancer restarted: every agent's tunnels through it cut at once.
+    LbRestarted,
 }
 
 /// Whose fault a failed call is: `None` when it is the router's (no fault excuses it).
@@ -347,12 +349,22 @@ fn excuse(faults: &[Fault], started: Instant, kas: usize, status: &str) -> Optio
             && in_flight
             && started <= f.from + kas_server::kas::SILENT_WITHIN
             && matches!(f.kind, FaultKind::Paused | FaultKind::CutFromKas);
+        // A call cut after it was handed to an agent's tunnel (or to another kas) may
+        // have reached the agent: kas says Unknown, not Unavailable, so that it is not
+        // sent again.
+        let cut_mid_call = status.starts_with("Unknown")
+            && status.contains("during the call")
+            && in_flight
+            && started <= f.to;
         match f.kind {
             FaultKind::Paused if f.kas == kas && in_flight && started <= f.to => {
                 Some("GitLab called the frozen kas itself")
             }
             _ if handed_to_silent_peer => {
                 Some("handed to a kas gone silent, within kas's bound (3 s)")
+            }
+            _ if cut_mid_call => {
+                Some("cut mid-call by the fault: delivered or not, kas cannot know")
             }
             _ => None,
         }
@@ -767,7 +779,14 @@ async fn the_fleet_serves_every_call_through_restarts_partitions_freezes_and_fai
 
     // The load balancer restarted: agents dial again within their backoff.
     callers.enter("lb restarted");
+    let from = Instant::now();
     fleet.compose(&["restart", "-t", "5", "lb"]);
+    faults.push(Fault {
+        kas: usize::MAX, // every kas's agents alike
+        kind: FaultKind::LbRestarted,
+        from,
+        to: Instant::now(),
+    });
     whole.insert(
         "lb restarted".into(),
         fleet.await_whole("after the load balancer restarted").await,

@@ -165,7 +165,7 @@ impl Forwarder {
                             return Forwarded::Refused("stream ended without an answer".into());
                         }
                         Ok(None) => {
-                            let status = Status::unavailable(format!("kas {kas} ended the call without a trailer"));
+                            let status = Status::unknown(format!("kas {kas} ended the call without a trailer"));
                             let _ = call.responses.send(Err(status)).await;
                             return Forwarded::Done;
                         }
@@ -304,8 +304,10 @@ async fn drain(inbound: Streaming<Frame>) -> Forwarded {
     Forwarded::Done
 }
 
-/// What the caller is told when the stream to the serving kas broke mid-call. A broken
-/// connection surfaces as Unknown; the caller should read Unavailable (retryable).
+/// What the caller is told when the stream to the serving kas broke mid-call (it may
+/// have handed the call to the agent). A broken connection surfaces as Unknown, and so
+/// the caller reads it: `Unavailable` would tell it the call was not delivered, and it
+/// would send it again (the fleet test saw a list served twice).
 fn lost(kas: &KasId, status: Status) -> Status {
     if super::tunnel::too_large(&status) {
         Status::resource_exhausted(format!(
@@ -313,8 +315,8 @@ fn lost(kas: &KasId, status: Status) -> Status {
             status.message()
         ))
     } else if status.code() == tonic::Code::Unknown {
-        Status::unavailable(format!(
-            "lost the connection to kas {kas} during the call: {}",
+        Status::unknown(format!(
+            "lost the connection to kas {kas} during the call, which the agent had: {}",
             status.message()
         ))
     } else {

@@ -235,7 +235,7 @@ impl Tunnel {
                 biased;
                 order = self.orders.recv() => match order {
                     None => {
-                        hand(&responses, Err(Status::unavailable("the agent's tunnel was closed during the call")), give_up).await;
+                        hand(&responses, Err(Status::unknown("the agent's tunnel was closed during the call, which the agent may have received")), give_up).await;
                         return Err(End::Dropped);
                     }
                     Some(other) => {
@@ -262,7 +262,7 @@ impl Tunnel {
                 permit = outbound.reserve(), if to_agent.is_some() => match permit {
                     Ok(permit) => permit.send(Box::new(Ok(to_agent.take().expect("guarded")))),
                     Err(_) => {
-                        hand(&responses, Err(agent_gone()), give_up).await;
+                        hand(&responses, Err(agent_lost()), give_up).await;
                         return Err(End::Gone);
                     }
                 },
@@ -357,7 +357,7 @@ impl Tunnel {
                 )));
             }
             Ok(None) | Err(_) => {
-                hand(responses, Err(agent_gone()), give_up).await;
+                hand(responses, Err(agent_lost()), give_up).await;
                 return Err(End::Gone);
             }
         };
@@ -397,6 +397,14 @@ async fn until(at: Option<Instant>) {
     }
 }
 
+/// The tunnel went before the call's first frame could be queued on it: nothing reached
+/// the agent (`Unavailable`: not delivered).
 fn agent_gone() -> Status {
-    Status::unavailable("the agent disconnected during the call")
+    Status::unavailable("the agent disconnected before the call reached it")
+}
+
+/// The tunnel went during the call: the agent may have received it, so the caller must
+/// not take it for a refusal (`Unavailable`) and send it again.
+fn agent_lost() -> Status {
+    Status::unknown("the agent disconnected during the call, which it may have received")
 }
