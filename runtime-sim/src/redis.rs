@@ -66,10 +66,10 @@ pub struct RedisKnobs {
     slow: Mutex<Option<(Instant, Option<Instant>)>>,
     /// A stall: armed, or under way until its end.
     stall: Mutex<Stall>,
-    /// Clients whose path to Redis drops packets without a word (a clog): madsim refuses
-    /// a connection across a clogged link at once, where TCP would retry its SYN until
-    /// the caller's timeout, so the simulation's dialler asks here.
-    /// Each cut: the client, since when, and until when (`None` while it lasts).
+    /// Each cut of a client's path to Redis (packets dropped without a word): the client,
+    /// since when, and until when (`None` while it lasts). madsim refuses a connection
+    /// across a clogged link at once, where TCP would retry its SYN until the caller's
+    /// timeout, so the simulation's dialler asks here.
     cut_off: Mutex<Vec<(IpAddr, Instant, Option<Instant>)>>,
 }
 
@@ -357,14 +357,9 @@ impl Db {
                     .chunks(2)
                     .map(|p| (text(&p[0]), p[1].clone()))
                     .collect();
-                let before = self.keyspace.read(&key, now);
-                let before = |field: &str| {
-                    before
-                        .iter()
-                        .find(|(f, _)| f == field)
-                        .map(|(_, v)| v.as_slice())
-                };
-                self.announcements.written(&key, &pairs, before, now);
+                let keyspace = &mut self.keyspace;
+                self.announcements
+                    .written(&key, &pairs, || keyspace.read(&key, now), now);
                 let n = self.keyspace.hset(&key, &pairs, now);
                 self.replica
                     .backlog

@@ -46,18 +46,28 @@ fn live(bytes: Option<&[u8]>) -> bool {
 }
 
 impl Announcements {
-    /// `HSET key pairs` is about to replace `before` (each field's stored bytes, if any):
-    /// the kas tunnel records it makes live are owed an announcement.
-    pub fn written<'a>(
+    /// `HSET key pairs` is about to replace what `before` reads (the key's fields and
+    /// their stored bytes; read only for an agent's key): the kas tunnel records it makes
+    /// live are owed an announcement.
+    pub fn written(
         &mut self,
         key: &str,
         pairs: &[(String, Vec<u8>)],
-        before: impl Fn(&str) -> Option<&'a [u8]>,
+        before: impl FnOnce() -> Vec<(String, Vec<u8>)>,
         now: Instant,
     ) {
         let Some(channel) = channel(key) else { return };
+        let before = before();
+        let was_live = |field: &str| {
+            live(
+                before
+                    .iter()
+                    .find(|(f, _)| f == field)
+                    .map(|(_, v)| v.as_slice()),
+            )
+        };
         for (field, bytes) in pairs {
-            if !is_connection_field(field) && !live(before(field)) && live(Some(bytes)) {
+            if !is_connection_field(field) && !was_live(field) && live(Some(bytes)) {
                 self.pending.push(Revival {
                     key: key.to_string(),
                     field: field.clone(),

@@ -165,7 +165,7 @@ impl Forwarder {
                             return Forwarded::Refused("stream ended without an answer".into());
                         }
                         Ok(None) => {
-                            let status = Status::unknown(format!("kas {kas} ended the call without a trailer"));
+                            let status = Status::unknown(format!("kas {kas} ended its stream during the call, without a trailer"));
                             let _ = call.responses.send(Err(status)).await;
                             return Forwarded::Done;
                         }

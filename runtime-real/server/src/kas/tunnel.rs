@@ -329,8 +329,11 @@ impl Tunnel {
         give_up: Option<Instant>,
     ) -> Result<(), End> {
         Self::check_down(&mut self.sequence, &frame, responses, give_up).await?;
+        // Past the call's opening frame, what was queued before may have reached it.
+        let opening = matches!(frame.kind, Some(Kind::RequestStart(_)));
         if self.outbound.send(Box::new(Ok(frame))).await.is_err() {
-            hand(responses, Err(agent_gone()), give_up).await;
+            let status = if opening { agent_gone() } else { agent_lost() };
+            hand(responses, Err(status), give_up).await;
             return Err(End::Gone);
         }
         Ok(())
@@ -397,8 +400,8 @@ async fn until(at: Option<Instant>) {
     }
 }
 
-/// The tunnel went before the call's first frame could be queued on it: nothing reached
-/// the agent (`Unavailable`: not delivered).
+/// The tunnel went before the call's opening frame could be queued on it: nothing
+/// reached the agent (`Unavailable`: not delivered).
 fn agent_gone() -> Status {
     Status::unavailable("the agent disconnected before the call reached it")
 }
