@@ -5,7 +5,8 @@
 //! 1. a call is delivered only to the agent it names (and the replica, if it named one);
 //! 2. every call has an outcome by its deadline (plus a bound, plus any time jump), and
 //!    kas lets go of an agent that never answers by then (plus its grace);
-//! 3. at most once: no call is delivered twice;
+//! 3. at most once: no call is delivered twice, and no call kas answered `Unavailable`
+//!    (not delivered: GitLab's client sends it again) was delivered;
 //! 4. at most one kas -> kas hop (kas metrics: hop labels, and no more routed calls
 //!    counted than GitLab made);
 //! 5. in a run without faults, every call for a connected agent is answered (timeouts of
@@ -45,12 +46,14 @@ use std::time::Duration;
 use tokio::time::Instant;
 
 /// Violations of invariants 1, 2, 3 and 8 by `calls`, given `truth`; `absent` agents never
-/// connect; `stalls` are the times the world or one kas stood still.
+/// connect; `stalls` are the times the world or one kas stood still; `outages` the times a
+/// kas was stopped or killed.
 pub fn check_calls(
     calls: &[Call],
     truth: &[Delivery],
     absent: &[i64],
     stalls: &[Stall],
+    outages: &[Outage],
 ) -> Vec<String> {
     let mut violations = Vec::new();
     let mut delivered: BTreeMap<&str, Vec<&Delivery>> = BTreeMap::new();
@@ -67,6 +70,14 @@ pub fn check_calls(
                 "inv 3: {} delivered {} times: {got:?}",
                 c.marker,
                 got.len()
+            ));
+        }
+        if let (Err((tonic::Code::Unavailable, msg)), Some(d)) = (&c.result, got.first())
+            && !broke_under(c, msg, outages)
+        {
+            violations.push(format!(
+                "inv 3: {} ended Unavailable, which tells GitLab it was not delivered ({msg}), but agent {} replica {} had it",
+                c.marker, d.agent, d.replica
             ));
         }
         for d in &got {
@@ -120,6 +131,19 @@ pub fn check_calls(
         }
     }
     violations
+}
+
+/// Whether `call` failed with `msg` because the kas it called went away under it: madsim's
+/// gRPC says `Unavailable` ("connection reset", from the I/O error) for the caller's own
+/// connection breaking, where tonic over HTTP/2 says `Unknown`. That is the caller's
+/// guess, not kas's word that nothing was delivered (kas itself never passes on a broken
+/// connection's status as `Unavailable`: see `kas::forward`).
+fn broke_under(call: &Call, msg: &str, outages: &[Outage]) -> bool {
+    let end = call.started + call.took;
+    msg == "connection reset"
+        && outages
+            .iter()
+            .any(|o| o.kas == call.kas && o.from <= end && o.to >= call.started)
 }
 
 /// Violations of liveness in a run without faults: a call with a timeout of `timeout` or
@@ -420,7 +444,7 @@ mod tests {
             call("c2", 9, Err(tonic::Code::Unavailable)),
         ];
         let truth = [delivery("c1", 1, 0)];
-        assert!(check_calls(&calls, &truth, &[9], &[]).is_empty());
+        assert!(check_calls(&calls, &truth, &[9], &[], &[]).is_empty());
     }
 
     #[madsim::test]
@@ -428,6 +452,7 @@ mod tests {
         let wrong_agent = check_calls(
             &[call("c1", 1, Ok("agent2-replica0"))],
             &[delivery("c1", 2, 0)],
+            &[],
             &[],
             &[],
         );
@@ -440,8 +465,32 @@ mod tests {
             &[delivery("c1", 1, 0), delivery("c1", 1, 1)],
             &[],
             &[],
+            &[],
         );
         assert!(twice.iter().any(|v| v.starts_with("inv 3")), "{twice:?}");
+        let resendable = check_calls(
+            &[call("c1", 1, Err(tonic::Code::Unavailable))],
+            &[delivery("c1", 1, 0)],
+            &[],
+            &[],
+            &[],
+        );
+        assert!(
+            resendable.iter().any(|v| v.starts_with("inv 3")),
+            "{resendable:?}"
+        );
+        let mut reset = call("c1", 1, Err(tonic::Code::Unavailable));
+        reset.result = Err((tonic::Code::Unavailable, "connection reset".into()));
+        let away = |kas| Outage {
+            kas,
+            from: reset.started,
+            to: reset.started + Duration::from_secs(2),
+            killed: true,
+        };
+        let delivered = [delivery("c1", 1, 0)];
+        let calls = std::slice::from_ref(&reset);
+        assert!(check_calls(calls, &delivered, &[], &[], &[away(0)]).is_empty());
+        assert!(!check_calls(calls, &delivered, &[], &[], &[away(1)]).is_empty());
         let mut late = call("c1", 1, Err(tonic::Code::DeadlineExceeded));
         late.took = Duration::from_secs(6);
         let jump = Stall {
@@ -449,7 +498,7 @@ mod tests {
             at: late.started + Duration::from_secs(1),
             lasting: Duration::from_secs(4),
         };
-        assert!(check_calls(&[late.clone()], &[], &[], &[jump]).is_empty());
+        assert!(check_calls(&[late.clone()], &[], &[], &[jump], &[]).is_empty());
         let elsewhere = Stall {
             kas: Some(1),
             ..jump
@@ -458,13 +507,13 @@ mod tests {
             kas: Some(0),
             ..jump
         };
-        assert!(!check_calls(&[late.clone()], &[], &[], &[elsewhere]).is_empty());
-        assert!(check_calls(&[late.clone()], &[], &[], &[cut_off]).is_empty());
-        let late = check_calls(&[late], &[], &[], &[]);
+        assert!(!check_calls(&[late.clone()], &[], &[], &[elsewhere], &[]).is_empty());
+        assert!(check_calls(&[late.clone()], &[], &[], &[cut_off], &[]).is_empty());
+        let late = check_calls(&[late], &[], &[], &[], &[]);
         assert!(late.iter().any(|v| v.starts_with("inv 2")), "{late:?}");
         let mut pinned = call("c1", 1, Ok("agent1-replica1"));
         pinned.replica = Some(0);
-        let wrong_replica = check_calls(&[pinned], &[delivery("c1", 1, 1)], &[], &[]);
+        let wrong_replica = check_calls(&[pinned], &[delivery("c1", 1, 1)], &[], &[], &[]);
         assert!(
             wrong_replica.iter().any(|v| v.starts_with("inv 1")),
             "{wrong_replica:?}"

@@ -41,10 +41,12 @@ pub async fn exchange(
     timeout: Duration,
     mismatch: &mut Option<String>,
 ) -> Result<String, Status> {
-    let io = dial(kas).await.map_err(|e| unavailable("connect", &e))?;
+    let io = dial(kas)
+        .await
+        .map_err(|e| failed(Code::Unavailable, "connect", &e))?;
     let (mut sender, conn) = hyper::client::conn::http1::handshake(io)
         .await
-        .map_err(|e| unavailable("handshake", &e))?;
+        .map_err(|e| failed(Code::Unavailable, "handshake", &e))?;
     tokio::spawn(async move {
         let _ = conn.with_upgrades().await;
     });
@@ -101,7 +103,7 @@ pub async fn exchange(
     let mut resp = sender
         .send_request(req)
         .await
-        .map_err(|e| unavailable("request", &e))?;
+        .map_err(|e| failed(Code::Unknown, "request", &e))?;
     let status = resp.status();
     let answered_id = resp
         .headers()
@@ -121,12 +123,12 @@ pub async fn exchange(
     let got = if let (Shape::Exec, http::StatusCode::SWITCHING_PROTOCOLS) = (shape, status) {
         let io = hyper::upgrade::on(&mut resp)
             .await
-            .map_err(|e| unavailable("upgrade", &e))?;
+            .map_err(|e| failed(Code::Unknown, "upgrade", &e))?;
         exec(io, &sent).await?
     } else {
         let body = resp.into_body().collect().await;
         let body = body
-            .map_err(|e| unavailable("response body", &e))?
+            .map_err(|e| failed(Code::Unknown, "response body", &e))?
             .to_bytes();
         if !status.is_success() {
             let text = String::from_utf8_lossy(&body);
@@ -174,13 +176,15 @@ async fn exec(io: hyper::upgrade::Upgraded, sent: &[u8]) -> Result<Vec<u8>, Stat
     };
     let (sent, read) = tokio::join!(send, reader.read_exact(&mut got));
     sent.and(read.map(drop))
-        .map_err(|e| unavailable("exec session", &e))?;
+        .map_err(|e| failed(Code::Unknown, "exec session", &e))?;
     Ok(got)
 }
 
-fn unavailable(what: &str, e: &dyn std::error::Error) -> Status {
+/// The caller's own failure as GitLab's client would report it: `Unavailable` (not
+/// delivered) only before the request was sent, `Unknown` once kas may have it.
+fn failed(code: Code, what: &str, e: &dyn std::error::Error) -> Status {
     let cause = e.source().map(|c| format!(" ({c})")).unwrap_or_default();
-    Status::unavailable(format!("{what}: {e}{cause}"))
+    Status::new(code, format!("{what}: {e}{cause}"))
 }
 
 /// The gRPC code the checks read for kas's HTTP status, as kas maps one to the other.

@@ -1260,7 +1260,13 @@ pub async fn run(scenario: Scenario) -> Report {
     let (waited, wakeups) = liveness_phase(&mut cluster, &caller, spec.kas, &mut violations).await;
     calls.extend(waited);
     let truth = cluster.truth.deliveries();
-    violations.extend(checker::check_calls(&calls, &truth, &[ABSENT], &log.stalls));
+    violations.extend(checker::check_calls(
+        &calls,
+        &truth,
+        &[ABSENT],
+        &log.stalls,
+        &log.outages,
+    ));
     if !log.agents_cut_off {
         let holds = cluster.truth.holds();
         violations.extend(checker::check_holds(&calls, &holds, &log.stalls));

@@ -305,21 +305,49 @@ async fn drain(inbound: Streaming<Frame>) -> Forwarded {
 }
 
 /// What the caller is told when the stream to the serving kas broke mid-call (it may
-/// have handed the call to the agent). A broken connection surfaces as Unknown, and so
-/// the caller reads it: `Unavailable` would tell it the call was not delivered, and it
-/// would send it again (the fleet test saw a list served twice).
+/// have handed the call to the agent). The serving kas refuses with an `Error` frame, never
+/// with the stream's status, so a status here is a broken connection or a broken protocol.
+/// A broken connection surfaces as Unknown (an I/O error) or Unavailable (HTTP/2 keepalive
+/// timed out; madsim's reset), and the caller reads both as Unknown: `Unavailable` would
+/// tell it the call was not delivered, and it would send it again (the fleet test saw a
+/// list served twice).
 fn lost(kas: &KasId, status: Status) -> Status {
     if super::tunnel::too_large(&status) {
         Status::resource_exhausted(format!(
             "the answer relayed by kas {kas} is over agent.max_message_size: {}",
             status.message()
         ))
-    } else if status.code() == tonic::Code::Unknown {
+    } else if matches!(
+        status.code(),
+        tonic::Code::Unknown | tonic::Code::Unavailable
+    ) {
         Status::unknown(format!(
-            "lost the connection to kas {kas} during the call, which the agent had: {}",
+            "lost the connection to kas {kas} during the call, which may have reached the agent: {}",
             status.message()
         ))
     } else {
         status
+    }
+}
+
+#[cfg(all(test, not(madsim)))]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn a_broken_forward_never_tells_the_caller_it_was_not_delivered() {
+        let kas = KasId("10.0.0.2:8155".into());
+        for broken in [
+            Status::unavailable("keep-alive timed out"),
+            Status::unknown("transport error"),
+        ] {
+            let told = lost(&kas, broken);
+            assert_eq!(told.code(), tonic::Code::Unknown, "{told:?}");
+            assert!(told.message().contains("during the call"), "{told:?}");
+        }
+        let protocol = lost(&kas, Status::internal("h2 protocol error"));
+        assert_eq!(protocol.code(), tonic::Code::Internal);
+        let big = lost(&kas, Status::out_of_range("message too large"));
+        assert_eq!(big.code(), tonic::Code::ResourceExhausted);
     }
 }

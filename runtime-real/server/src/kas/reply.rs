@@ -76,12 +76,16 @@ impl Reply {
                 None => self.rx.recv().await,
             };
             // Whatever ends the call came from the engine, a tunnel or a forward, which
-            // end it themselves.
+            // end it themselves. Without an end, one of them was cut off (a kas stopping
+            // aborts its forwards at the end of its grace) after the call may have reached
+            // an agent: Unknown, never Unavailable, which GitLab's client would send again.
             let frame = match item {
                 Some(Ok(frame)) => frame,
                 Some(Err(status)) => return Err(self.end(status)),
                 None => {
-                    return Err(self.end(Status::unavailable("the call ended without an answer")));
+                    return Err(self.end(Status::unknown(
+                        "kas cut off its relay of the call during the call, which may have reached the agent",
+                    )));
                 }
             };
             match frame.kind {
