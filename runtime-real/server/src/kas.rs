@@ -219,13 +219,16 @@ async fn serve(
 struct JwtCheck {
     verifier: Verifier,
     listener: &'static str,
+    /// The headers the token may come in, the first present read.
+    headers: &'static [&'static str],
 }
 
 impl Interceptor for JwtCheck {
     fn call(&mut self, req: Request<()>) -> Result<Request<()>, Status> {
-        let header = req
-            .metadata()
-            .get("authorization")
+        let header = self
+            .headers
+            .iter()
+            .find_map(|h| req.metadata().get(*h))
             .and_then(|v| v.to_str().ok());
         self.verifier.check_bearer(header).map_err(|reason| {
             // Refused before a handler runs: the id is given here.
@@ -376,6 +379,7 @@ impl Shared<'_> {
                 verifier: Verifier::new(gitlab_secret, jwt::GITLAB, jwt::GITLAB_KAS)
                     .with_max_lifetime(config.api.max_token_lifetime),
                 listener: "api",
+                headers: &["authorization"],
             },
         );
         server(&config.api.listen).add_service(public)
@@ -396,6 +400,7 @@ impl Shared<'_> {
                 verifier: Verifier::new(private_secret, jwt::GITLAB_KAS, jwt::GITLAB_KAS)
                     .with_max_lifetime(config.private_api.max_token_lifetime),
                 listener: "private_api",
+                headers: &[private_api::TOKEN_HEADER, "authorization"],
             },
         );
         server(&config.private_api.listen).add_service(private)

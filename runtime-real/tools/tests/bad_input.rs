@@ -65,10 +65,13 @@ async fn public_call(kas: &KasProc, authorization: Option<String>) -> Result<(),
     client.connected_agents_by_id(req).await.map(|_| ())
 }
 
+/// A forwarded call with the token `authorization` in `header`; the answer's first frame,
+/// and whether the answer said the token may come in `kas-private-token`.
 async fn private_call(
     kas: &KasProc,
+    header: &'static str,
     authorization: Option<String>,
-) -> Result<Frame, tonic::Status> {
+) -> Result<(Frame, bool), tonic::Status> {
     let mut client = KasPrivateClient::new(channel(kas.private).await);
     let start = frames::frame(Kind::RequestStart(RequestStart {
         request_id: 1,
@@ -81,11 +84,12 @@ async fn private_call(
     let mut req = tonic::Request::new(futures::stream::iter(frames));
     req.set_timeout(Duration::from_secs(2));
     if let Some(a) = authorization {
-        req.metadata_mut()
-            .insert("authorization", a.parse().unwrap());
+        req.metadata_mut().insert(header, a.parse().unwrap());
     }
-    let mut answer = client.forward(req).await?.into_inner();
-    Ok(answer.message().await?.expect("an answer frame"))
+    let answer = client.forward(req).await?;
+    let taken = answer.metadata().get("kas-private-token-taken").is_some();
+    let first = answer.into_inner().message().await?;
+    Ok((first.expect("an answer frame"), taken))
 }
 
 #[tokio::test(flavor = "multi_thread")]
@@ -132,9 +136,28 @@ async fn every_bad_token_is_unauthenticated_and_kas_keeps_serving() {
         ),
     ];
     for (case, auth) in private_cases {
-        let err = private_call(&kas, auth).await.expect_err(case);
-        assert_eq!(err.code(), Code::Unauthenticated, "{case}: {err}");
+        for header in ["authorization", "kas-private-token"] {
+            let err = private_call(&kas, header, auth.clone())
+                .await
+                .expect_err(case);
+            assert_eq!(
+                err.code(),
+                Code::Unauthenticated,
+                "{case} in {header}: {err}"
+            );
+        }
     }
+    // The private token's own header is the private listener's only: the public one does
+    // not read it.
+    let mut client = KasApiClient::new(channel(kas.api).await);
+    let mut req = tonic::Request::new(ConnectedAgentsByIdRequest { agent_id: 1 });
+    let valid = s.gitlab_signer().bearer().parse().unwrap();
+    req.metadata_mut().insert("kas-private-token", valid);
+    let err = client
+        .connected_agents_by_id(req)
+        .await
+        .expect_err("no authorization");
+    assert_eq!(err.code(), Code::Unauthenticated, "{err}");
     // The reasons are logged.
     let log = kas.log_text();
     for reason in [
@@ -150,13 +173,21 @@ async fn every_bad_token_is_unauthenticated_and_kas_keeps_serving() {
     public_call(&kas, Some(s.gitlab_signer().bearer()))
         .await
         .expect("valid public token");
-    let refusal = private_call(&kas, Some(s.kas_signer().bearer()))
-        .await
-        .expect("valid private token");
-    assert!(
-        matches!(refusal.kind, Some(Kind::Error(_))),
-        "no tunnel here: {refusal:?}"
-    );
+    // In either header (a kas that has not yet seen this one say it takes the token's
+    // own header sends `authorization`), and the answer says the own header is taken.
+    for header in ["authorization", "kas-private-token"] {
+        let (refusal, taken) = private_call(&kas, header, Some(s.kas_signer().bearer()))
+            .await
+            .expect("valid private token");
+        assert!(
+            matches!(refusal.kind, Some(Kind::Error(_))),
+            "no tunnel here: {refusal:?}"
+        );
+        assert!(
+            taken,
+            "the answer to a call with {header} names no kas-private-token-taken"
+        );
+    }
 }
 
 /// Hardening item 7: future `nbf` or `iat`, and tokens valid for years, are refused on both
@@ -198,7 +229,7 @@ async fn tokens_not_yet_valid_or_valid_too_long_are_unauthenticated() {
         assert!(err.message().contains(reason), "public, {case}: {err}");
     }
     for (case, t, reason) in cases(&s.kas, "gitlab-kas") {
-        let err = private_call(&kas, Some(format!("Bearer {t}")))
+        let err = private_call(&kas, "kas-private-token", Some(format!("Bearer {t}")))
             .await
             .expect_err(case);
         assert_eq!(err.code(), Code::Unauthenticated, "private, {case}: {err}");

@@ -22,6 +22,7 @@
 //! whether it answers again. Within `ANSWERED_FRESH` of a path dying no call goes down it;
 //! within `ANSWERED_FRESH + ANSWER_WITHIN` calls go elsewhere without waiting.
 
+use super::private_api;
 use super::timing::FORWARD_DRAIN;
 use futures::{FutureExt, StreamExt, stream};
 use kas_auth::jwt::Signer;
@@ -32,6 +33,7 @@ use kas_proto::private_api::kas_private_client::KasPrivateClient;
 use kas_transport::tls::KasUrl;
 use std::collections::VecDeque;
 use std::path::PathBuf;
+use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
 use tokio::sync::{mpsc, oneshot};
@@ -127,6 +129,9 @@ struct Link {
     /// Its index in the peer's links.
     index: usize,
     epoch: u64,
+    /// The peer said on this connection that it takes the token in
+    /// [`private_api::TOKEN_HEADER`] (a connection made anew may reach another build).
+    token_header: Arc<AtomicBool>,
 }
 
 /// What a call takes.
@@ -432,6 +437,7 @@ impl Dial {
                     channel: self.channel(&url)?,
                     index,
                     epoch: 0,
+                    token_header: Arc::default(),
                 })
             })
             .collect::<Result<_, String>>()?;
@@ -458,6 +464,7 @@ impl Dial {
             channel: self.channel(url).ok()?,
             index: old.index,
             epoch: old.epoch + 1,
+            token_header: Arc::default(),
         })
     }
 
@@ -481,17 +488,27 @@ impl Dial {
             .bearer()
             .parse()
             .map_err(|_| Status::internal("token is not valid metadata"))?;
-        req.metadata_mut().insert("authorization", bearer);
+        let header = match link.token_header.load(Ordering::Relaxed) {
+            true => private_api::TOKEN_HEADER,
+            false => "authorization",
+        };
+        req.metadata_mut().insert(header, bearer);
         let mut client = KasPrivateClient::new(link.channel.clone())
             .max_decoding_message_size(self.max_message_size);
-        let inbound = tokio::time::timeout(ANSWER_WITHIN, client.forward(req))
+        let answer = tokio::time::timeout(ANSWER_WITHIN, client.forward(req))
             .await
             .map_err(|_| {
                 Status::unavailable(format!(
                     "no answer to a stream's opening within {ANSWER_WITHIN:?}"
                 ))
-            })??
-            .into_inner();
+            })??;
+        if answer
+            .metadata()
+            .contains_key(private_api::TOKEN_HEADER_TAKEN)
+        {
+            link.token_header.store(true, Ordering::Relaxed);
+        }
+        let inbound = answer.into_inner();
         Ok(Opened {
             send,
             inbound,
@@ -561,5 +578,72 @@ mod tests {
         assert!(then.contains("has answered no stream"), "{then}");
         assert_eq!(started.elapsed(), Duration::ZERO, "refused without waiting");
         assert_eq!(held(&p), ["127.0.0.1:2"], "kept, to be asked again");
+    }
+
+    /// A private listener that records which header each forward stream's token came in,
+    /// and says it takes `kas-private-token` when `taken` (as a kas of an older build does
+    /// not).
+    struct Listener {
+        taken: bool,
+        seen: Arc<Mutex<Vec<&'static str>>>,
+    }
+
+    #[tonic::async_trait]
+    impl kas_proto::private_api::kas_private_server::KasPrivate for Listener {
+        type ForwardStream = stream::Pending<Result<Frame, Status>>;
+
+        async fn forward(
+            &self,
+            req: tonic::Request<Streaming<Frame>>,
+        ) -> Result<tonic::Response<Self::ForwardStream>, Status> {
+            let header = [private_api::TOKEN_HEADER, "authorization"]
+                .into_iter()
+                .find(|h| req.metadata().contains_key(*h))
+                .unwrap_or("none");
+            self.seen.lock().unwrap().push(header);
+            let mut answer = tonic::Response::new(stream::pending());
+            if self.taken {
+                let yes = tonic::metadata::MetadataValue::from_static("1");
+                answer
+                    .metadata_mut()
+                    .insert(private_api::TOKEN_HEADER_TAKEN, yes);
+            }
+            Ok(answer)
+        }
+    }
+
+    /// The token headers a peer saw on the streams of 8 takes (and those opened ahead).
+    async fn headers_seen(taken: bool) -> Vec<&'static str> {
+        use kas_proto::private_api::kas_private_server::KasPrivateServer;
+        let seen = Arc::default();
+        let listener = Listener {
+            taken,
+            seen: Arc::clone(&seen),
+        };
+        let socket = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+        let kas = KasId(socket.local_addr().unwrap().to_string());
+        let incoming = tokio_stream::wrappers::TcpListenerStream::new(socket);
+        let server = tonic::transport::Server::builder()
+            .add_service(KasPrivateServer::new(listener))
+            .serve_with_incoming(incoming);
+        let server = tokio::spawn(server);
+        let p = peers();
+        for _ in 0..8 {
+            p.take(&kas, true).await.expect("the peer answers").retire();
+        }
+        server.abort();
+        seen.lock().unwrap().clone()
+    }
+
+    /// The token goes in `kas-private-token`, which HTTP/2 indexes, only on a connection
+    /// whose peer said it takes it; an older kas keeps receiving `authorization`.
+    #[tokio::test]
+    async fn the_token_moves_to_its_own_header_only_where_the_peer_takes_it() {
+        let new = headers_seen(true).await;
+        assert_eq!(new.first(), Some(&"authorization"), "{new:?}");
+        assert_eq!(new.last(), Some(&private_api::TOKEN_HEADER), "{new:?}");
+        let old = headers_seen(false).await;
+        assert!(old.len() >= 8, "{old:?}");
+        assert!(old.iter().all(|h| *h == "authorization"), "{old:?}");
     }
 }
