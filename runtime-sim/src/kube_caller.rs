@@ -41,20 +41,15 @@ pub async fn exchange(
     timeout: Duration,
     mismatch: &mut Option<String>,
 ) -> Result<String, Status> {
-    let io = dial(kas)
-        .await
-        .map_err(|e| failed(Code::Unavailable, "connect", &e))?;
-    let (mut sender, conn) = hyper::client::conn::http1::handshake(io)
-        .await
-        .map_err(|e| failed(Code::Unavailable, "handshake", &e))?;
-    tokio::spawn(async move {
-        let _ = conn.with_upgrades().await;
-    });
     let shape = match thread_rng().gen_range(0..4) {
         0 => Shape::Watch(thread_rng().gen_range(1..=5)),
         1 => Shape::Exec,
         _ => Shape::Echo,
     };
+    // Half of the others over HTTP/2 (prior knowledge, as kubectl's Go client speaks it
+    // to a plain-text listener); an exec's upgrade is HTTP/1.1's.
+    let h2 = !matches!(shape, Shape::Exec) && thread_rng().gen_bool(0.5);
+    let mut sender = Sender::connect(kas, h2).await?;
     let pieces: Vec<Bytes> = (0..thread_rng().gen_range(1..=4))
         .map(|i| Bytes::from(format!("{marker}/{i};")))
         .collect();
@@ -68,7 +63,9 @@ pub async fn exchange(
         Shape::Watch(_) | Shape::Exec => http_body_util::Empty::new().boxed_unsync(),
     };
     let query = format!("timeout={}ms", timeout.as_millis());
-    let pod_path = format!("/api/v1/namespaces/default/pods/{marker}");
+    // HTTP/2 names the scheme and authority in every request.
+    let origin = if h2 { "http://kas" } else { "" };
+    let pod_path = format!("{origin}/api/v1/namespaces/default/pods/{marker}");
     let req = match shape {
         Shape::Echo => http::Request::post(format!("{pod_path}?{query}")),
         Shape::Watch(n) => http::Request::get(format!("{pod_path}?watch=1&{query}"))
@@ -78,8 +75,8 @@ pub async fn exchange(
             .header("upgrade", "SPDY/3.1"),
     };
     let correlation_id = crate::api_server::correlation_id(marker);
+    let req = if h2 { req } else { req.header("host", "kas") };
     let req = req
-        .header("host", "kas")
         .header(crate::api_server::CORRELATION, &correlation_id)
         .header("authorization", format!("Bearer pat:{agent}:{USER_TOKEN}"))
         .header("impersonate-user", CLAIMED)
@@ -101,7 +98,7 @@ pub async fn exchange(
         });
     }
     let mut resp = sender
-        .send_request(req)
+        .send(req)
         .await
         .map_err(|e| failed(Code::Unknown, "request", &e))?;
     let status = resp.status();
@@ -158,6 +155,47 @@ pub async fn exchange(
         ));
     }
     pod.ok_or_else(|| Status::internal("the response named no pod"))
+}
+
+type Body = http_body_util::combinators::UnsyncBoxBody<Bytes, Infallible>;
+
+/// A connection to kas's Kubernetes API listener, over HTTP/1.1 or HTTP/2.
+enum Sender {
+    Http1(hyper::client::conn::http1::SendRequest<Body>),
+    Http2(hyper::client::conn::http2::SendRequest<Body>),
+}
+
+impl Sender {
+    /// Connects to kas `kas` (nothing sent yet: a failure is `Unavailable`).
+    async fn connect(kas: usize, h2: bool) -> Result<Sender, Status> {
+        use hyper::client::conn::{http1, http2};
+        let io = dial(kas)
+            .await
+            .map_err(|e| failed(Code::Unavailable, "connect", &e))?;
+        let handshake = |e: hyper::Error| failed(Code::Unavailable, "handshake", &e);
+        if h2 {
+            let (sender, conn) = http2::handshake(kas_transport::rt::Executor::new(), io)
+                .await
+                .map_err(handshake)?;
+            tokio::spawn(conn);
+            return Ok(Sender::Http2(sender));
+        }
+        let (sender, conn) = http1::handshake(io).await.map_err(handshake)?;
+        tokio::spawn(async move {
+            let _ = conn.with_upgrades().await;
+        });
+        Ok(Sender::Http1(sender))
+    }
+
+    async fn send(
+        &mut self,
+        req: http::Request<Body>,
+    ) -> hyper::Result<http::Response<hyper::body::Incoming>> {
+        match self {
+            Sender::Http1(s) => s.send_request(req).await,
+            Sender::Http2(s) => s.send_request(req).await,
+        }
+    }
 }
 
 /// An exec session: sends `sent` 0-50 ms a piece apart, reads as many bytes back, closes.
