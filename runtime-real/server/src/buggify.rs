@@ -183,14 +183,19 @@ pub fn delay(point: Point) -> Option<std::time::Duration> {
     fires(point).then(|| std::time::Duration::from_millis(1 + rand::random::<u64>() % 500))
 }
 
-/// The next frame from `read`, or when [`Point::StreamReset`] fires, the error a reset
-/// stream reads as (and `read` is dropped, which resets the stream for real).
+/// The next frame from `read`, or when [`Point::StreamReset`] fires, the error a broken
+/// stream reads as in tonic (and `read` is dropped, which resets the stream for real):
+/// `Unknown` for a reset or an I/O error, or, half the time, `Unavailable` for an HTTP/2
+/// keepalive that timed out, which madsim's gRPC never reports by itself (mutant 58).
 #[inline]
 pub async fn read<T>(
     read: impl Future<Output = Result<T, tonic::Status>>,
 ) -> Result<T, tonic::Status> {
     if fires(Point::StreamReset) {
-        return Err(tonic::Status::unknown("stream reset (buggify)"));
+        return Err(match rand::random::<bool>() {
+            true => tonic::Status::unknown("stream reset (buggify)"),
+            false => tonic::Status::unavailable("keep-alive timed out (buggify)"),
+        });
     }
     read.await
 }
