@@ -32,6 +32,8 @@ pub mod rogue;
 #[cfg(madsim)]
 pub mod scenario;
 #[cfg(madsim)]
+pub mod spans;
+#[cfg(madsim)]
 pub mod store_back;
 #[cfg(madsim)]
 pub mod truth;

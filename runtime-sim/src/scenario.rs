@@ -1164,6 +1164,13 @@ pub async fn run(scenario: Scenario) -> Report {
         kas_server::buggify::heal();
         points.retain(|p| !p.is_fault());
     }
+    // Half the runs trace every call, as kas and agentk do with an OTLP endpoint set.
+    let traced = thread_rng().gen_bool(0.5).then(|| {
+        let recorder = crate::spans::Recorder::default();
+        kas_transport::traces::install_processor(recorder.clone());
+        recorder
+    });
+    tracing::info!(traced = traced.is_some(), "this run's traces");
     let mut cluster = Cluster::build(&spec);
     // One more agent, connecting at a random moment of the faulty phase.
     let mut agents = spec.agents.clone();
@@ -1260,6 +1267,12 @@ pub async fn run(scenario: Scenario) -> Report {
     let (waited, wakeups) = liveness_phase(&mut cluster, &caller, spec.kas, &mut violations).await;
     calls.extend(waited);
     let truth = cluster.truth.deliveries();
+    if let Some(recorder) = &traced {
+        let spans = recorder.started();
+        let agents = spans.iter().filter(|s| s.name == "agentk.call").count();
+        tracing::info!(spans = spans.len(), agents, "this run's traces, checked");
+        violations.extend(crate::spans::check(&spans));
+    }
     violations.extend(checker::check_calls(
         &calls,
         &truth,

@@ -41,6 +41,17 @@ pub fn on() -> bool {
     ON.load(Ordering::Relaxed)
 }
 
+/// Hands every span of this process to `processor` (the simulation's record of a run's
+/// traces, which its checker reads), as [`install`] hands them to an exporter.
+#[cfg(madsim)]
+pub fn install_processor(processor: impl opentelemetry_sdk::trace::SpanProcessor + 'static) {
+    let provider = opentelemetry_sdk::trace::SdkTracerProvider::builder()
+        .with_span_processor(processor)
+        .build();
+    opentelemetry::global::set_tracer_provider(provider);
+    ON.store(true, Ordering::Relaxed);
+}
+
 /// A span `name` of component `scope` (`kas`, `agentk`), child of `parent`'s span (a new
 /// trace without one), in a context of its own: it ends when the last clone of that
 /// context is dropped, or at its `span().end()`. Without an exporter, `parent` itself:
