@@ -428,6 +428,11 @@ mod tests {
         }
     }
 
+    /// `calls` judged against `truth`, with no absent agent, stall or outage.
+    fn checked(calls: &[Call], truth: &[Delivery]) -> Vec<String> {
+        check_calls(calls, truth, &[], &[], &[])
+    }
+
     fn delivery(marker: &str, agent: i64, replica: usize) -> Delivery {
         Delivery {
             marker: marker.into(),
@@ -449,31 +454,22 @@ mod tests {
 
     #[madsim::test]
     async fn each_planted_bug_is_reported() {
-        let wrong_agent = check_calls(
+        let wrong_agent = checked(
             &[call("c1", 1, Ok("agent2-replica0"))],
             &[delivery("c1", 2, 0)],
-            &[],
-            &[],
-            &[],
         );
         assert!(
             wrong_agent.iter().any(|v| v.starts_with("inv 1")),
             "{wrong_agent:?}"
         );
-        let twice = check_calls(
+        let twice = checked(
             &[call("c1", 1, Ok("agent1-replica0"))],
             &[delivery("c1", 1, 0), delivery("c1", 1, 1)],
-            &[],
-            &[],
-            &[],
         );
         assert!(twice.iter().any(|v| v.starts_with("inv 3")), "{twice:?}");
-        let resendable = check_calls(
+        let resendable = checked(
             &[call("c1", 1, Err(tonic::Code::Unavailable))],
             &[delivery("c1", 1, 0)],
-            &[],
-            &[],
-            &[],
         );
         assert!(
             resendable.iter().any(|v| v.starts_with("inv 3")),
@@ -509,11 +505,11 @@ mod tests {
         };
         assert!(!check_calls(&[late.clone()], &[], &[], &[elsewhere], &[]).is_empty());
         assert!(check_calls(&[late.clone()], &[], &[], &[cut_off], &[]).is_empty());
-        let late = check_calls(&[late], &[], &[], &[], &[]);
+        let late = checked(&[late], &[]);
         assert!(late.iter().any(|v| v.starts_with("inv 2")), "{late:?}");
         let mut pinned = call("c1", 1, Ok("agent1-replica1"));
         pinned.replica = Some(0);
-        let wrong_replica = check_calls(&[pinned], &[delivery("c1", 1, 1)], &[], &[], &[]);
+        let wrong_replica = checked(&[pinned], &[delivery("c1", 1, 1)]);
         assert!(
             wrong_replica.iter().any(|v| v.starts_with("inv 1")),
             "{wrong_replica:?}"

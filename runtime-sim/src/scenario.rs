@@ -1164,13 +1164,7 @@ pub async fn run(scenario: Scenario) -> Report {
         kas_server::buggify::heal();
         points.retain(|p| !p.is_fault());
     }
-    // Half the runs trace every call, as kas and agentk do with an OTLP endpoint set.
-    let traced = thread_rng().gen_bool(0.5).then(|| {
-        let recorder = crate::spans::Recorder::default();
-        kas_transport::traces::install_processor(recorder.clone());
-        recorder
-    });
-    tracing::info!(traced = traced.is_some(), "this run's traces");
+    let traced = crate::spans::Recorder::in_half_the_runs();
     let mut cluster = Cluster::build(&spec);
     // One more agent, connecting at a random moment of the faulty phase.
     let mut agents = spec.agents.clone();
@@ -1268,10 +1262,7 @@ pub async fn run(scenario: Scenario) -> Report {
     calls.extend(waited);
     let truth = cluster.truth.deliveries();
     if let Some(recorder) = &traced {
-        let spans = recorder.started();
-        let agents = spans.iter().filter(|s| s.name == "agentk.call").count();
-        tracing::info!(spans = spans.len(), agents, "this run's traces, checked");
-        violations.extend(crate::spans::check(&spans));
+        violations.extend(recorder.check());
     }
     violations.extend(checker::check_calls(
         &calls,

@@ -28,7 +28,7 @@ const MAX_REQUEST_BYTES: usize = 16 << 20;
 /// (`Bearer <jwt>` either way). HTTP/2 never indexes an `authorization` value in its header
 /// table (h2, like nghttp2, guards low-entropy secrets so), so the kas -> kas token, the
 /// same for a minute, was Huffman-coded on every stream and decoded on the other side
-/// (about 27,000 instructions of a remote call's 378,000). Under this name it is sent once
+/// (about 9,000 instructions of a remote call's 378,000: docs/benchmarks.md). Under this name it is sent once
 /// per connection and then as an index. HPACK only matches whole values, and a signed
 /// token cannot be guessed whole, so indexing it gives a compression oracle nothing.
 pub const TOKEN_HEADER: &str = "kas-private-token";
