@@ -23,15 +23,19 @@
 //!    only a call that entered a kas already stopping or down (GitLab's to retry: nothing
 //!    was delivered), or that was under way when a kas serving its agent was killed (it
 //!    may have been on that kas), may fail (`ha`);
-//! 11. a token GitLab revokes stops being served within a bound (`revoked`).
+//! 11. a token GitLab revokes stops being served within a bound (`revoked`);
+//! 17. each kas's audit log records the Kubernetes API requests answered through it
+//!     (`audit`).
 //!
 //! Invariant 15 (a tunnel record that becomes live is announced) is judged by the
 //! simulated Redis itself (`redis::announced`).
 
+mod audit;
 mod ha;
 mod revoked;
 mod silent;
 
+pub use audit::check_audit;
 pub use ha::{Far, HalfOpen, Outage, check_available, check_reachable};
 pub use revoked::{REVOKE_BOUND, Revocation, check_revoked};
 pub use silent::check_silences;
@@ -415,16 +419,8 @@ mod tests {
 
     fn call(marker: &str, agent: i64, result: Result<&str, tonic::Code>) -> Call {
         Call {
-            marker: marker.into(),
-            kas: 0,
-            agent,
-            replica: None,
-            started: Instant::now(),
-            timeout: Duration::from_secs(1),
-            took: Duration::from_millis(10),
             result: result.map(str::to_string).map_err(|c| (c, String::new())),
-            echo_mismatch: None,
-            two_way: false,
+            ..Call::sample(marker, 0, agent, Instant::now())
         }
     }
 

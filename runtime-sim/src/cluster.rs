@@ -122,6 +122,25 @@ pub fn kas_addr(i: usize, port: u16) -> SocketAddr {
     SocketAddr::new(IpAddr::V4(Ipv4Addr::new(10, 0, 1, last)), port)
 }
 
+/// Kas `i`'s id, as its records and the audit log name it: its private address.
+pub fn kas_id(i: usize) -> String {
+    kas_addr(i, 8155).to_string()
+}
+
+/// Each kas's audit log rotates at this size (the least kas takes), into at most
+/// [`AUDIT_FILES`] files: small, so that runs rotate it (a run's kas records 3-15
+/// requests, about 600 bytes each), and many, so that no record is dropped (invariant 17
+/// reads them all).
+const AUDIT_ROTATE: u64 = 4 << 10;
+
+/// See [`AUDIT_ROTATE`].
+const AUDIT_FILES: usize = 64;
+
+/// Kas `i`'s audit log in `dir`; its rotated files add `.1` (the newest) and on.
+fn audit_path(dir: &std::path::Path, i: usize) -> PathBuf {
+    dir.join(format!("audit-kas{i}.jsonl"))
+}
+
 /// An agent that is not agentk.
 #[derive(Clone, Copy, Debug)]
 pub enum Script {
@@ -236,6 +255,9 @@ fn kas_config(
             "agent.kubernetes_api.tokens_file",
             &dir.join("user-tokens.yaml"),
         )
+        .path("agent.kubernetes_api.audit.path", &audit_path(dir, i))
+        .set("agent.kubernetes_api.audit.max_size", AUDIT_ROTATE)
+        .set("agent.kubernetes_api.audit.max_files", AUDIT_FILES)
         .set("redis.key_prefix", "kas")
         .duration("redis.timeout", redis_timeout)
         .set("redis.pubsub_wakeups", spec.pubsub_wakeups)
@@ -258,6 +280,23 @@ fn kas_config(
 }
 
 impl Cluster {
+    /// Kas `kas`'s audit records, oldest first, its rotated files' included.
+    pub fn audit_lines(&self, kas: usize) -> Vec<String> {
+        let path = audit_path(&self.dir, kas);
+        let numbered = |n: usize| PathBuf::from(format!("{}.{n}", path.display()));
+        assert!(
+            !numbered(AUDIT_FILES).exists(),
+            "kas{kas}'s audit log filled its {AUDIT_FILES} files: raise AUDIT_FILES"
+        );
+        (1..AUDIT_FILES)
+            .rev()
+            .map(numbered)
+            .chain([path.clone()])
+            .filter_map(|p| std::fs::read_to_string(p).ok())
+            .flat_map(|text| text.lines().map(str::to_owned).collect::<Vec<_>>())
+            .collect()
+    }
+
     /// Kas `kas`'s metrics now (OpenMetrics text); empty while it has not started.
     pub fn metrics(&self, kas: usize) -> String {
         self.health[kas]

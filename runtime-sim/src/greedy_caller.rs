@@ -71,8 +71,8 @@ pub async fn run(kas: usize, until: Instant) -> Crowding {
 async fn probe(kas: usize, marker: String) -> Call {
     let (agent, timeout) = (CROWDED, PROBE_TIMEOUT);
     let started = Instant::now();
-    let mut mismatch = None;
-    let exchange = kube_caller::exchange(kas, agent, &marker, timeout, &mut mismatch);
+    let mut seen = kube_caller::Seen::default();
+    let exchange = kube_caller::exchange(kas, agent, &marker, timeout, &mut seen);
     let result = workload::bounded(timeout, exchange).await;
     Call {
         marker,
@@ -83,8 +83,12 @@ async fn probe(kas: usize, marker: String) -> Call {
         timeout,
         took: started.elapsed(),
         result: result.map_err(|s| (s.code(), s.message().to_string())),
-        echo_mismatch: mismatch,
+        echo_mismatch: seen.mismatch,
         two_way: true,
+        http: Some(workload::Http {
+            status: seen.status,
+            received: seen.received,
+        }),
     }
 }
 

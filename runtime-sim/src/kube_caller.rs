@@ -30,17 +30,29 @@ enum Shape {
     Exec,
 }
 
+/// What the caller of a request saw besides its outcome.
+#[derive(Default)]
+pub struct Seen {
+    /// How what came back differed from what was expected when the response ended whole,
+    /// or kas's answer broke invariant 14.
+    pub mismatch: Option<String>,
+    /// The response's status, once its head came (invariant 17 reads it).
+    pub status: Option<u16>,
+    /// The bytes of its body (or of the upgraded connection) that came back.
+    pub received: usize,
+}
+
 /// One request to `agent` through kas `kas`, asking kas to wait at most `timeout` for the
 /// agent (`?timeout=`, as kubectl's `--request-timeout`): an echoed body, a watch or an
-/// exec session. The pod that answered; `mismatch` says how what came back differed from
-/// what was expected when the response ended whole.
+/// exec session. The pod that answered.
 pub async fn exchange(
     kas: usize,
     agent: i64,
     marker: &str,
     timeout: Duration,
-    mismatch: &mut Option<String>,
+    seen: &mut Seen,
 ) -> Result<String, Status> {
+    let mismatch = &mut seen.mismatch;
     let shape = match thread_rng().gen_range(0..4) {
         0 => Shape::Watch(thread_rng().gen_range(1..=5)),
         1 => Shape::Exec,
@@ -102,6 +114,7 @@ pub async fn exchange(
         .await
         .map_err(|e| failed(Code::Unknown, "request", &e))?;
     let status = resp.status();
+    seen.status = Some(status.as_u16());
     let answered_id = resp
         .headers()
         .get(crate::api_server::CORRELATION)
@@ -140,6 +153,7 @@ pub async fn exchange(
         }
         body.to_vec()
     };
+    seen.received = got.len();
     let expected = match shape {
         Shape::Watch(n) => (0..n)
             .map(|i| crate::api_server::event(marker, i))

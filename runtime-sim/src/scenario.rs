@@ -3,7 +3,7 @@
 //! that connects are delivered, and how fast) and leaks.
 
 use crate::checker::{self, Far, HalfOpen, Outage, Revocation, Stall, Stats};
-use crate::cluster::{AgentSpec, Cluster, ClusterSpec, RedisMode, Script};
+use crate::cluster::{AgentSpec, Cluster, ClusterSpec, RedisMode, Script, kas_id};
 use crate::greedy_caller;
 use crate::redis::{Db, MAX_REPLICATION_LAG, SHARDS};
 use crate::store_back;
@@ -531,7 +531,7 @@ async fn revoke(cluster: &Cluster, agents: &[AgentSpec], lasting: Duration, log:
 /// the agent must find it again (the probe after the fault).
 fn lose_records(cluster: &Cluster, agents: &[AgentSpec], kas: usize) {
     let keys = kas_core::keys::Keys::new("kas");
-    let id = crate::cluster::kas_addr(kas, 8155).to_string();
+    let id = kas_id(kas);
     let agent = agents[thread_rng().gen_range(0..agents.len())].agent;
     let agent_key = keys.agent(kas_core::AgentId(agent));
     let instances = keys.kas_instances();
@@ -949,7 +949,7 @@ async fn listed_while_dead(cluster: &Cluster, agents: &[AgentSpec], dead: usize)
 /// every agent on every other kas must not name the dead kas among a replica's kas.
 async fn listed_on_dead(cluster: &Cluster, agents: &[AgentSpec], dead: usize) -> Vec<String> {
     let secret = cluster.gitlab_secret();
-    let address = crate::cluster::kas_addr(dead, 8155).to_string();
+    let address = kas_id(dead);
     let others: Vec<usize> = (0..cluster.kas_nodes.len())
         .filter(|&k| k != dead)
         .collect();
@@ -1011,7 +1011,7 @@ async fn stop_gracefully(cluster: &Cluster, kas: usize) -> Vec<String> {
     while read().cleaned.is_none() && asked.elapsed() < stop_within {
         tokio::time::sleep(Duration::from_millis(50)).await;
     }
-    let id = crate::cluster::kas_addr(kas, 8155).to_string();
+    let id = kas_id(kas);
     let run = read();
     match run.cleaned {
         None => vec![format!(
@@ -1260,32 +1260,10 @@ pub async fn run(scenario: Scenario) -> Report {
     violations.extend(expired_fields_left(&cluster));
     let (waited, wakeups) = liveness_phase(&mut cluster, &caller, spec.kas, &mut violations).await;
     calls.extend(waited);
-    let truth = cluster.truth.deliveries();
     if let Some(recorder) = &traced {
         violations.extend(recorder.check());
     }
-    violations.extend(checker::check_calls(
-        &calls,
-        &truth,
-        &[ABSENT],
-        &log.stalls,
-        &log.outages,
-    ));
-    if !log.agents_cut_off {
-        let holds = cluster.truth.holds();
-        violations.extend(checker::check_holds(&calls, &holds, &log.stalls));
-    }
-    violations.extend(checker::check_revoked(&log.revocations, &truth));
-    let silences = cluster.truth.silences();
-    violations.extend(checker::check_silences(
-        &silences,
-        &log.stalls,
-        &log.outages,
-        &log.cuts,
-    ));
-    violations.extend(cluster.redis.with_db(Db::unannounced));
-    violations.extend(leaks_left(&cluster, calls.len() + uncounted).await);
-    violations.extend(cluster.truth.violations());
+    violations.extend(judge_run(&cluster, &calls, &log, uncounted).await);
     if !violations.is_empty() {
         violations.push(format!("(buggify points on in this run: {points:?})"));
         violations.push(format!(
@@ -1485,6 +1463,39 @@ async fn liveness_phase(
     let (wakeups, woken) = checker::check_woken(&waited, &truth, registered, LIVENESS, live_kas);
     violations.extend(woken);
     (waited, wakeups)
+}
+
+/// The whole run's invariants over `calls` (and `uncounted` requests besides) and what
+/// agents, Redis and kas recorded, once the run is over.
+async fn judge_run(
+    cluster: &Cluster,
+    calls: &[Call],
+    log: &FaultLog,
+    uncounted: usize,
+) -> Vec<String> {
+    let truth = cluster.truth.deliveries();
+    let mut violations = checker::check_calls(calls, &truth, &[ABSENT], &log.stalls, &log.outages);
+    if !log.agents_cut_off {
+        let holds = cluster.truth.holds();
+        violations.extend(checker::check_holds(calls, &holds, &log.stalls));
+    }
+    violations.extend(checker::check_revoked(&log.revocations, &truth));
+    let silences = cluster.truth.silences();
+    violations.extend(checker::check_silences(
+        &silences,
+        &log.stalls,
+        &log.outages,
+        &log.cuts,
+    ));
+    violations.extend(cluster.redis.with_db(Db::unannounced));
+    violations.extend(leaks_left(cluster, calls.len() + uncounted).await);
+    violations.extend(cluster.truth.violations());
+    // Every request has ended by now, and its record been written.
+    let audit: Vec<Vec<String>> = (0..cluster.kas_nodes.len())
+        .map(|k| cluster.audit_lines(k))
+        .collect();
+    violations.extend(checker::check_audit(&audit, kas_id, calls, &log.outages));
+    violations
 }
 
 /// Leaks (inv 6), and hops (inv 4) over the `issued` calls: with every agent gone and

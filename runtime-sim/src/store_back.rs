@@ -4,7 +4,7 @@
 //! its calls skipped as a dead kas's).
 
 use crate::checker::{Outage, Stall};
-use crate::cluster::{Cluster, kas_addr};
+use crate::cluster::{Cluster, kas_addr, kas_id};
 use kas_core::keys::Keys;
 use std::time::Duration;
 use tokio::time::Instant;
@@ -83,7 +83,7 @@ pub async fn watch(cluster: &Cluster, until: Instant) -> Vec<Return> {
 /// Whether kas `kas`'s liveness record is in the store, unexpired.
 fn live(cluster: &Cluster, kas: usize) -> bool {
     let key = Keys::new("kas").kas_instances();
-    let field = kas_addr(kas, 8155).to_string();
+    let field = kas_id(kas);
     let now = kas_transport::clock::now();
     cluster.redis.with_db(|db| {
         db.entries(Instant::now()).get(&key).is_some_and(|fields| {

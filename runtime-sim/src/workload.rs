@@ -39,6 +39,38 @@ pub struct Call {
     pub echo_mismatch: Option<String>,
     /// A two-way exchange: once delivered, it is bounded by its ends, not its deadline.
     pub two_way: bool,
+    /// A request through kas's Kubernetes API listener rather than a gRPC call.
+    pub http: Option<Http>,
+}
+
+#[cfg(test)]
+impl Call {
+    /// A call for the checks' tests: `marker` for `agent` through kas `kas` from `started`,
+    /// for a second, answered by its replica 0 after 10 ms.
+    pub fn sample(marker: &str, kas: usize, agent: i64, started: Instant) -> Call {
+        Call {
+            marker: marker.into(),
+            kas,
+            agent,
+            replica: None,
+            started,
+            timeout: Duration::from_secs(1),
+            took: Duration::from_millis(10),
+            result: Ok(crate::truth::pod_name(agent, 0)),
+            echo_mismatch: None,
+            two_way: false,
+            http: None,
+        }
+    }
+}
+
+/// What the caller of a Kubernetes API request saw of kas's response.
+#[derive(Clone, Debug)]
+pub struct Http {
+    /// Its status, once its head came.
+    pub status: Option<u16>,
+    /// The bytes of its body (or upgraded connection) that came back.
+    pub received: usize,
 }
 
 /// What a call asks for.
@@ -83,7 +115,8 @@ pub async fn pinned(
         2 => Kind::Exchange,
         _ => Kind::List,
     };
-    let mut echo_mismatch = None;
+    let mut seen = kube_caller::Seen::default();
+    let mut http = false;
     let result = match ApiClient::connect(&kas_addr(kas, 8153).to_string(), secret, timeout).await {
         Err(e) => Err((tonic::Code::Unavailable, e)),
         Ok(api) => {
@@ -91,14 +124,13 @@ pub async fn pinned(
             let answer = match kind {
                 Kind::Logs => logs(&api, routed_to, connection, &marker).await,
                 Kind::Exchange => {
-                    let mismatch = &mut echo_mismatch;
                     // Half through kas's Kubernetes API listener (which names no replica),
                     // half as GitLab's own calls.
-                    let two_way = if connection.is_none() && thread_rng().gen_bool(0.5) {
-                        let http =
-                            kube_caller::exchange(kas, routed_to, &marker, timeout, mismatch);
-                        http.boxed()
+                    http = connection.is_none() && thread_rng().gen_bool(0.5);
+                    let two_way = if http {
+                        kube_caller::exchange(kas, routed_to, &marker, timeout, &mut seen).boxed()
                     } else {
+                        let mismatch = &mut seen.mismatch;
                         exchange(&api, routed_to, connection, &marker, mismatch).boxed()
                     };
                     bounded(timeout, two_way).await
@@ -123,8 +155,12 @@ pub async fn pinned(
         timeout,
         took: started.elapsed(),
         result,
-        echo_mismatch,
         two_way: kind == Kind::Exchange,
+        http: http.then_some(Http {
+            status: seen.status,
+            received: seen.received,
+        }),
+        echo_mismatch: seen.mismatch,
     }
 }
 

@@ -110,6 +110,8 @@ pub struct Kas {
     calls_server: JoinHandle<()>,
     agents_server: JoinHandle<()>,
     observability_server: JoinHandle<()>,
+    /// The Kubernetes API audit log, closed once every call has ended or been cut off.
+    audit: Option<kubernetes_api::AuditLog>,
     grace: Duration,
     health: observability::Health,
 }
@@ -337,7 +339,7 @@ impl Shared<'_> {
 
     /// Serves the calls' listeners (public, private, Kubernetes API) until kas starts
     /// stopping: they stop together, so no call starts during shutdown and running ones
-    /// finish.
+    /// finish. With them, the Kubernetes API audit log when it is on.
     fn serve_calls(
         &self,
         public: Router,
@@ -345,7 +347,7 @@ impl Shared<'_> {
         api_l: TcpListener,
         private_l: TcpListener,
         kube_l: Option<TcpListener>,
-    ) -> Result<JoinHandle<()>, StartError> {
+    ) -> Result<(JoinHandle<()>, Option<kubernetes_api::AuditLog>), StartError> {
         let config = self.config;
         let api_listening = self.listening(&config.api.listen, "api", ALPN_GRPC)?;
         let private_listening =
@@ -353,15 +355,16 @@ impl Shared<'_> {
         let closing = || self.stop.reaches(Phase::Closing);
         let api_server = serve(public, api_l, api_listening, closing());
         let private_server = serve(private, private_l, private_listening, closing());
-        let kube_server = kubernetes_api_server(self, kube_l, closing())?;
-        Ok(tokio::spawn(async move {
+        let (kube_server, audit) = kubernetes_api_server(self, kube_l, closing())?;
+        let served = tokio::spawn(async move {
             let (a, p, ()) = tokio::join!(api_server, private_server, kube_server);
             for r in [a, p] {
                 if let Err(e) = r {
                     tracing::error!(error = %e, "call listener failed");
                 }
             }
-        }))
+        });
+        Ok((served, audit))
     }
 
     /// The public API (GitLab -> kas) behind GitLab's JWT.
@@ -668,7 +671,8 @@ impl Kas {
         let public = shared.public_router(store, keys, &gitlab_secret);
         let private = shared.private_router(&private_secret);
         let agents = shared.agent_router(auth, advertise, live_kas);
-        let calls_server = shared.serve_calls(public, private, api_l, private_l, kube_l)?;
+        let (calls_server, audit) =
+            shared.serve_calls(public, private, api_l, private_l, kube_l)?;
         let agent_listening = shared.listening(&a.listen, "agent", ALPN_GRPC)?;
         let obs_listening =
             shared.listening(&config.observability.listen, "observability", ALPN_HTTP1)?;
@@ -700,6 +704,7 @@ impl Kas {
             calls_server,
             agents_server,
             observability_server,
+            audit,
             grace: config.shutdown_grace,
             health,
         })
@@ -767,6 +772,12 @@ impl Kas {
         {
             self.agents_server.abort();
         }
+        // Every call has ended or been cut off: the last records are being queued. (Closed
+        // with the listener instead, an exec session's, which outlives its connection's
+        // graceful end, was lost: simulation, invariant 17.)
+        if let Some(audit) = self.audit.take() {
+            audit.close().await;
+        }
         self.stopping.enter(Phase::Stopped);
         if tokio::time::timeout(timing::STOP_LISTENER, &mut self.observability_server)
             .await
@@ -779,13 +790,19 @@ impl Kas {
     }
 }
 
-/// The Kubernetes API listener's server, when `agent.kubernetes_api` is set; it stops
-/// with the other call listeners.
+/// The Kubernetes API listener's server, when `agent.kubernetes_api` is set (it stops
+/// with the other call listeners), and its audit log, when on.
 fn kubernetes_api_server(
     shared: &Shared<'_>,
     listener: Option<TcpListener>,
     signal: impl Future<Output = ()> + Send + 'static,
-) -> Result<impl Future<Output = ()> + Send + 'static, StartError> {
+) -> Result<
+    (
+        impl Future<Output = ()> + Send + 'static,
+        Option<kubernetes_api::AuditLog>,
+    ),
+    StartError,
+> {
     let Shared {
         config,
         engine,
@@ -834,27 +851,26 @@ fn kubernetes_api_server(
                 ),
                 streaming_idle_timeout: k.streaming_idle_timeout,
                 kas: kas_id.clone(),
-                audit: audit.clone(),
+                audit,
                 metrics: metrics.clone(),
             };
             let what = "agent.kubernetes_api";
             let tls = tls_config(&k.listen, what, ALPN_GRPC_OR_HTTP1)?;
-            Some((listener, service, tls, k.listen.clone(), audit))
+            Some((listener, service, tls, k.listen.clone()))
         }
         _ => None,
     };
+    let audit = setup.as_ref().and_then(|s| s.1.audit.clone());
     let metrics = metrics.clone();
-    Ok(async move {
+    let served = async move {
         match setup {
-            Some((listener, service, tls, listen, audit)) => {
+            Some((listener, service, tls, listen)) => {
                 kubernetes_api::serve(listener, service, tls, &listen, metrics, signal).await;
-                if let Some(audit) = audit {
-                    audit.close().await;
-                }
             }
             None => signal.await,
         }
-    })
+    };
+    Ok((served, audit))
 }
 
 fn agent_auth(config: &Config) -> Result<AgentAuth, StartError> {

@@ -275,16 +275,10 @@ mod tests {
         let t0 = Instant::now();
         let s = |n: u64| t0 + Duration::from_secs(n);
         let call = Call {
-            marker: "c1".into(),
-            kas: 2,
-            agent: 1,
-            replica: None,
-            started: s(2),
             timeout: Duration::from_secs(2),
             took: Duration::from_secs(2),
             result: Err((tonic::Code::Unavailable, "cut".into())),
-            echo_mismatch: None,
-            two_way: false,
+            ..Call::sample("c1", 2, 1, s(2))
         };
         let kill = outage(0, s(3), s(5), true);
         let judge = |homes: &[Homes]| {
@@ -309,16 +303,10 @@ mod tests {
         let t0 = Instant::now();
         let s = |n: u64| t0 + Duration::from_secs(n);
         let call = |agent: i64, started: u64| Call {
-            marker: format!("c{agent}-{started}"),
-            kas: 0,
-            agent,
-            replica: None,
-            started: s(started),
             timeout: Duration::from_secs(2),
             took: Duration::from_secs(2),
             result: Err((tonic::Code::DeadlineExceeded, "lost".into())),
-            echo_mismatch: None,
-            two_way: false,
+            ..Call::sample(&format!("c{agent}-{started}"), 0, agent, s(started))
         };
         // Agent 1's link to kas 0 half-open from 4 s, to be given up by 8 s.
         let cut = HalfOpen {

@@ -1,7 +1,8 @@
 //! The audit log of the Kubernetes API listener (`agent.kubernetes_api.audit`): one JSON
 //! line per request this kas received, written when the request is over (its response
-//! ended, its caller went away, or kas refused it), by a thread of its own so that no
-//! request waits on the disk.
+//! ended, its caller went away, or kas refused it), by a task of its own whose writes run
+//! on tokio's blocking pool, so that no request waits on the disk (and the simulation,
+//! where a blocking task is an ordinary one, runs the same writer).
 //!
 //! A record is never lost silently. A write that fails (a full disk, a file that cannot
 //! be opened) is retried every second, nothing of it left in the file; while the log
@@ -25,8 +26,10 @@ use sink::Sink;
 use std::collections::VecDeque;
 use std::net::IpAddr;
 use std::sync::atomic::{AtomicU64, Ordering};
-use std::sync::{Arc, Condvar, Mutex, MutexGuard};
+use std::sync::{Arc, Mutex, MutexGuard};
 use std::time::{Duration, SystemTime};
+use tokio::sync::Notify;
+use tokio::task::JoinHandle;
 
 /// The configuration key, named in refusals.
 pub const KEY: &str = "agent.kubernetes_api.audit";
@@ -51,13 +54,14 @@ const CLOSE_WAIT: Duration = Duration::from_secs(5);
 #[derive(Clone)]
 pub struct AuditLog {
     shared: Arc<Shared>,
-    /// Resolves when the writer thread ended.
-    writer_ended: Arc<Mutex<Option<tokio::sync::oneshot::Receiver<()>>>>,
+    /// The writer, until [`AuditLog::close`] waits for it.
+    writer: Arc<Mutex<Option<JoinHandle<()>>>>,
 }
 
 struct Shared {
     state: Mutex<State>,
-    wake: Condvar,
+    /// Wakes the writer: a record was queued, or the log closed.
+    wake: Notify,
     metrics: Metrics,
 }
 
@@ -69,7 +73,9 @@ struct State {
     queued: usize,
     /// Why the log cannot take records, while it cannot.
     failing: Option<String>,
-    /// Set when kas stops: the writer ends once the queue is empty.
+    /// Requests whose records are not queued yet: once closed, the writer waits for them.
+    open: usize,
+    /// Set when kas stops: the writer ends once no request is open and the queue is empty.
     closed: bool,
     /// Set when the writer ended.
     gone: bool,
@@ -82,28 +88,18 @@ fn lock(state: &Mutex<State>) -> MutexGuard<'_, State> {
 
 impl AuditLog {
     /// Opens the log `config` names (so that a path kas cannot write fails the start,
-    /// naming the key) and starts its writer.
+    /// naming the key) and starts its writer, on the runtime it is called on.
     pub fn open(config: &Audit, metrics: Metrics) -> Result<AuditLog, String> {
         let sink = Sink::open(config).map_err(|e| format!("{KEY}.path: {e}"))?;
         let shared = Arc::new(Shared {
             state: Mutex::default(),
-            wake: Condvar::new(),
+            wake: Notify::new(),
             metrics,
         });
-        let (ended, writer_ended) = tokio::sync::oneshot::channel();
-        {
-            let shared = shared.clone();
-            std::thread::Builder::new()
-                .name("kas-audit".into())
-                .spawn(move || {
-                    shared.write_all(sink);
-                    drop(ended);
-                })
-                .map_err(|e| format!("{KEY}: cannot start its writer: {e}"))?;
-        }
+        let writer = tokio::spawn(shared.clone().write_all(sink));
         Ok(AuditLog {
             shared,
-            writer_ended: Arc::new(Mutex::new(Some(writer_ended))),
+            writer: Arc::new(Mutex::new(Some(writer))),
         })
     }
 
@@ -112,9 +108,15 @@ impl AuditLog {
         lock(&self.shared.state).failing.clone()
     }
 
-    /// Queues one record.
-    fn record(&self, line: String) {
+    /// Queues the record of a request that ended (`None`: it could not be encoded).
+    fn record(&self, line: Option<String>) {
         let mut s = lock(&self.shared.state);
+        s.open -= 1;
+        let Some(line) = line else {
+            drop(s);
+            self.shared.wake.notify_one();
+            return;
+        };
         if s.gone {
             drop(s);
             self.shared.metrics.audit_lost.inc();
@@ -131,20 +133,19 @@ impl AuditLog {
         self.shared.wake.notify_one();
     }
 
-    /// Writes what is queued and ends the writer, waiting for it at most [`CLOSE_WAIT`].
+    /// Writes what is queued, and the records of requests still open once they end, and
+    /// ends the writer, waiting for it at most [`CLOSE_WAIT`]. Called once the listener has
+    /// stopped and kas has cut off its calls, so that every request is ending.
     pub async fn close(self) {
         lock(&self.shared.state).closed = true;
         self.shared.wake.notify_one();
-        let ended = self
-            .writer_ended
-            .lock()
-            .unwrap_or_else(|p| p.into_inner())
-            .take();
-        let Some(ended) = ended else { return };
-        if tokio::time::timeout(CLOSE_WAIT, ended).await.is_err() {
-            let left = lock(&self.shared.state).queue.len();
+        let writer = self.writer.lock().unwrap_or_else(|p| p.into_inner()).take();
+        let Some(writer) = writer else { return };
+        if tokio::time::timeout(CLOSE_WAIT, writer).await.is_err() {
+            let s = lock(&self.shared.state);
             tracing::error!(
-                records = left,
+                records = s.queue.len(),
+                requests_open = s.open,
                 "the audit log could not be written before kas stopped: records lost"
             );
         }
@@ -153,61 +154,99 @@ impl AuditLog {
 
 impl Shared {
     /// The writer: batches of queued lines to the sink until closed and empty.
-    fn write_all(&self, mut sink: Sink) {
-        loop {
-            let batch = {
-                let mut s = lock(&self.state);
-                while s.queue.is_empty() && !s.closed {
-                    s = self.wake.wait(s).unwrap_or_else(|p| p.into_inner());
-                }
-                if s.queue.is_empty() {
+    async fn write_all(self: Arc<Self>, mut sink: Sink) {
+        while let Some(batch) = self.next_batch().await {
+            // madsim warns of a blocking task, which stops its whole world while it runs,
+            // and runs it as an ordinary one: a short write to a local file is what we want.
+            #[cfg_attr(madsim, allow(deprecated))]
+            let write = tokio::task::spawn_blocking(move || {
+                let written = sink.write(batch.as_bytes());
+                (sink, batch.len(), written)
+            });
+            let (back, batch, written) = match write.await {
+                Ok(done) => done,
+                Err(e) => {
+                    let mut s = lock(&self.state);
                     s.gone = true;
+                    self.fail(&mut s, format!("its writer failed: {e}"));
                     return;
                 }
-                let mut batch = String::new();
-                for line in &s.queue {
-                    if !batch.is_empty() && batch.len() + line.len() > BATCH {
-                        break;
-                    }
-                    batch.push_str(line);
-                }
-                batch
             };
-            let written = sink.write(batch.as_bytes());
-            let mut s = lock(&self.state);
-            // The lines written, whole, leave the queue; a failed one stays for the retry.
-            let done = match &written {
-                Ok(()) => batch.len(),
-                Err((done, _)) => *done,
-            };
-            let mut left = done;
-            while let Some(line) = s.queue.front().filter(|l| l.len() <= left) {
-                left -= line.len();
-                s.queued -= line.len();
-                s.queue.pop_front();
+            sink = back;
+            match self.written(batch, written, &sink) {
+                Then::Next => {}
+                Then::Retry => tokio::time::sleep(RETRY).await,
+                Then::Stop => return,
             }
-            match written {
-                Ok(()) => {
-                    if s.failing.is_some() && s.queued <= QUEUE_LIMIT / 2 {
-                        s.failing = None;
-                        self.metrics.audit_unwritable.set(0);
-                        tracing::info!(
-                            "the audit log is written again: Kubernetes API requests are taken again"
-                        );
-                    }
+        }
+    }
+
+    /// Takes the lines a write of `batch` bytes wrote off the queue; what the writer does
+    /// next.
+    fn written(
+        &self,
+        batch: usize,
+        written: Result<(), (usize, std::io::Error)>,
+        sink: &Sink,
+    ) -> Then {
+        let mut s = lock(&self.state);
+        // The lines written, whole, leave the queue; a failed one stays for the retry.
+        let mut left = match &written {
+            Ok(()) => batch,
+            Err((done, _)) => *done,
+        };
+        while let Some(line) = s.queue.front().filter(|l| l.len() <= left) {
+            left -= line.len();
+            s.queued -= line.len();
+            s.queue.pop_front();
+        }
+        match written {
+            Ok(()) => {
+                if s.failing.is_some() && s.queued <= QUEUE_LIMIT / 2 {
+                    s.failing = None;
+                    self.metrics.audit_unwritable.set(0);
+                    tracing::info!(
+                        "the audit log is written again: Kubernetes API requests are taken again"
+                    );
                 }
-                Err((_, e)) => {
-                    self.metrics.audit_write_errors.inc();
-                    if s.closed {
-                        // Stopping: the records still queued are reported by `close`.
-                        s.gone = true;
-                        return;
+                Then::Next
+            }
+            Err((_, e)) => {
+                self.metrics.audit_write_errors.inc();
+                if s.closed {
+                    // Stopping: the records still queued are reported by `close`.
+                    s.gone = true;
+                    return Then::Stop;
+                }
+                self.fail(&mut s, format!("writing {}: {e}", sink.name()));
+                Then::Retry
+            }
+        }
+    }
+
+    /// The queued lines to write next, up to [`BATCH`] bytes (one line at least), once
+    /// there are any; `None` once the log is closed, no request is open and none queued.
+    async fn next_batch(&self) -> Option<String> {
+        loop {
+            {
+                let mut s = lock(&self.state);
+                if let Some(first) = s.queue.front() {
+                    let mut batch = first.clone();
+                    for line in s.queue.iter().skip(1) {
+                        if batch.len() + line.len() > BATCH {
+                            break;
+                        }
+                        batch.push_str(line);
                     }
-                    self.fail(&mut s, format!("writing {}: {e}", sink.name()));
-                    drop(s);
-                    std::thread::sleep(RETRY);
+                    return Some(batch);
+                }
+                if s.closed && s.open == 0 {
+                    s.gone = true;
+                    return None;
                 }
             }
+            // A wake-up that came before this wait is kept for it (`Notify`'s permit).
+            self.wake.notified().await;
         }
     }
 
@@ -219,6 +258,16 @@ impl Shared {
         }
         s.failing = Some(why);
     }
+}
+
+/// What the writer does after a write.
+enum Then {
+    /// Writes what is queued next.
+    Next,
+    /// Tries again after [`RETRY`].
+    Retry,
+    /// Ends: the log is closed.
+    Stop,
 }
 
 /// The audit record of one request, filled in as the request goes and written when
@@ -293,6 +342,7 @@ impl AuditLog {
         method: &http::Method,
         uri: &http::Uri,
     ) -> Entry {
+        lock(&self.shared.state).open += 1;
         let full = uri.path_and_query().map_or("/", |p| p.as_str());
         let mut entry = Entry(Some(Box::new(Record {
             log: self.clone(),
@@ -439,13 +489,10 @@ impl Drop for Entry {
             line.serving_kas = Some(d.kas.as_ref().map_or(&line.routing_kas, |k| &k.0).clone());
             line.agent_connection_id = d.connection.map(|c| c.0);
         }
-        match serde_json::to_string(&line) {
-            Ok(mut s) => {
-                s.push('\n');
-                log.record(s);
-            }
-            Err(e) => tracing::error!(error = %e, "an audit record could not be encoded"),
-        }
+        let encoded = serde_json::to_string(&line)
+            .map(|s| s + "\n")
+            .map_err(|e| tracing::error!(error = %e, "an audit record could not be encoded"));
+        log.record(encoded.ok());
     }
 }
 

@@ -25,12 +25,12 @@ fn lines(path: &Path) -> Vec<serde_json::Value> {
         .collect()
 }
 
-/// Waits (bounded) for `done`: the writer is a thread of its own.
-fn wait_for(what: &str, done: impl Fn() -> bool) {
+/// Waits (bounded) for `done`: the writer is a task of its own.
+async fn wait_for(what: &str, done: impl Fn() -> bool) {
     let until = std::time::Instant::now() + Duration::from_secs(10);
     while !done() {
         assert!(std::time::Instant::now() < until, "{what}: not within 10 s");
-        std::thread::sleep(Duration::from_millis(10));
+        tokio::time::sleep(Duration::from_millis(10)).await;
     }
 }
 
@@ -115,6 +115,24 @@ async fn a_request_is_recorded_with_its_caller_route_and_outcome() {
 }
 
 #[tokio::test]
+async fn a_stopping_log_writes_the_records_of_requests_still_open_when_they_end() {
+    let dir = tempfile::tempdir().expect("temp dir");
+    let path = dir.path().join("audit.jsonl");
+    let log = AuditLog::open(&config(&path, 1 << 20, 2), Metrics::default()).expect("opens");
+    let open = entry(&log, "/api/v1/namespaces/default/pods/web/exec");
+    let closing = tokio::spawn(log.clone().close());
+    tokio::time::sleep(Duration::from_millis(100)).await;
+    assert!(!closing.is_finished(), "the log waits for the open request");
+    drop(open);
+    closing.await.expect("closes");
+    assert_eq!(
+        lines(&path).len(),
+        1,
+        "the record written as the request ended"
+    );
+}
+
+#[tokio::test]
 async fn the_file_is_rotated_by_size_keeping_max_files() {
     let dir = tempfile::tempdir().expect("temp dir");
     let path = dir.path().join("audit.jsonl");
@@ -173,13 +191,13 @@ async fn a_log_that_cannot_be_written_refuses_until_it_can() {
         .expect("opens");
     assert!(log.failing().is_none());
     drop(entry(&log, "/api/v1/pods"));
-    wait_for("the write fails", || log.failing().is_some());
+    wait_for("the write fails", || log.failing().is_some()).await;
     let why = log.failing().expect("failing");
     assert!(why.contains("/dev/full"), "{why}");
     assert_eq!(metrics.audit_unwritable.get(), 1);
     assert!(metrics.audit_write_errors.get() >= 1);
     // The record waits, tried again each second.
-    wait_for("a retry", || metrics.audit_write_errors.get() >= 2);
+    wait_for("a retry", || metrics.audit_write_errors.get() >= 2).await;
     assert_eq!(lock(&log.shared.state).queue.len(), 1);
 }
 
