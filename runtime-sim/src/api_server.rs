@@ -124,14 +124,17 @@ impl ApiServer {
     }
 
     /// Records the request and checks who it came as; after 0-100 ms, answers an upgrade
-    /// (exec) by echoing the upgraded bytes, a watch (`x-sim-events: N`) with N events
+    /// (exec, port-forward) by echoing the upgraded bytes, a watch (`x-sim-events: N`) with N events
     /// 0-300 ms apart, anything else by echoing its body as it streams in.
     async fn answer(
         self,
         req: http::Request<Incoming>,
     ) -> Result<http::Response<Body>, Infallible> {
         let path = req.uri().path();
-        let marker = path.strip_suffix("/exec").unwrap_or(path);
+        let marker = ["/exec", "/portforward"]
+            .iter()
+            .find_map(|s| path.strip_suffix(s))
+            .unwrap_or(path);
         let marker = marker.rsplit('/').next().unwrap_or_default().to_string();
         for (name, value) in req.headers() {
             let value = String::from_utf8_lossy(value.as_bytes());

@@ -2,8 +2,8 @@
 //! over the simulated network, a bearer token naming the agent, and identity headers the
 //! caller claims for itself, which must never get through (inv 12, see `api_server`).
 //! A request streams a body of 1-4 pieces, 0-50 ms apart, that the agent's API server
-//! echoes, or watches 1-5 events, or opens an exec session whose bytes are echoed: what
-//! comes back must be all of it, or the caller must see an error (inv 8).
+//! echoes, or watches 1-5 events, or opens an exec or port-forward session whose bytes are
+//! echoed: what comes back must be all of it, or the caller must see an error (inv 8).
 
 use crate::callers::{CLAIMED, USER_TOKEN};
 use crate::cluster::{KUBERNETES_API_PORT, kas_addr};
@@ -26,8 +26,18 @@ enum Shape {
     Echo,
     /// A watch of 1-5 events (`kubectl get -w`, `logs -f`).
     Watch(usize),
-    /// An exec session: upgraded, its bytes echoed.
+    /// An exec session: upgraded (SPDY, over a POST), its bytes echoed.
     Exec,
+    /// A port-forward session: upgraded (WebSocket, over a GET, as kubectl's since
+    /// Kubernetes 1.31), its bytes echoed.
+    PortForward,
+}
+
+impl Shape {
+    /// An upgraded session (HTTP/1.1's, whichever way the caller speaks otherwise).
+    fn upgrades(self) -> bool {
+        matches!(self, Shape::Exec | Shape::PortForward)
+    }
 }
 
 /// What the caller of a request saw besides its outcome.
@@ -44,7 +54,7 @@ pub struct Seen {
 
 /// One request to `agent` through kas `kas`, asking kas to wait at most `timeout` for the
 /// agent (`?timeout=`, as kubectl's `--request-timeout`): an echoed body, a watch or an
-/// exec session. The pod that answered.
+/// exec or port-forward session. The pod that answered.
 pub async fn exchange(
     kas: usize,
     agent: i64,
@@ -53,26 +63,29 @@ pub async fn exchange(
     seen: &mut Seen,
 ) -> Result<String, Status> {
     let mismatch = &mut seen.mismatch;
-    let shape = match thread_rng().gen_range(0..4) {
-        0 => Shape::Watch(thread_rng().gen_range(1..=5)),
-        1 => Shape::Exec,
+    let shape = match thread_rng().gen_range(0..8) {
+        0 | 1 => Shape::Watch(thread_rng().gen_range(1..=5)),
+        2 => Shape::Exec,
+        3 => Shape::PortForward,
         _ => Shape::Echo,
     };
     // Half of the others over HTTP/2 (prior knowledge, as kubectl's Go client speaks it
-    // to a plain-text listener); an exec's upgrade is HTTP/1.1's.
-    let h2 = !matches!(shape, Shape::Exec) && thread_rng().gen_bool(0.5);
+    // to a plain-text listener).
+    let h2 = !shape.upgrades() && thread_rng().gen_bool(0.5);
     let mut sender = Sender::connect(kas, h2).await?;
     let pieces: Vec<Bytes> = (0..thread_rng().gen_range(1..=4))
         .map(|i| Bytes::from(format!("{marker}/{i};")))
         .collect();
     let (tx, rx) = tokio::sync::mpsc::channel::<Result<Frame<Bytes>, Infallible>>(4);
-    // Only a POST to echo has a body: a watch and an exec's upgrade have none, as kubectl's.
+    // Only a POST to echo has a body: a watch and an upgrade have none, as kubectl's.
     let body = match shape {
         Shape::Echo => {
             let stream = tokio_stream::wrappers::ReceiverStream::new(rx);
             http_body_util::StreamBody::new(stream).boxed_unsync()
         }
-        Shape::Watch(_) | Shape::Exec => http_body_util::Empty::new().boxed_unsync(),
+        Shape::Watch(_) | Shape::Exec | Shape::PortForward => {
+            http_body_util::Empty::new().boxed_unsync()
+        }
     };
     let query = format!("timeout={}ms", timeout.as_millis());
     // HTTP/2 names the scheme and authority in every request.
@@ -85,6 +98,14 @@ pub async fn exchange(
         Shape::Exec => http::Request::post(format!("{pod_path}/exec?{query}"))
             .header("connection", "Upgrade")
             .header("upgrade", "SPDY/3.1"),
+        Shape::PortForward => {
+            http::Request::get(format!("{pod_path}/portforward?ports=8080&{query}"))
+                .header("connection", "Upgrade")
+                .header("upgrade", "websocket")
+                .header("sec-websocket-version", "13")
+                .header("sec-websocket-key", "c2ltLXBvcnQtZm9yd2FyZA==")
+                .header("sec-websocket-protocol", "SPDY/3.1+portforward.k8s.io")
+        }
     };
     let correlation_id = crate::api_server::correlation_id(marker);
     let req = if h2 { req } else { req.header("host", "kas") };
@@ -130,7 +151,7 @@ pub async fn exchange(
         .get("x-pod")
         .and_then(|v| v.to_str().ok())
         .map(str::to_owned);
-    let got = if let (Shape::Exec, http::StatusCode::SWITCHING_PROTOCOLS) = (shape, status) {
+    let got = if shape.upgrades() && status == http::StatusCode::SWITCHING_PROTOCOLS {
         let io = hyper::upgrade::on(&mut resp)
             .await
             .map_err(|e| failed(Code::Unknown, "upgrade", &e))?;
@@ -159,7 +180,7 @@ pub async fn exchange(
             .map(|i| crate::api_server::event(marker, i))
             .collect::<String>()
             .into_bytes(),
-        Shape::Echo | Shape::Exec => sent,
+        Shape::Echo | Shape::Exec | Shape::PortForward => sent,
     };
     if got != expected {
         *mismatch = Some(format!(
@@ -212,7 +233,8 @@ impl Sender {
     }
 }
 
-/// An exec session: sends `sent` 0-50 ms a piece apart, reads as many bytes back, closes.
+/// An upgraded session: sends `sent` 0-50 ms a piece apart, reads as many bytes back,
+/// closes.
 async fn exec(io: hyper::upgrade::Upgraded, sent: &[u8]) -> Result<Vec<u8>, Status> {
     use tokio::io::{AsyncReadExt, AsyncWriteExt};
     let (mut reader, mut writer) = tokio::io::split(hyper_util::rt::TokioIo::new(io));
@@ -228,7 +250,7 @@ async fn exec(io: hyper::upgrade::Upgraded, sent: &[u8]) -> Result<Vec<u8>, Stat
     };
     let (sent, read) = tokio::join!(send, reader.read_exact(&mut got));
     sent.and(read.map(drop))
-        .map_err(|e| failed(Code::Unknown, "exec session", &e))?;
+        .map_err(|e| failed(Code::Unknown, "upgraded session", &e))?;
     Ok(got)
 }
 
