@@ -14,6 +14,8 @@ pub mod checker;
 #[cfg(madsim)]
 pub mod cluster;
 #[cfg(madsim)]
+pub mod cut_watch;
+#[cfg(madsim)]
 pub mod gitlab;
 #[cfg(madsim)]
 pub mod greedy;

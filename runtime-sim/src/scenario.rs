@@ -397,7 +397,8 @@ const HALF_OPEN_BOUND: Duration = Duration::from_secs(4);
 /// (a middlebox that lost the flow, one route withdrawn). Held through a probe of that
 /// agent started [`HALF_OPEN_BOUND`] after: the agent must be reachable through every kas
 /// again, where it has anywhere else to be (another kas, with agent HA, or another
-/// replica).
+/// replica); a watch under way over the link must have ended or be flowing by then
+/// ([`crate::cut_watch`]).
 async fn half_open(cluster: &Cluster, agents: &[AgentSpec], kas: usize, log: &mut FaultLog) {
     let mut rng = thread_rng();
     let candidates: Vec<&(i64, usize, NodeHandle)> = cluster
@@ -416,9 +417,28 @@ async fn half_open(cluster: &Cluster, agents: &[AgentSpec], kas: usize, log: &mu
         .copied()
         .unwrap_or(kas);
     let to_agent = rng.gen_bool(0.5);
-    tracing::info!(kas, agent, replica, to_agent, "half-open");
+    // A watch under way over the link, when the replica serves one through that kas.
+    let marker = format!("cut{}-kas{kas}-agent{agent}", log.count);
+    let watch = crate::cut_watch::open(&cluster.caller(), kas, agent, replica, marker).await;
+    tracing::info!(
+        kas,
+        agent,
+        replica,
+        to_agent,
+        watched = watch.judged(),
+        "half-open"
+    );
+    // One served elsewhere is closed at once: it would hold a tunnel the probe needs.
+    let watch = if watch.judged() {
+        Some(watch)
+    } else {
+        log.calls
+            .push(watch.judge(Instant::now(), HALF_OPEN_BOUND).await.0);
+        None
+    };
     let (k, a) = (cluster.kas_nodes[kas].id(), node.id());
     let way = if to_agent { (k, a) } else { (a, k) };
+    let cut = Instant::now();
     cut_one_way(way, kas, Far::Agent(agent), HALF_OPEN_BOUND, log).await;
     let spec: Vec<AgentSpec> = agents
         .iter()
@@ -428,6 +448,11 @@ async fn half_open(cluster: &Cluster, agents: &[AgentSpec], kas: usize, log: &mu
     // Without agent HA a replica dials only its own kas: another replica must take over.
     if cluster.ha || spec.iter().any(|a| a.replicas.len() > 1) {
         probe(cluster, &spec, Fault::HalfOpen, log).await;
+    }
+    if let Some(watch) = watch {
+        let (call, violation) = watch.judge(cut, HALF_OPEN_BOUND).await;
+        log.calls.push(call);
+        log.violations.extend(violation);
     }
     heal((k, a));
 }
