@@ -3,7 +3,7 @@
 //! have ended the watch, or the watch must be flowing (served elsewhere); a watch that is
 //! neither hangs its caller until the caller gives up (inv 2).
 
-use crate::api_server::{CORRELATION, EVENTS, correlation_id};
+use crate::api_server::correlation_id;
 use crate::callers::USER_TOKEN;
 use crate::workload::{Call, Http};
 use http_body_util::BodyExt;
@@ -56,21 +56,10 @@ pub async fn open(
     let id = correlation_id(&marker);
     let path = format!("/api/v1/namespaces/default/pods/{marker}?watch=1&timeout=3000ms");
     let reader = caller.spawn(async move {
-        let Ok(io) = crate::kube_caller::dial(kas).await else {
-            return;
-        };
-        let Ok((mut sender, conn)) = hyper::client::conn::http1::handshake(io).await else {
-            return;
-        };
-        tokio::spawn(conn);
-        let req = http::Request::get(path)
-            .header("host", "kas")
-            .header(CORRELATION, &id)
-            .header("authorization", format!("Bearer pat:{agent}:{USER_TOKEN}"))
-            .header(EVENTS, 1_000_000)
-            .body(http_body_util::Empty::<bytes::Bytes>::new());
-        let Ok(req) = req else { return };
-        let Ok(resp) = sender.send_request(req).await else {
+        let token = format!("pat:{agent}:{USER_TOKEN}");
+        let watch = crate::kube_caller::endless_watch(kas, &path, &token, Some(&id)).await;
+        // The connection's task ends with the watch's body.
+        let Some((resp, _connection)) = watch else {
             return;
         };
         let pod = resp.headers().get("x-pod").and_then(|v| v.to_str().ok());

@@ -8,7 +8,7 @@
 use crate::callers::{CROWDED, CROWDED_POOL, GREEDY_TOKEN};
 use crate::kube_caller;
 use crate::workload::{self, Call};
-use http_body_util::{BodyExt, Empty};
+use http_body_util::BodyExt;
 use std::time::Duration;
 use tokio::task::JoinHandle;
 use tokio::time::Instant;
@@ -94,28 +94,13 @@ async fn probe(kas: usize, marker: String) -> Call {
 
 /// Opens one endless watch; `None` once kas holds it back for a second or refuses it.
 async fn watch(kas: usize) -> Option<Held> {
-    let io = kube_caller::dial(kas).await.ok()?;
-    let (mut sender, conn) = hyper::client::conn::http1::handshake(io).await.ok()?;
-    let req = http::Request::get(format!(
+    let path = format!(
         "/api/v1/namespaces/default/pods/{}{}?watch=1&timeout=1s",
         crate::api_server::NO_CORRELATION_ID,
         madsim::rand::random::<u64>()
-    ))
-    .header("host", "kas")
-    .header(
-        "authorization",
-        format!("Bearer pat:{CROWDED}:{GREEDY_TOKEN}"),
-    )
-    .header(crate::api_server::EVENTS, 1_000_000)
-    .body(Empty::<bytes::Bytes>::new())
-    .ok()?;
-    let task = tokio::spawn(async move {
-        let _ = conn.await;
-    });
-    let resp = tokio::time::timeout(Duration::from_secs(3), sender.send_request(req))
-        .await
-        .ok()?
-        .ok()?;
+    );
+    let token = format!("pat:{CROWDED}:{GREEDY_TOKEN}");
+    let (resp, task) = kube_caller::endless_watch(kas, &path, &token, None).await?;
     if !resp.status().is_success() {
         task.abort();
         return None;

@@ -284,6 +284,42 @@ pub async fn dial(kas: usize) -> io::Result<hyper_util::rt::TokioIo<Flushed>> {
     }))
 }
 
+/// An endless watch (the API server's events 1-3 s apart) of `path` through kas `kas` with
+/// the bearer `token` and `correlation_id`, over a connection of its own: its response,
+/// once the head came within 3 s, and the connection's task.
+pub async fn endless_watch(
+    kas: usize,
+    path: &str,
+    token: &str,
+    correlation_id: Option<&str>,
+) -> Option<(
+    http::Response<hyper::body::Incoming>,
+    tokio::task::JoinHandle<()>,
+)> {
+    let io = dial(kas).await.ok()?;
+    let (mut sender, conn) = hyper::client::conn::http1::handshake(io).await.ok()?;
+    let req = http::Request::get(path)
+        .header("host", "kas")
+        .header("authorization", format!("Bearer {token}"))
+        .header(crate::api_server::EVENTS, 1_000_000);
+    let req = match correlation_id {
+        Some(id) => req.header(crate::api_server::CORRELATION, id),
+        None => req,
+    };
+    let req = req.body(http_body_util::Empty::<Bytes>::new()).ok()?;
+    let task = tokio::spawn(async move {
+        let _ = conn.await;
+    });
+    let resp = tokio::time::timeout(Duration::from_secs(3), sender.send_request(req)).await;
+    match resp {
+        Ok(Ok(resp)) => Some((resp, task)),
+        _ => {
+            task.abort();
+            None
+        }
+    }
+}
+
 /// A simulated TCP stream that flushes only what was written. madsim's sends a message for
 /// every flush, an empty one too, which wakes the peer: hyper flushes at each poll, so two
 /// hyper ends of a held connection (a watch) sent each other empty messages for as long as
