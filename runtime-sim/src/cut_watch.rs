@@ -15,7 +15,7 @@ use tokio::time::Instant;
 
 /// How long a judged watch may go without an event while it flows: the API server's
 /// longest gap between events of an endless watch (3 s), and a second.
-const FLOWING: Duration = Duration::from_secs(4);
+pub const FLOWING: Duration = Duration::from_secs(4);
 
 /// What came of the watch's body.
 #[derive(Default)]

@@ -392,13 +392,26 @@ async fn faults(
 /// must go elsewhere.
 const HALF_OPEN_BOUND: Duration = Duration::from_secs(4);
 
+/// How a [`half_open`] fault cuts the link.
+#[derive(Clone, Copy, Debug)]
+enum Cut {
+    /// What kas sends is lost.
+    ToAgent,
+    /// What the agent sends is lost.
+    FromAgent,
+    /// The replica freezes (a stopped process, a suspended VM) until the watch over the
+    /// link is judged: it sends nothing, not even the close of a link it gives up, so kas
+    /// alone must notice the loss (madsim's TCP lets a close cross a clogged link).
+    Frozen,
+}
+
 /// The link between a replica of one of `agents` and a kas serving it (`kas` if none
 /// does) goes half-open: one way drops everything, the other flows, and nothing resets
-/// (a middlebox that lost the flow, one route withdrawn). Held through a probe of that
-/// agent started [`HALF_OPEN_BOUND`] after: the agent must be reachable through every kas
-/// again, where it has anywhere else to be (another kas, with agent HA, or another
-/// replica); a watch under way over the link must have ended or be flowing by then
-/// ([`crate::cut_watch`]).
+/// (a middlebox that lost the flow, one route withdrawn); or the replica freezes, which
+/// cuts every link of its. Held through a probe of that agent started
+/// [`HALF_OPEN_BOUND`] after: the agent must be reachable through every kas again, where
+/// it has anywhere else to be (another kas, with agent HA, or another replica); a watch
+/// under way over the link must have ended or be flowing by then ([`crate::cut_watch`]).
 async fn half_open(cluster: &Cluster, agents: &[AgentSpec], kas: usize, log: &mut FaultLog) {
     let mut rng = thread_rng();
     let candidates: Vec<&(i64, usize, NodeHandle)> = cluster
@@ -416,7 +429,11 @@ async fn half_open(cluster: &Cluster, agents: &[AgentSpec], kas: usize, log: &mu
         .get(rng.gen_range(0..serving.len().max(1)))
         .copied()
         .unwrap_or(kas);
-    let to_agent = rng.gen_bool(0.5);
+    let how = match rng.gen_range(0..3) {
+        0 => Cut::ToAgent,
+        1 => Cut::FromAgent,
+        _ => Cut::Frozen,
+    };
     // A watch under way over the link, when the replica serves one through that kas.
     let marker = format!("cut{}-kas{kas}-agent{agent}", log.count);
     let watch = crate::cut_watch::open(&cluster.caller(), kas, agent, replica, marker).await;
@@ -424,7 +441,7 @@ async fn half_open(cluster: &Cluster, agents: &[AgentSpec], kas: usize, log: &mu
         kas,
         agent,
         replica,
-        to_agent,
+        ?how,
         watched = watch.judged(),
         "half-open"
     );
@@ -437,16 +454,24 @@ async fn half_open(cluster: &Cluster, agents: &[AgentSpec], kas: usize, log: &mu
         None
     };
     let (k, a) = (cluster.kas_nodes[kas].id(), node.id());
-    let way = if to_agent { (k, a) } else { (a, k) };
     let cut = Instant::now();
-    cut_one_way(way, kas, Far::Agent(agent), HALF_OPEN_BOUND, log).await;
+    match how {
+        Cut::ToAgent => cut_one_way((k, a), kas, Far::Agent(agent), HALF_OPEN_BOUND, log).await,
+        Cut::FromAgent => cut_one_way((a, k), kas, Far::Agent(agent), HALF_OPEN_BOUND, log).await,
+        Cut::Frozen => {
+            Handle::current().pause(a);
+            tokio::time::sleep(HALF_OPEN_BOUND).await;
+        }
+    }
     let spec: Vec<AgentSpec> = agents
         .iter()
         .filter(|a| a.agent == agent)
         .cloned()
         .collect();
-    // Without agent HA a replica dials only its own kas: another replica must take over.
-    if cluster.ha || spec.iter().any(|a| a.replicas.len() > 1) {
+    let others = spec.iter().any(|a| a.replicas.len() > 1);
+    // Without agent HA a replica dials only its own kas: another replica must take over;
+    // a frozen one is nowhere.
+    if others || (cluster.ha && !matches!(how, Cut::Frozen)) {
         probe(cluster, &spec, Fault::HalfOpen, log).await;
     }
     if let Some(watch) = watch {
@@ -454,7 +479,20 @@ async fn half_open(cluster: &Cluster, agents: &[AgentSpec], kas: usize, log: &mu
         log.calls.push(call);
         log.violations.extend(violation);
     }
-    heal((k, a));
+    if let Cut::Frozen = how {
+        Handle::current().resume(a);
+        // Every link of the replica was cut until it woke (and gives them up).
+        let woke = Instant::now();
+        log.cuts
+            .extend((0..cluster.kas_nodes.len()).map(|kas| HalfOpen {
+                kas,
+                to_whom: Far::Agent(agent),
+                from: cut,
+                to: woke,
+            }));
+    } else {
+        heal((k, a));
+    }
 }
 
 /// Cuts the link `way.0` -> `way.1` (from kas `kas` to `to_whom`, or back) and waits for
@@ -1266,7 +1304,13 @@ pub async fn run(scenario: Scenario) -> Report {
             HA_LIVE_TIMEOUT,
         ));
         let until = Instant::now();
-        violations.extend(checker::check_available(&homes, &ha, &log.outages, until));
+        violations.extend(checker::check_available(
+            &homes,
+            &ha,
+            &log.outages,
+            &log.cuts,
+            until,
+        ));
     }
     if judged {
         // Calls in the first second may find kas not yet listening.

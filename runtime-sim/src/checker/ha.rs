@@ -1,6 +1,7 @@
 //! Invariant 9, agent HA: a replica on two kas is served by a live kas at every moment,
 //! and a call for it fails only where a kas it used went away.
 
+use super::silent::SILENT_AFTER;
 use crate::truth::{Delivery, Homes};
 use crate::workload::Call;
 use std::collections::BTreeSet;
@@ -101,11 +102,13 @@ fn serves(homes: &[Homes], agent: i64, kas: usize, at: Instant) -> bool {
 /// from the moment a replica is first served by two kas, it must hold a connection to a
 /// live kas at every moment: one that came up after that kas last (re)started and before
 /// it next went away (a killed kas's connections die with it, although the replica may
-/// notice only later).
+/// notice only later). Excused: a gap from giving up links that were all cut
+/// (`cuts`, as when the replica froze), up to [`SILENT_AFTER`] after they healed.
 pub fn check_available(
     homes: &[Homes],
     agents: &[i64],
     outages: &[Outage],
+    cuts: &[HalfOpen],
     until: Instant,
 ) -> Vec<String> {
     let replicas: BTreeSet<(i64, usize)> = homes
@@ -132,15 +135,26 @@ pub fn check_available(
             .collect();
         moments.insert(until);
         let mut gap: Option<Instant> = None;
+        let mut before: Vec<(usize, Instant)> = Vec::new();
         for at in moments {
-            let live = serving_at(homes, agent, replica, at)
-                .into_iter()
-                .any(|(k, up)| {
-                    !outages
-                        .iter()
-                        .any(|o| o.kas == k && up <= o.from && o.from <= at)
+            let serving = serving_at(homes, agent, replica, at);
+            let live = serving.iter().any(|&(k, up)| {
+                !outages
+                    .iter()
+                    .any(|o| o.kas == k && up <= o.from && o.from <= at)
+            });
+            let cut_off = !before.is_empty()
+                && before.iter().all(|&(k, _)| {
+                    cuts.iter().any(|c| {
+                        c.kas == k
+                            && c.to_whom == Far::Agent(agent)
+                            && c.from <= at
+                            && at <= c.to + SILENT_AFTER
+                    })
                 });
+            before = serving;
             match (gap, live || at == until) {
+                (None, false) if cut_off => {}
                 (None, false) => gap = Some(at),
                 (Some(from), true) => {
                     violations.push(format!(
@@ -235,7 +249,7 @@ mod tests {
             home(0, &[1, 2], s(4)),
         ];
         let stop = outage(0, s(3), s(5), false);
-        assert!(check_available(&moved, &[1], &[stop], s(10)).is_empty());
+        assert!(check_available(&moved, &[1], &[stop], &[], s(10)).is_empty());
         // Killed at 3 s while the replica held kas 0 alone since 2 s: a gap until it is
         // served again at 4 s, although it noticed the death only at 6 s.
         let alone = [
@@ -245,7 +259,7 @@ mod tests {
             home(0, &[2], s(6)),
         ];
         let kill = outage(0, s(3), s(5), true);
-        let gap = check_available(&alone, &[1], &[kill], s(10));
+        let gap = check_available(&alone, &[1], &[kill], &[], s(10));
         assert_eq!(gap.len(), 1, "{gap:?}");
         assert!(
             gap[0].contains("no connection to a live kas for 1s"),
@@ -259,15 +273,45 @@ mod tests {
             home(0, &[0], s(4)),
         ];
         let early = outage(0, s(3), s(5), true);
-        assert_eq!(check_available(&back, &[1], &[early], s(10)).len(), 1);
+        assert_eq!(check_available(&back, &[1], &[early], &[], s(10)).len(), 1);
         let back = [
             home(0, &[0, 1], s(1)),
             home(0, &[1], s(2)),
             home(0, &[1, 0], s(4)),
         ];
-        assert!(check_available(&back, &[1], &[early], s(10)).is_empty());
-        let never = check_available(&[home(0, &[0], s(1))], &[1], &[], s(10));
+        assert!(check_available(&back, &[1], &[early], &[], s(10)).is_empty());
+        let never = check_available(&[home(0, &[0], s(1))], &[1], &[], &[], s(10));
         assert!(never[0].contains("never served by two kas"), "{never:?}");
+    }
+
+    #[madsim::test]
+    async fn a_gap_is_excused_only_when_every_link_the_replica_gave_up_was_cut() {
+        let t0 = Instant::now();
+        let s = |n: u64| t0 + Duration::from_secs(n);
+        // Frozen from 2 s to 6 s; on waking at 6 s it gives both links up, back at 7 s.
+        let woke = [
+            home(0, &[0, 1], s(1)),
+            home(0, &[], s(6)),
+            home(0, &[0, 1], s(7)),
+        ];
+        let cut = |kas: usize| HalfOpen {
+            kas,
+            to_whom: Far::Agent(1),
+            from: s(2),
+            to: s(6),
+        };
+        assert!(check_available(&woke, &[1], &[], &[cut(0), cut(1)], s(10)).is_empty());
+        // One link cut: the other was still there to keep.
+        assert_eq!(check_available(&woke, &[1], &[], &[cut(0)], s(10)).len(), 1);
+        // Another agent's cuts excuse nothing.
+        let other = |kas| HalfOpen {
+            to_whom: Far::Agent(2),
+            ..cut(kas)
+        };
+        assert_eq!(
+            check_available(&woke, &[1], &[], &[other(0), other(1)], s(10)).len(),
+            1
+        );
     }
 
     #[madsim::test]
