@@ -14,18 +14,27 @@
 //! the wave itself. One dial runs at a time.
 //!
 //! A kas may ask a connection to move (it is stopping, or the connection is old): the
-//! connection stops counting and a replacement is dialled; once another connection serves,
-//! the old one drains (its running calls finish, then it closes). Make before break: the
-//! agent is never without a serving connection because a kas asked it to move, and a
-//! stopping kas is left as soon as its calls end.
+//! connection stops counting and a replacement is dialled; the old one serves on until as
+//! many connections serve as are wanted, or until another serves and [`MOVE_PATIENCE`]
+//! has passed, then drains (its running calls finish, then it closes). Make before break:
+//! the agent is never without a serving connection because a kas asked it to move, nor
+//! left on one kas by a move while its replacement is dialled (two connections made
+//! together age out together, and the kas of the other may stop meanwhile), and a stopping
+//! kas is left soon after its calls end even where no replacement can be found.
 //!
 //! Driving contract: feed [`KasLinks::handle_input`], drain [`KasLinks::poll_output`], call
 //! [`KasLinks::handle_timeout`] at [`KasLinks::poll_timeout`].
 
 use crate::backoff::Backoff;
 use crate::rng::Rng;
-use crate::time::Time;
+use crate::time::{Time, earliest};
 use std::collections::{BTreeMap, VecDeque};
+use std::time::Duration;
+
+/// How long a connection asked to move serves on, once another serves, waiting for a
+/// replacement to bring the count back up: a few redraws of a dial (0.5-1 s each with
+/// agentk's defaults), and no more, since a stopping kas waits for its agents to leave.
+pub const MOVE_PATIENCE: Duration = Duration::from_secs(3);
 
 /// A connection of the agent, numbered by the machine.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, PartialOrd, Ord, Hash)]
@@ -89,8 +98,11 @@ enum State {
     Serving {
         kas: String,
     },
-    /// Asked to move: not counted; drained once another serves.
-    Moving,
+    /// Asked to move at `since`: not counted, but serving on until drained.
+    Moving {
+        kas: String,
+        since: Time,
+    },
     /// Told to drain or close; waiting for its end.
     Leaving,
 }
@@ -162,8 +174,9 @@ impl KasLinks {
                 }
             }
             LinksInput::MoveAsked(link) => {
-                if matches!(self.links.get(&link), Some(State::Serving { .. })) {
-                    self.links.insert(link, State::Moving);
+                if let Some(State::Serving { kas }) = self.links.get(&link) {
+                    let kas = kas.clone();
+                    self.links.insert(link, State::Moving { kas, since: now });
                     self.failures = 0;
                     self.dial_at = now + self.config.backoff.delay(0, &mut self.rng);
                 }
@@ -176,7 +189,7 @@ impl KasLinks {
             LinksInput::Ended(link) => match self.links.remove(&link) {
                 Some(State::Dialing) => self.back_off(now),
                 Some(State::Declined) => self.redraw(now),
-                Some(State::Serving { .. } | State::Moving) => {
+                Some(State::Serving { .. } | State::Moving { .. }) => {
                     let soon = now + self.config.backoff.delay(0, &mut self.rng);
                     self.dial_at = self.dial_at.max(soon);
                 }
@@ -191,7 +204,7 @@ impl KasLinks {
                         State::Dialing | State::Declined => {
                             self.leave(link, LinksOutput::Close(link));
                         }
-                        State::Serving { .. } | State::Moving => {
+                        State::Serving { .. } | State::Moving { .. } => {
                             self.leave(link, LinksOutput::Drain(link));
                         }
                         State::Leaving => {}
@@ -213,10 +226,15 @@ impl KasLinks {
         self.outputs.pop_front()
     }
 
-    /// When to call [`Self::handle_timeout`] next: the next dial, when one is wanted.
+    /// When to call [`Self::handle_timeout`] next: the next dial, when one is wanted, and
+    /// the end of a moving connection's patience, when another serves.
     #[must_use]
     pub fn poll_timeout(&self) -> Option<Time> {
-        self.wants_dial().then_some(self.dial_at)
+        let patience = self.moving().map(|(_, since)| since + MOVE_PATIENCE).min();
+        earliest(
+            self.wants_dial().then_some(self.dial_at),
+            patience.filter(|_| self.serving() > 0),
+        )
     }
 
     /// Stopped, with every connection ended.
@@ -232,13 +250,14 @@ impl KasLinks {
             .count()
     }
 
-    /// The kas of the connections up and counted, in link order: where the replica can be
-    /// reached now (its readiness, and the simulation's record of where it was).
-    pub fn serving_kas(&self) -> Vec<String> {
+    /// The kas of the connections up, counted or moving (a moving one serves until its
+    /// replacement is up), in link order: where the replica can be reached now (the
+    /// simulation's record of where it was).
+    pub fn reachable_kas(&self) -> Vec<String> {
         self.links
             .values()
             .filter_map(|s| match s {
-                State::Serving { kas } => Some(kas.clone()),
+                State::Serving { kas } | State::Moving { kas, .. } => Some(kas.clone()),
                 _ => None,
             })
             .collect()
@@ -269,17 +288,23 @@ impl KasLinks {
             self.links.insert(link, State::Dialing);
             self.outputs.push_back(LinksOutput::Dial(link));
         }
-        if self.serving() > 0 {
-            let moving: Vec<Link> = self
-                .links
-                .iter()
-                .filter(|(_, s)| **s == State::Moving)
-                .map(|(l, _)| *l)
-                .collect();
-            for link in moving {
-                self.leave(link, LinksOutput::Drain(link));
-            }
+        let (serving, full) = (self.serving(), self.serving() >= self.want());
+        let done: Vec<Link> = self
+            .moving()
+            .filter(|&(_, since)| full || (serving > 0 && now >= since + MOVE_PATIENCE))
+            .map(|(link, _)| link)
+            .collect();
+        for link in done {
+            self.leave(link, LinksOutput::Drain(link));
         }
+    }
+
+    /// The connections asked to move, and since when.
+    fn moving(&self) -> impl Iterator<Item = (Link, Time)> + '_ {
+        self.links.iter().filter_map(|(l, s)| match s {
+            State::Moving { since, .. } => Some((*l, *since)),
+            _ => None,
+        })
     }
 
     fn leave(&mut self, link: Link, order: LinksOutput) {

@@ -69,6 +69,9 @@ pub struct ClusterSpec {
     /// balancer in front of them all); a replica's kas in `agents` is then only the first
     /// it is likely to reach. Without, each replica connects to its kas only.
     pub ha: bool,
+    /// kas's `agent.listen.max_connection_age`, when shorter than a run: agents' links
+    /// age out and move, make before break, while calls run.
+    pub max_connection_age: Option<Duration>,
 }
 
 /// A running simulated cluster.
@@ -263,6 +266,10 @@ fn kas_config(
         .set("redis.pubsub_wakeups", spec.pubsub_wakeups)
         .duration("redis.subscription_linger", LINGER)
         .duration("shutdown_grace", spec.grace);
+    let text = match spec.max_connection_age {
+        Some(age) => text.duration("agent.listen.max_connection_age", age),
+        None => text,
+    };
     let text = match mode {
         RedisMode::Sentinel => text
             .set("redis.sentinel.master_name", crate::redis::MASTER_NAME)

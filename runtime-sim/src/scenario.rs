@@ -160,6 +160,10 @@ fn shape(scenario: Scenario) -> Shape {
             ttl: TTL,
             grace: if scenario.ha() { HA_GRACE } else { GRACE },
             ha: scenario.ha(),
+            // Half the HA runs: the two links of a replica, made at once, age out close
+            // together, so one must serve until its replacement is up.
+            max_connection_age: (scenario.ha() && thread_rng().gen_bool(0.5))
+                .then(|| random_ms(4_000, 12_000)),
         },
         every: Duration::from_millis(150),
     }
@@ -199,6 +203,7 @@ fn swarm_shape() -> Shape {
             ttl: TTL,
             grace: GRACE,
             ha: false,
+            max_connection_age: None,
         },
         every,
     }

@@ -24,6 +24,7 @@ async fn a_two_way_exchange_through_a_remote_kas_lasts_an_hour() {
         ttl: Duration::from_secs(4),
         grace: Duration::from_secs(2),
         ha: false,
+        max_connection_age: None,
     });
     let secret = cluster.gitlab_secret();
     let outcome = cluster

@@ -94,37 +94,54 @@ fn holds_every_kas_when_fewer_are_live_than_wanted_and_dials_more_once_they_are(
     assert_eq!(outputs(&mut l), [LinksOutput::Dial(Link(1))]);
     up(&mut l, Time(30_010), 1, "kas-b", 2);
     assert_eq!(outputs(&mut l), [LinksOutput::Serve(Link(1))]);
-    assert_eq!(l.serving_kas(), ["kas-a", "kas-b"]);
+    assert_eq!(l.reachable_kas(), ["kas-a", "kas-b"]);
 }
 
 #[test]
-fn a_connection_asked_to_move_drains_at_once_when_another_serves() {
+fn a_connection_asked_to_move_serves_until_its_replacement_is_up_or_patience_ends() {
     let mut l = one_up(3);
     let at = next(&mut l);
     outputs(&mut l);
     up(&mut l, at, 1, "kas-b", 3);
-    // kas-a is stopping: kas-b serves, so kas-a's calls end and it is left.
     outputs(&mut l);
-    assert_eq!(l.serving_kas(), ["kas-a", "kas-b"]);
+    assert_eq!(l.reachable_kas(), ["kas-a", "kas-b"]);
+    // kas-a asks to move: it serves on, uncounted, while its replacement is dialled.
     l.handle_input(Time(5_000), LinksInput::MoveAsked(Link(0)));
-    assert_eq!(outputs(&mut l), [LinksOutput::Drain(Link(0))]);
-    assert_eq!(
-        l.serving_kas(),
-        ["kas-b"],
-        "a connection asked to move is not counted"
-    );
+    assert!(outputs(&mut l).is_empty(), "make before break");
+    assert_eq!(l.serving(), 1);
+    assert_eq!(l.reachable_kas(), ["kas-a", "kas-b"]);
     let at = next(&mut l);
     assert_eq!(outputs(&mut l), [LinksOutput::Dial(Link(2))]);
     // A dial refused (kas-a refuses while stopping) changes nothing.
     l.handle_input(at, LinksInput::Ended(Link(2)));
-    l.handle_input(at, LinksInput::Ended(Link(0)));
     assert!(outputs(&mut l).is_empty());
     let at = next(&mut l);
     assert_eq!(outputs(&mut l), [LinksOutput::Dial(Link(3))]);
     up(&mut l, at, 3, "kas-c", 3);
-    assert_eq!(outputs(&mut l), [LinksOutput::Serve(Link(3))]);
-    assert_eq!(l.serving_kas(), ["kas-b", "kas-c"]);
+    assert_eq!(
+        outputs(&mut l),
+        [LinksOutput::Serve(Link(3)), LinksOutput::Drain(Link(0))]
+    );
+    l.handle_input(at, LinksInput::Ended(Link(0)));
+    assert_eq!(l.reachable_kas(), ["kas-b", "kas-c"]);
     assert_eq!(l.poll_timeout(), None);
+    // kas-b asks to move, and no replacement comes up: kas-c serves, so kas-b is left
+    // once the patience is over, whatever the dials.
+    let asked = Time(20_000);
+    l.handle_input(asked, LinksInput::MoveAsked(Link(1)));
+    let mut drained = None;
+    while drained.is_none() {
+        let at = next(&mut l);
+        for o in outputs(&mut l) {
+            match o {
+                LinksOutput::Dial(link) => l.handle_input(at, LinksInput::Ended(link)),
+                LinksOutput::Drain(Link(1)) => drained = Some(at),
+                other => panic!("unexpected {other:?}"),
+            }
+        }
+    }
+    assert_eq!(drained, Some(asked + MOVE_PATIENCE));
+    assert_eq!(l.reachable_kas(), ["kas-c"]);
 }
 
 #[test]
@@ -132,6 +149,9 @@ fn an_old_connection_moves_onto_the_same_kas_when_it_is_the_only_one() {
     let mut l = one_up(1);
     outputs(&mut l);
     l.handle_input(Time(7_200_000), LinksInput::MoveAsked(Link(0)));
+    // Make before break: not counted, but it serves on until its replacement is up.
+    assert_eq!(l.serving(), 0);
+    assert_eq!(l.reachable_kas(), ["kas-a"]);
     next(&mut l);
     assert_eq!(outputs(&mut l), [LinksOutput::Dial(Link(1))]);
     up(&mut l, Time(7_201_000), 1, "kas-a", 1);

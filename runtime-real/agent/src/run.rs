@@ -130,8 +130,8 @@ pub async fn run(options: AgentOptions, modules: Arc<Modules>, shutdown: watch::
 
 /// What [`run_reporting`] tells of a replica's links as they change.
 pub struct Reports {
-    /// Kept set to the ids of the kas whose connections are up and counted
-    /// ([`KasLinks::serving_kas`]): where this replica can be reached.
+    /// Kept set to the ids of the kas whose connections are up, counted or moving
+    /// ([`KasLinks::reachable_kas`]): where this replica can be reached.
     pub serving: watch::Sender<Vec<String>>,
     /// The address dialled, each time a link is given up because kas went silent on it.
     pub silent: mpsc::UnboundedSender<String>,
@@ -204,7 +204,7 @@ pub async fn run_reporting(
             }
         }
         reports.serving.send_if_modified(|kas| {
-            let now = links.serving_kas();
+            let now = links.reachable_kas();
             let changed = *kas != now;
             *kas = now;
             changed
