@@ -15,8 +15,9 @@
 //!
 //! A kas may ask a connection to move (it is stopping, or the connection is old): the
 //! connection stops counting and a replacement is dialled; the old one serves on until as
-//! many connections serve as are wanted, or until another serves and [`MOVE_PATIENCE`]
-//! has passed, then drains (its running calls finish, then it closes). Make before break:
+//! many connections serve as are wanted, or, when its kas is stopping, until another
+//! serves and [`MOVE_PATIENCE`] has passed, then drains (its running calls finish, then
+//! it closes). Make before break:
 //! the agent is never without a serving connection because a kas asked it to move, nor
 //! left on one kas by a move while its replacement is dialled (two connections made
 //! together age out together, and the kas of the other may stop meanwhile), and a stopping
@@ -64,8 +65,13 @@ pub enum LinksInput {
     /// A connection's kas counted this many live kas since (its keepalives carry the
     /// count): an agent that first met a kas counting itself alone learns of the others.
     LiveKas(u32),
-    /// The connection's kas asked it to move.
-    MoveAsked(Link),
+    /// The connection's kas asked it to move: `stopping`, or the connection is old.
+    MoveAsked {
+        /// The connection.
+        link: Link,
+        /// kas is stopping (else the connection only grew old).
+        stopping: bool,
+    },
     /// The dial reached a kas that is stopping, which declined it (`Ended` follows).
     Declined(Link),
     /// The connection ended (failed to come up, was cut, or finished draining).
@@ -98,10 +104,12 @@ enum State {
     Serving {
         kas: String,
     },
-    /// Asked to move at `since`: not counted, but serving on until drained.
+    /// Asked to move at `since`: not counted, but serving on until drained; for
+    /// [`MOVE_PATIENCE`] at most once another serves when its kas is `stopping`.
     Moving {
         kas: String,
         since: Time,
+        stopping: bool,
     },
     /// Told to drain or close; waiting for its end.
     Leaving,
@@ -173,14 +181,29 @@ impl KasLinks {
                     self.live_kas = live_kas;
                 }
             }
-            LinksInput::MoveAsked(link) => {
-                if let Some(State::Serving { kas }) = self.links.get(&link) {
+            LinksInput::MoveAsked { link, stopping } => match self.links.get_mut(&link) {
+                Some(State::Serving { kas }) => {
                     let kas = kas.clone();
-                    self.links.insert(link, State::Moving { kas, since: now });
+                    let since = now;
+                    self.links.insert(
+                        link,
+                        State::Moving {
+                            kas,
+                            since,
+                            stopping,
+                        },
+                    );
                     self.failures = 0;
                     self.dial_at = now + self.config.backoff.delay(0, &mut self.rng);
                 }
-            }
+                // Moved for age, and now its kas stops: patient from now.
+                Some(State::Moving {
+                    since, stopping: s, ..
+                }) if stopping && !*s => {
+                    (*since, *s) = (now, true);
+                }
+                _ => {}
+            },
             LinksInput::Declined(link) => {
                 if self.links.get(&link) == Some(&State::Dialing) {
                     self.links.insert(link, State::Declined);
@@ -230,7 +253,7 @@ impl KasLinks {
     /// the end of a moving connection's patience, when another serves.
     #[must_use]
     pub fn poll_timeout(&self) -> Option<Time> {
-        let patience = self.moving().map(|(_, since)| since + MOVE_PATIENCE).min();
+        let patience = self.leaving().map(|(_, since)| since + MOVE_PATIENCE).min();
         earliest(
             self.wants_dial().then_some(self.dial_at),
             patience.filter(|_| self.serving() > 0),
@@ -289,20 +312,30 @@ impl KasLinks {
             self.outputs.push_back(LinksOutput::Dial(link));
         }
         let (serving, full) = (self.serving(), self.serving() >= self.want());
+        let patient = |since: Time| serving > 0 && now >= since + MOVE_PATIENCE;
         let done: Vec<Link> = self
-            .moving()
-            .filter(|&(_, since)| full || (serving > 0 && now >= since + MOVE_PATIENCE))
-            .map(|(link, _)| link)
+            .links
+            .iter()
+            .filter_map(|(l, s)| match s {
+                State::Moving {
+                    since, stopping, ..
+                } if full || (*stopping && patient(*since)) => Some(*l),
+                _ => None,
+            })
             .collect();
         for link in done {
             self.leave(link, LinksOutput::Drain(link));
         }
     }
 
-    /// The connections asked to move, and since when.
-    fn moving(&self) -> impl Iterator<Item = (Link, Time)> + '_ {
+    /// The connections asked to move by a stopping kas, and since when.
+    fn leaving(&self) -> impl Iterator<Item = (Link, Time)> + '_ {
         self.links.iter().filter_map(|(l, s)| match s {
-            State::Moving { since, .. } => Some((*l, *since)),
+            State::Moving {
+                since,
+                stopping: true,
+                ..
+            } => Some((*l, *since)),
             _ => None,
         })
     }

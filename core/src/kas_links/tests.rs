@@ -33,6 +33,13 @@ fn one_up(live_kas: u32) -> KasLinks {
     l
 }
 
+fn ask(link: u64, stopping: bool) -> LinksInput {
+    LinksInput::MoveAsked {
+        link: Link(link),
+        stopping,
+    }
+}
+
 fn up(l: &mut KasLinks, now: Time, link: u64, kas: &str, live_kas: u32) {
     let kas = kas.to_string();
     let link = Link(link);
@@ -106,7 +113,7 @@ fn a_connection_asked_to_move_serves_until_its_replacement_is_up_or_patience_end
     outputs(&mut l);
     assert_eq!(l.reachable_kas(), ["kas-a", "kas-b"]);
     // kas-a asks to move: it serves on, uncounted, while its replacement is dialled.
-    l.handle_input(Time(5_000), LinksInput::MoveAsked(Link(0)));
+    l.handle_input(Time(5_000), ask(0, true));
     assert!(outputs(&mut l).is_empty(), "make before break");
     assert_eq!(l.serving(), 1);
     assert_eq!(l.reachable_kas(), ["kas-a", "kas-b"]);
@@ -125,10 +132,11 @@ fn a_connection_asked_to_move_serves_until_its_replacement_is_up_or_patience_end
     l.handle_input(at, LinksInput::Ended(Link(0)));
     assert_eq!(l.reachable_kas(), ["kas-b", "kas-c"]);
     assert_eq!(l.poll_timeout(), None);
-    // kas-b asks to move, and no replacement comes up: kas-c serves, so kas-b is left
-    // once the patience is over, whatever the dials.
+    // kas-b asks to move for age, then stops, and no replacement comes up: kas-c serves,
+    // so kas-b is left once the patience since its stop is over, whatever the dials.
+    l.handle_input(Time(15_000), ask(1, false));
     let asked = Time(20_000);
-    l.handle_input(asked, LinksInput::MoveAsked(Link(1)));
+    l.handle_input(asked, ask(1, true));
     let mut drained = None;
     while drained.is_none() {
         let at = next(&mut l);
@@ -145,10 +153,39 @@ fn a_connection_asked_to_move_serves_until_its_replacement_is_up_or_patience_end
 }
 
 #[test]
+fn an_old_connection_serves_on_until_replaced_however_long_the_dials_take() {
+    let mut l = one_up(3);
+    let at = next(&mut l);
+    outputs(&mut l);
+    up(&mut l, at, 1, "kas-b", 3);
+    outputs(&mut l);
+    l.handle_input(Time(5_000), ask(0, false));
+    // Its kas is healthy: no patience runs out, however many dials fail.
+    for _ in 0..6 {
+        let at = next(&mut l);
+        let dials = outputs(&mut l);
+        let [LinksOutput::Dial(link)] = dials[..] else {
+            panic!("a dial, not {dials:?}");
+        };
+        l.handle_input(at, LinksInput::Ended(link));
+    }
+    assert_eq!(l.reachable_kas(), ["kas-a", "kas-b"]);
+    let at = next(&mut l);
+    let [LinksOutput::Dial(link)] = outputs(&mut l)[..] else {
+        panic!("a dial");
+    };
+    up(&mut l, at, link.0, "kas-c", 3);
+    assert_eq!(
+        outputs(&mut l),
+        [LinksOutput::Serve(link), LinksOutput::Drain(Link(0))]
+    );
+}
+
+#[test]
 fn an_old_connection_moves_onto_the_same_kas_when_it_is_the_only_one() {
     let mut l = one_up(1);
     outputs(&mut l);
-    l.handle_input(Time(7_200_000), LinksInput::MoveAsked(Link(0)));
+    l.handle_input(Time(7_200_000), ask(0, false));
     // Make before break: not counted, but it serves on until its replacement is up.
     assert_eq!(l.serving(), 0);
     assert_eq!(l.reachable_kas(), ["kas-a"]);

@@ -93,8 +93,8 @@ enum Event {
     Up { kas: String, live_kas: u32 },
     /// Its kas counted this many live kas since.
     LiveKas(u32),
-    /// Its kas asked it to move.
-    MoveAsked,
+    /// Its kas asked it to move (`true`: kas is stopping).
+    MoveAsked(bool),
     /// It reached a kas that is stopping, which declined it.
     Declined,
     /// It is given up: kas, at this address, went silent on it.
@@ -219,7 +219,7 @@ pub async fn run_reporting(
                 let input = match event {
                     Event::Up { kas, live_kas } => LinksInput::Up { link, kas, live_kas },
                     Event::LiveKas(n) => LinksInput::LiveKas(n),
-                    Event::MoveAsked => LinksInput::MoveAsked(link),
+                    Event::MoveAsked(stopping) => LinksInput::MoveAsked { link, stopping },
                     Event::Declined => LinksInput::Declined(link),
                     Event::Silent(kas) => {
                         let _ = reports.silent.send(kas);
@@ -400,7 +400,7 @@ impl Connection {
                         heard = tokio::time::Instant::now();
                         if m.drain {
                             tracing::info!(kas = %self.kas, "kas asked this connection to move: connecting elsewhere first");
-                            let _ = self.events.send((self.link, Event::MoveAsked));
+                            let _ = self.events.send((self.link, Event::MoveAsked(m.stopping)));
                         } else if let Ok(n @ 1..) = u32::try_from(m.live_kas) {
                             let _ = self.events.send((self.link, Event::LiveKas(n)));
                         }

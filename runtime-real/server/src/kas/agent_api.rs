@@ -146,6 +146,7 @@ impl AgentApi for AgentService {
             kas_id: self.kas_address.to_string(),
             live_kas,
             drain: false,
+            stopping: false,
             max_tunnels: u32::try_from(self.limits.max_tunnels()).unwrap_or(u32::MAX),
             keepalive_millis: u32::try_from(self.keepalive.as_millis()).unwrap_or(u32::MAX),
         };
@@ -335,10 +336,11 @@ impl Ends {
         let beat = tokio::time::Instant::now() + every_beat;
         let mut beats = tokio::time::interval_at(beat, every_beat);
         beats.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
-        let mut asked = false;
+        // What the agent was asked: to move (for age), then to leave (kas stopping).
+        let (mut asked, mut leave) = (false, false);
         let mut closing = stop.clone();
         loop {
-            let why = tokio::select! {
+            let (why, stopping) = tokio::select! {
                 biased;
                 () = tx.closed() => return None,
                 () = stop.until(Phase::Leaving) => return Some(leaving()),
@@ -356,16 +358,20 @@ impl Ends {
                     None => continue,
                     refused => return refused,
                 },
-                () = closing.until(Phase::Closing), if !asked => "kas is shutting down",
-                () = &mut old, if !asked => "the connection reached agent.listen.max_connection_age",
+                () = closing.until(Phase::Closing), if !leave => ("kas is shutting down", true),
+                () = &mut old, if !asked => ("the connection reached agent.listen.max_connection_age", false),
             };
-            asked = true;
+            (asked, leave) = (true, stopping);
             tracing::info!(
                 connection = drain.connection_id,
                 reason = why,
                 "asking the agent to move"
             );
-            let _ = tx.try_send(Box::new(Ok(drain.clone())));
+            let ask = ConfigurationResponse {
+                stopping,
+                ..drain.clone()
+            };
+            let _ = tx.try_send(Box::new(Ok(ask)));
         }
     }
 }
