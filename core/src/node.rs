@@ -669,7 +669,7 @@ impl<C: Clone> KasNode<C> {
                 if self.draining {
                     self.bounced(now, request);
                 } else {
-                    self.registry(now, wants_tunnel(request, wanted))?;
+                    self.registry(now, wants_tunnel(request, wanted, now))?;
                     self.busy_step(request);
                 }
             }
@@ -1098,13 +1098,14 @@ impl<C: Clone> KasNode<C> {
                 match target {
                     Target::Local if self.draining => self.bounced(now, request),
                     Target::Local => {
-                        let mut wanted = state.wanted;
+                        let (mut wanted, since) = (state.wanted, state.started);
                         if let Some(until) = self.router.local_wait_until(now, request) {
                             wanted.deadline = wanted.deadline.min(until);
                         }
                         // A request id is fresh in the registry whenever the router
-                        // attempts: the last attempt ended with a refusal.
-                        self.registry_in_drain(now, wants_tunnel(request, wanted));
+                        // attempts: the last attempt ended with a refusal. Its place
+                        // in the queue is when it arrived here.
+                        self.registry_in_drain(now, wants_tunnel(request, wanted, since));
                         self.busy_step(request);
                     }
                     Target::Kas(kas) => {
@@ -1210,12 +1211,13 @@ impl<C: Clone> KasNode<C> {
 }
 
 /// The registry's request for a tunnel the call wants.
-fn wants_tunnel(request: RequestId, wanted: Wanted) -> RegistryInput {
+fn wants_tunnel(request: RequestId, wanted: Wanted, since: Time) -> RegistryInput {
     RegistryInput::Request {
         request,
         agent: wanted.agent,
         connection: wanted.connection,
         deadline: wanted.deadline,
+        since,
         holder: wanted.holder,
     }
 }

@@ -2,7 +2,9 @@
 //!
 //! One registry per kas. Tunnels are idle or claimed by one call; a call for agent A (and
 //! optionally connection C) claims an idle tunnel of A (of C), or waits in FIFO order until
-//! one is released or opened, or until its deadline. A call for an agent with no tunnel
+//! one is released or opened, or until its deadline. The order is by when the call first
+//! asked this kas: a call that gave up waiting to look elsewhere and came back keeps its
+//! place, so an agent saturated by short calls does not starve the patient ones. A call for an agent with no tunnel
 //! here at all is refused at once ([`RegistryOutput::NoTunnel`]) so that the router can look
 //! elsewhere. Tunnels that miss their heartbeats are closed.
 //!
@@ -21,7 +23,7 @@
 //! [`TunnelRegistry::poll_timeout`].
 //!
 //! Cost: claiming and releasing are O(1) in the number of tunnels (hash maps and
-//! `IndexSet::swap_remove`); waiters of one agent are kept in a `BTreeMap` by arrival, and a
+//! `IndexSet::swap_remove`); waiters of one agent are kept in a `BTreeMap` by place, and a
 //! released tunnel passes over the waiters of holders at their share (each holder has at
 //! most `agent.kubernetes_api.max_requests_per_token_per_agent` calls per routing kas).
 
@@ -69,6 +71,8 @@ pub enum RegistryInput {
         connection: Option<ConnectionId>,
         /// When to give up waiting.
         deadline: Time,
+        /// When the call first asked this kas: its place in the queue.
+        since: Time,
         /// Whom the call counts against in the sharing of the agent's tunnels.
         holder: Option<Holder>,
     },
@@ -165,9 +169,12 @@ struct Waiter {
     agent: AgentId,
     connection: Option<ConnectionId>,
     holder: Option<Holder>,
-    seq: u64,
+    place: Place,
     deadline: Time,
 }
+
+/// A waiter's place in its queue: when it first asked, then its arrival.
+type Place = (Time, u64);
 
 /// A call's tunnel, and the share it counts against.
 #[derive(Debug)]
@@ -204,9 +211,9 @@ pub struct TunnelRegistry {
     conn_may_open: Map<ConnKey, usize>,
     may_open: Map<AgentId, usize>,
     waiters: Map<RequestId, Waiter>,
-    /// Waiters for any connection of an agent, and for one connection, by arrival.
-    queue_by_agent: Map<AgentId, BTreeMap<u64, RequestId>>,
-    queue_by_conn: Map<ConnKey, BTreeMap<u64, RequestId>>,
+    /// Waiters for any connection of an agent, and for one connection, by place.
+    queue_by_agent: Map<AgentId, BTreeMap<Place, RequestId>>,
+    queue_by_conn: Map<ConnKey, BTreeMap<Place, RequestId>>,
     next_seq: u64,
     /// Deadlines of the waiters there are (each goes with its waiter).
     waiter_deadlines: BTreeSet<(Time, RequestId)>,
@@ -301,6 +308,7 @@ impl TunnelRegistry {
                 agent,
                 connection,
                 deadline,
+                since,
                 holder,
             } => {
                 if self.waiters.contains_key(&request) || self.claims.contains_key(&request) {
@@ -310,7 +318,7 @@ impl TunnelRegistry {
                     agent,
                     connection,
                     holder,
-                    seq: self.next_seq,
+                    place: (since, self.next_seq),
                     deadline,
                 };
                 self.request(now, request, waiter);
@@ -538,7 +546,7 @@ impl TunnelRegistry {
             None => self.queue_by_agent.entry(agent).or_default(),
             Some(c) => self.queue_by_conn.entry((agent, c)).or_default(),
         }
-        .insert(waiter.seq, request);
+        .insert(waiter.place, request);
         self.waiter_deadlines.insert((waiter.deadline, request));
         *self.waiting.entry(agent).or_default() += 1;
         self.waiters.insert(request, waiter);
@@ -563,9 +571,9 @@ impl TunnelRegistry {
     fn first_served(
         &self,
         agent: AgentId,
-        queue: Option<&BTreeMap<u64, RequestId>>,
+        queue: Option<&BTreeMap<Place, RequestId>>,
         idle: usize,
-    ) -> Option<(u64, RequestId)> {
+    ) -> Option<(Place, RequestId)> {
         queue?
             .iter()
             .find(|(_, r)| {
@@ -573,7 +581,7 @@ impl TunnelRegistry {
                     .get(r)
                     .is_some_and(|w| self.may_take(agent, w.holder, idle))
             })
-            .map(|(&seq, &r)| (seq, r))
+            .map(|(&place, &r)| (place, r))
     }
 
     /// Files a newly opened or released tunnel as idle, and hands it (or another idle one)
@@ -708,8 +716,8 @@ impl TunnelRegistry {
         self.waiter_deadlines.remove(&(w.deadline, request));
         decrement(&mut self.waiting, w.agent);
         match w.connection {
-            None => remove_from_queue(&mut self.queue_by_agent, w.agent, w.seq),
-            Some(c) => remove_from_queue(&mut self.queue_by_conn, (w.agent, c), w.seq),
+            None => remove_from_queue(&mut self.queue_by_agent, w.agent, w.place),
+            Some(c) => remove_from_queue(&mut self.queue_by_conn, (w.agent, c), w.place),
         }
     }
 }
@@ -728,12 +736,12 @@ fn remove_from_set<K: std::hash::Hash + Eq>(
 }
 
 fn remove_from_queue<K: std::hash::Hash + Eq>(
-    queues: &mut Map<K, BTreeMap<u64, RequestId>>,
+    queues: &mut Map<K, BTreeMap<Place, RequestId>>,
     key: K,
-    seq: u64,
+    place: Place,
 ) {
     if let Some(q) = queues.get_mut(&key) {
-        q.remove(&seq);
+        q.remove(&place);
         if q.is_empty() {
             queues.remove(&key);
         }

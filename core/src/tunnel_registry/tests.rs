@@ -55,6 +55,7 @@ fn held_request(
             agent,
             connection: c,
             deadline: Time(now + 50),
+            since: Time(now),
             holder,
         },
     )
@@ -137,6 +138,38 @@ fn busy_agent_waiters_are_served_fifo_on_release() {
         release(&mut r, 5, released);
         assert_eq!(drain(&mut r), vec![matched(next, 1)]);
     }
+}
+
+/// A call whose patience here ran out looks elsewhere and may come back: it waits again
+/// in the place of its first ask, so calls arriving meanwhile (an agent saturated by
+/// short calls) do not push it back for ever (swarm seed 4568: a probe's call starved
+/// through kas0's one busy tunnel until its deadline).
+#[test]
+fn a_call_that_asks_again_keeps_the_place_of_its_first_ask() {
+    let mut r = registry();
+    open(&mut r, 0, 1, A, C1);
+    request(&mut r, 0, 1, A, None);
+    request(&mut r, 1, 2, A, None);
+    release(&mut r, 2, 2);
+    request(&mut r, 3, 3, A, None);
+    let again = RegistryInput::Request {
+        request: RequestId(2),
+        agent: A,
+        connection: None,
+        deadline: Time(60),
+        since: Time(1),
+        holder: None,
+    };
+    r.handle_input(Time(4), again).unwrap();
+    drain(&mut r);
+    release(&mut r, 5, 1);
+    assert_eq!(
+        drain(&mut r),
+        vec![matched(2, 1)],
+        "first asked at 1, before 3"
+    );
+    release(&mut r, 6, 2);
+    assert_eq!(drain(&mut r), vec![matched(3, 1)]);
 }
 
 #[test]
@@ -280,6 +313,7 @@ fn driver_mistakes_are_errors_not_panics() {
         agent: A,
         connection: None,
         deadline: Time(9),
+        since: Time(0),
         holder: None,
     };
     assert_eq!(
