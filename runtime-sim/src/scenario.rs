@@ -16,6 +16,8 @@ use madsim::rand::{Rng, thread_rng};
 use madsim::runtime::{Handle, NodeHandle};
 use madsim::task::NodeId;
 use std::collections::BTreeSet;
+use std::sync::Arc;
+use std::sync::atomic::{AtomicBool, Ordering};
 use std::time::Duration;
 use tokio::time::Instant;
 
@@ -458,6 +460,30 @@ async fn half_open(cluster: &Cluster, agents: &[AgentSpec], kas: usize, log: &mu
             .push(watch.judge(Instant::now(), HALF_OPEN_BOUND).await.0);
         None
     };
+    let spec: Vec<AgentSpec> = agents
+        .iter()
+        .filter(|a| a.agent == agent)
+        .cloned()
+        .collect();
+    let others = spec.iter().any(|a| a.replicas.len() > 1);
+    // Without agent HA a replica dials only its own kas: another replica must take over;
+    // a frozen one is nowhere.
+    let probed = others || (cluster.ha && !matches!(how, Cut::Frozen));
+    // Half the probed faults flood the agent, from [`FLOOD_AHEAD`] before the cut until
+    // the probe ends, faster than its tunnels serve: kas refuse one another its calls as
+    // busy, which leaves each kas's calls impatient with its own busy tunnels for a
+    // while, so that a probe's call gives up waiting here, finds no other kas, and must
+    // come back to its place among the flood's (`swarm` seed 4568, mutant 66).
+    let stop = Arc::new(AtomicBool::new(false));
+    let flood = (probed && thread_rng().gen_bool(0.5)).then(|| {
+        let (secret, count) = (cluster.gitlab_secret(), cluster.kas_nodes.len());
+        let (prefix, stop) = (format!("flood{}", log.count), stop.clone());
+        let calls = workload::flood(secret, count, agent, FLOOD_EVERY, prefix, stop);
+        cluster.caller().spawn(calls)
+    });
+    if flood.is_some() {
+        tokio::time::sleep(FLOOD_AHEAD).await;
+    }
     let (k, a) = (cluster.kas_nodes[kas].id(), node.id());
     let cut = Instant::now();
     match how {
@@ -468,16 +494,15 @@ async fn half_open(cluster: &Cluster, agents: &[AgentSpec], kas: usize, log: &mu
             tokio::time::sleep(HALF_OPEN_BOUND).await;
         }
     }
-    let spec: Vec<AgentSpec> = agents
-        .iter()
-        .filter(|a| a.agent == agent)
-        .cloned()
-        .collect();
-    let others = spec.iter().any(|a| a.replicas.len() > 1);
-    // Without agent HA a replica dials only its own kas: another replica must take over;
-    // a frozen one is nowhere.
-    if others || (cluster.ha && !matches!(how, Cut::Frozen)) {
+    if probed {
         probe(cluster, &spec, Fault::HalfOpen, log).await;
+    }
+    stop.store(true, Ordering::Relaxed);
+    if let Some(flood) = flood {
+        let calls = flood.await.expect("the flood");
+        let answered = calls.iter().filter(|c| c.result.is_ok()).count();
+        tracing::info!(agent, calls = calls.len(), answered, "flooded while probed");
+        log.calls.extend(calls);
     }
     if let Some(watch) = watch {
         let (call, violation) = watch.judge(cut, HALF_OPEN_BOUND).await;
@@ -832,6 +857,13 @@ async fn listed_while_gone(cluster: &Cluster, i: usize) -> Vec<String> {
     };
     cluster.caller().spawn(probe).await.unwrap_or_default()
 }
+
+/// The mean gap between the calls that flood a half-open fault's agent: more than an
+/// agent's tunnels serve (`swarm` seed 4568 starved a probe at one call per 7.6 ms).
+const FLOOD_EVERY: Duration = Duration::from_millis(5);
+/// How long the flood runs before the cut: long enough for kas to refuse one another
+/// calls for the saturated agent as busy, as a lasting overload makes them do.
+const FLOOD_AHEAD: Duration = Duration::from_secs(3);
 
 /// How long a probe's call may wait for its agent: longer than an agent's reconnection
 /// delay, a pub-sub reconnection and a lookup's retries after a failure.

@@ -362,6 +362,41 @@ pub async fn at_once(
     out
 }
 
+/// Floods `agent` with short calls (0.5-3 s deadlines), one every `every` on average
+/// whether or not the others have ended, through kas drawn from `kas`, until `stop` is
+/// set; returns every call. Faster than an agent's tunnels serve, so that a patient
+/// call must wait its turn among a stream of fresh ones.
+pub async fn flood(
+    secret: Secret,
+    kas: usize,
+    agent: i64,
+    every: Duration,
+    prefix: String,
+    stop: Arc<std::sync::atomic::AtomicBool>,
+) -> Vec<Call> {
+    let mut tasks = Vec::new();
+    while !stop.load(std::sync::atomic::Ordering::Relaxed) {
+        let (k, timeout, pause) = {
+            let mut rng = thread_rng();
+            (
+                rng.gen_range(0..kas),
+                Duration::from_millis(rng.gen_range(500..3_000)),
+                every.mul_f64(rng.gen_range(0.0..2.0)),
+            )
+        };
+        let (secret, marker) = (secret.clone(), format!("{prefix}-{}", tasks.len()));
+        tasks.push(tokio::spawn(async move {
+            call(&secret, k, agent, marker, timeout).await
+        }));
+        tokio::time::sleep(pause).await;
+    }
+    let mut all = Vec::new();
+    for t in tasks {
+        all.push(t.await.expect("a flooding call's task"));
+    }
+    all
+}
+
 /// Calls at random intervals (mean `every`) until `until`, each concurrently, for agents
 /// drawn from `agents`; returns every call once all have finished. An eighth of the calls
 /// start a burst: 1-3 more for the same agent through the same kas, 0-50 ms apart (a page
