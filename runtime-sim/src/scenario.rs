@@ -473,9 +473,11 @@ async fn half_open(cluster: &Cluster, agents: &[AgentSpec], kas: usize, log: &mu
     // the probe ends, faster than its tunnels serve: kas refuse one another its calls as
     // busy, which leaves each kas's calls impatient with its own busy tunnels for a
     // while, so that a probe's call gives up waiting here, finds no other kas, and must
-    // come back to its place among the flood's (`swarm` seed 4568, mutant 66).
+    // come back to its place among the flood's (`swarm` seed 4568, mutant 66). Not with
+    // agent HA, where every call is judged (invariant 9) and the flood's overload would
+    // fail the workload's (`kas-crash-ha` seeds 329, 381 and 10 more of 3,700).
     let stop = Arc::new(AtomicBool::new(false));
-    let flood = (probed && thread_rng().gen_bool(0.5)).then(|| {
+    let flood = (probed && !cluster.ha && thread_rng().gen_bool(0.5)).then(|| {
         let (secret, count) = (cluster.gitlab_secret(), cluster.kas_nodes.len());
         let (prefix, stop) = (format!("flood{}", log.count), stop.clone());
         let calls = workload::flood(secret, count, agent, FLOOD_EVERY, prefix, stop);
