@@ -184,15 +184,12 @@ impl KasLinks {
             LinksInput::MoveAsked { link, stopping } => match self.links.get_mut(&link) {
                 Some(State::Serving { kas }) => {
                     let kas = kas.clone();
-                    let since = now;
-                    self.links.insert(
-                        link,
-                        State::Moving {
-                            kas,
-                            since,
-                            stopping,
-                        },
-                    );
+                    let moving = State::Moving {
+                        kas,
+                        since: now,
+                        stopping,
+                    };
+                    self.links.insert(link, moving);
                     self.failures = 0;
                     self.dial_at = now + self.config.backoff.delay(0, &mut self.rng);
                 }

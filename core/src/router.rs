@@ -819,22 +819,24 @@ impl Router {
 
     /// Until when a call may wait for this kas's busy tunnels: the patience, until a lookup
     /// has told where else the agent is, and while another kas is a candidate, is known to
-    /// hold the agent, or refused the call lately (it may have a tunnel free by now); else
-    /// its deadline.
+    /// hold the agent, or refused the call lately while where the agent is is not known (it
+    /// may have a tunnel free by now); else its deadline. (A refusal remembered after the
+    /// subscription's view says no other kas holds the agent sent calls looking every
+    /// patience for a kas that had none.)
     pub fn local_wait_until(&self, now: Time, request: RequestId) -> Option<Time> {
         let r = self.routes.get(&request)?;
         let unlooked = r.known == Known::Nothing;
         let candidate = r.candidates.iter().any(|t| matches!(t, Target::Kas(_)));
-        let known = self
-            .agents
-            .get(&r.agent)
-            .and_then(|a| a.known.as_ref())
-            .is_some_and(|k| !k.is_empty());
-        let refused = self
-            .failed_at
-            .range((r.agent, r.connection, KasId(String::new()))..)
-            .take_while(|((a, c, _), _)| (*a, *c) == (r.agent, r.connection))
-            .any(|((_, _, k), at)| *k != self.self_id && *at + self.config.failure_memory > now);
+        let view = self.agents.get(&r.agent).and_then(|a| a.known.as_ref());
+        let known = view.is_some_and(|k| !k.is_empty());
+        let refused = view.is_none()
+            && self
+                .failed_at
+                .range((r.agent, r.connection, KasId(String::new()))..)
+                .take_while(|((a, c, _), _)| (*a, *c) == (r.agent, r.connection))
+                .any(|((_, _, k), at)| {
+                    *k != self.self_id && *at + self.config.failure_memory > now
+                });
         let elsewhere = unlooked || candidate || known || refused;
         Some(if elsewhere {
             r.deadline.min(now + self.config.local_patience)

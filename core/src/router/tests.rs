@@ -709,6 +709,45 @@ fn a_call_waits_for_local_busy_tunnels_only_the_patience_while_another_kas_holds
     );
 }
 
+#[test]
+fn a_refusal_remembered_no_longer_hurries_a_call_once_no_other_kas_holds_the_agent() {
+    let mut r = router();
+    r.handle_input(Time(0), RouterInput::PubSubUp);
+    local(&mut r, 0, true);
+    start(&mut r, 0, 1, 5000);
+    assert_eq!(drain(&mut r), vec![attempt(1, Target::Local)]);
+    let refuse = |r: &mut Router, now: u64| {
+        let request = RequestId(1);
+        r.handle_input(Time(now), RouterInput::AttemptRefused { request });
+    };
+    refuse(&mut r, 500);
+    assert_eq!(drain(&mut r), vec![RouterOutput::Subscribe(A)]);
+    r.handle_input(Time(500), RouterInput::Subscribed { agent: A });
+    assert_eq!(drain(&mut r), vec![RouterOutput::Lookup(A)]);
+    answer_lookup(&mut r, 510, vec![kas(0), kas(1)]);
+    assert_eq!(drain(&mut r), vec![attempt(1, Target::Kas(kas(1)))]);
+    // kas1's tunnels are busy too; where the agent is is not known after a refusal.
+    refuse(&mut r, 520);
+    assert_eq!(drain(&mut r), vec![attempt(1, Target::Local)]);
+    assert_eq!(
+        r.local_wait_until(Time(520), RequestId(1)),
+        Some(Time(1020)),
+        "kas1 refused lately and may have a tunnel free soon: only the patience here"
+    );
+    refuse(&mut r, 1020);
+    drain(&mut r);
+    // The call's next poll looks the agent up: kas1 has lost its tunnel meanwhile.
+    r.handle_timeout(Time(1500));
+    assert_eq!(drain(&mut r), vec![RouterOutput::Lookup(A)]);
+    answer_lookup(&mut r, 1510, vec![kas(0)]);
+    assert_eq!(drain(&mut r), vec![attempt(1, Target::Local)]);
+    assert_eq!(
+        r.local_wait_until(Time(1510), RequestId(1)),
+        Some(Time(5000)),
+        "no other kas holds the agent: kas1's refusal is no reason to look again"
+    );
+}
+
 fn step(id: u64, step: RouteStep) -> RouterOutput {
     RouterOutput::Step {
         request: RequestId(id),

@@ -169,12 +169,18 @@ async fn exchange(
         }
     };
     let headers = request_headers(&head)?;
+    let empty = || {
+        http_body_util::Empty::new()
+            .map_err(BoxError::from)
+            .boxed_unsync()
+    };
     // An upgrade's request has no body: what follows the head is the upgraded stream.
     let (body, mut upgraded) = if http_relay::wants_upgrade(&headers) {
-        let empty = http_body_util::Empty::new()
-            .map_err(BoxError::from)
-            .boxed_unsync();
-        (empty, Some(Pieces(requests)))
+        (empty(), Some(Pieces(requests)))
+    } else if head.end_stream {
+        // Without a body: one that streams would end only with the close-send (and go
+        // chunked but for a GET, HEAD or CONNECT).
+        (empty(), None)
     } else {
         (
             http_relay::recv_body::<HttpRequest, _>(Pieces(requests)),
@@ -340,6 +346,7 @@ mod tests {
                 user: "gitlab:user:alice".into(),
                 ..Default::default()
             }),
+            end_stream: false,
         };
         let headers = request_headers(&head).unwrap();
         let mut names: Vec<&str> = headers.keys().map(HeaderName::as_str).collect();

@@ -183,25 +183,41 @@ fn kas_bench_runs_every_part_and_writes_its_json() {
         "{traces:?}"
     );
     assert!(stdout.contains("## Traces"), "{stdout}");
-    // Instructions: both routes at both points, counted, without errors; the remote route
-    // costs both kas; each profile lists its functions.
+    // Instructions: both calls on both routes at both points, counted, without errors;
+    // the remote route costs both kas; each profile lists its functions.
     let points = v["instructions"]["points"].as_array().unwrap();
-    assert_eq!(points.len(), 4, "{points:?}");
+    let shape: Vec<(&str, &str)> = points
+        .iter()
+        .map(|p| (p["call"].as_str().unwrap(), p["route"].as_str().unwrap()))
+        .collect();
+    let kube = "GET /api/v1/pods";
+    let want: Vec<(&str, &str)> = ["GetPods", kube]
+        .into_iter()
+        .flat_map(|call| {
+            [
+                (call, "local"),
+                (call, "local"),
+                (call, "remote"),
+                (call, "remote"),
+            ]
+        })
+        .collect();
+    assert_eq!(shape, want, "{points:?}");
     for p in points {
         assert_eq!(p["errors"], 0, "{p}");
         assert!(p["instructions_per_call"].as_f64().unwrap() > 0.0, "{p}");
+        let routing = p["routing_kas_instructions_per_call"].as_f64();
+        assert_eq!(
+            routing.is_some_and(|n| n > 0.0),
+            p["route"] == "remote",
+            "{p}"
+        );
     }
-    assert!(
-        points[2]["routing_kas_instructions_per_call"]
-            .as_f64()
-            .unwrap()
-            > 0.0
-    );
     let profiles = v["instructions"]["profiles"].as_array().unwrap();
     assert_eq!(
         profiles.len(),
-        3,
-        "local serving, remote serving and routing"
+        6,
+        "each call's local serving, remote serving and routing kas"
     );
     for p in profiles {
         for by in ["inclusive", "own"] {

@@ -340,12 +340,14 @@ impl KubernetesApiService {
         });
         traces::into_metadata(&route, &mut headers);
         http_relay::check_size(&headers).map_err(Failure::HeadersTooLarge)?;
+        let end_stream = upgrade.is_none() && req.body().is_end_stream();
         let head = HttpRequest {
             kind: Some(http_request::Kind::Head(RequestHead {
                 method: req.method().as_str().to_string(),
                 path: path.clone(),
                 headers,
                 impersonation: grant.impersonation,
+                end_stream,
             })),
         };
         let asked = request_timeout(&path);
@@ -354,7 +356,7 @@ impl KubernetesApiService {
         // too, so that a forward need not wait to hear the call delivered before the agent
         // has all of it; another streams its body, an upgrade's the upgraded bytes.
         let mut requests = vec![frames::message(0, head.encode_to_vec())];
-        let (rest_tx, rest) = if upgrade.is_none() && req.body().is_end_stream() {
+        let (rest_tx, rest) = if end_stream {
             requests.push(frames::close_send(0));
             (None, None)
         } else {

@@ -1,12 +1,13 @@
-//! Part 9, instructions: what a unary call costs kas in instructions, counted by valgrind's
-//! callgrind over a fixed number of calls on each route. Unlike CPU time, the count hardly
-//! depends on what else the machine runs, so two builds can be compared on any machine, 2
-//! cores included. Callgrind runs kas some 50 times slower: the calls are few, one at a
-//! time and then 16 at once, after a warm-up that is not counted.
+//! Part 9, instructions: what a call costs kas in instructions, counted by valgrind's
+//! callgrind over a fixed number of calls on each route: GitLab's unary GetPods, then a
+//! Kubernetes API `GET /api/v1/pods`. Unlike CPU time, the count hardly depends on what
+//! else the machine runs, so two builds can be compared on any machine, 2 cores included.
+//! Callgrind runs kas some 50 times slower: the calls are few, one at a time and then 16
+//! at once, after a warm-up that is not counted.
 
-use crate::setup::{KasOptions, World};
+use crate::setup::{self, KasOptions, World};
 use crate::unary::{self, CallFn};
-use crate::{gitlab, pair, stop, warm_agent};
+use crate::{agent_with, gitlab, kube, pair, stop};
 use kas_tools::local::kas_process::KasProcess;
 use serde_json::{Value, json};
 use std::path::PathBuf;
@@ -16,8 +17,8 @@ use std::time::Duration;
 /// Calls in flight at each point.
 const CONCURRENCY: [usize; 2] = [1, 16];
 
-/// The part: `calls` calls per route and concurrency; the `top` functions of each kas by
-/// inclusive count at the first point of each route.
+/// The part: `calls` calls per kind, route and concurrency; the `top` functions of each
+/// kas by inclusive and by own count at the first point of each kind and route.
 pub async fn part(
     world: &mut World,
     base: KasOptions,
@@ -30,60 +31,71 @@ pub async fn part(
     }
     let options = KasOptions {
         callgrind: true,
+        kubernetes_api: true,
         ..base
     };
     // `a` holds the agent; `b` forwards to it.
     let (a, b) = pair(world, options).await?;
-    let agents = vec![warm_agent(world, &a, 1, false).await?];
-    println!("\n## Instructions per unary call (callgrind, {calls} calls a point)\n");
+    let server = kube::api_server().await?;
+    let modules = setup::modules(|| {}).with_kubernetes_api(kube::upstream(&server)?);
+    let agents = vec![agent_with(world, &a, 1, false, modules.into(), 256).await?];
+    println!("\n## Instructions per call (callgrind, {calls} calls a point)\n");
     println!(
-        "| route | in flight | serving kas | routing kas | both | both / local route's | errors |"
+        "| call | route | in flight | serving kas | routing kas | both | both / local route's | errors |"
     );
-    println!("|---|---|---|---|---|---|---|");
+    println!("|---|---|---|---|---|---|---|---|");
+    let unary = [
+        unary::routed(gitlab(world, &a, false).await?, 1),
+        unary::routed(gitlab(world, &b, false).await?, 1),
+    ];
+    let get = |k: &KasProcess| kube::getter(kube::route("kas", k), "/api/v1/pods");
+    let kinds = [("GetPods", unary), ("GET /api/v1/pods", [get(&a), get(&b)])];
     let mut rows = Vec::new();
     let mut profiles = Vec::new();
-    let mut local = Vec::new();
-    for (route, client) in [("local", &a), ("remote", &b)] {
-        let call = unary::routed(gitlab(world, client, false).await?, 1);
-        for (i, &concurrency) in CONCURRENCY.iter().enumerate() {
-            count(&call, concurrency, calls / 4 + 1).await; // warm-up
-            for k in [&a, &b] {
-                callgrind_control(k, "--zero")?;
-            }
-            let errors = count(&call, concurrency, calls).await;
-            let mut per_call = Vec::new();
-            for (k, which) in [(&a, "serving"), (&b, "routing")] {
-                let dump = dump(world, k).await?;
-                per_call.push(total(&dump)? as f64 / calls as f64);
-                if i == 0 && (route == "remote" || which == "serving") {
-                    profiles.push(profile(&dump, route, which, calls, top)?);
+    for (kind, [on_a, on_b]) in &kinds {
+        let mut local = Vec::new();
+        for (route, call) in [("local", on_a), ("remote", on_b)] {
+            for (i, &concurrency) in CONCURRENCY.iter().enumerate() {
+                count(call, concurrency, calls / 4 + 1).await; // warm-up
+                for k in [&a, &b] {
+                    callgrind_control(k, "--zero")?;
                 }
-            }
-            let (serving, routing) = (per_call[0], per_call[1]);
-            // On the local route the other kas only idles: its count is not the call's.
-            let both = if route == "local" {
-                serving
-            } else {
-                serving + routing
-            };
-            if route == "local" {
-                local.push(both);
-            }
-            let ratio = both / local[i].max(1.0);
-            println!(
-                "| {route} | {concurrency} | {serving:.0} | {} | {both:.0} | {ratio:.2} | {errors} |",
-                if route == "local" {
-                    "-".into()
+                let errors = count(call, concurrency, calls).await;
+                let mut per_call = Vec::new();
+                for (k, which) in [(&a, "serving"), (&b, "routing")] {
+                    let dump = dump(world, k).await?;
+                    per_call.push(total(&dump)? as f64 / calls as f64);
+                    if i == 0 && (route == "remote" || which == "serving") {
+                        let title = format!("{kind}, {route} route, {which} kas");
+                        profiles.push(profile(&dump, &title, calls, top)?);
+                    }
+                }
+                let (serving, routing) = (per_call[0], per_call[1]);
+                // On the local route the other kas only idles: its count is not the call's.
+                let both = if route == "local" {
+                    serving
                 } else {
-                    format!("{routing:.0}")
-                },
-            );
-            rows.push(json!({
-                "route": route, "concurrency": concurrency, "calls": calls, "errors": errors,
-                "serving_kas_instructions_per_call": serving,
-                "routing_kas_instructions_per_call": (route == "remote").then_some(routing),
-                "instructions_per_call": both, "ratio_to_local": ratio,
-            }));
+                    serving + routing
+                };
+                if route == "local" {
+                    local.push(both);
+                }
+                let ratio = both / local[i].max(1.0);
+                let routing_shown = match route {
+                    "local" => "-".into(),
+                    _ => format!("{routing:.0}"),
+                };
+                println!(
+                    "| {kind} | {route} | {concurrency} | {serving:.0} | {routing_shown} | {both:.0} | {ratio:.2} | {errors} |",
+                );
+                rows.push(json!({
+                    "call": kind, "route": route, "concurrency": concurrency, "calls": calls,
+                    "errors": errors,
+                    "serving_kas_instructions_per_call": serving,
+                    "routing_kas_instructions_per_call": (route == "remote").then_some(routing),
+                    "instructions_per_call": both, "ratio_to_local": ratio,
+                }));
+            }
         }
     }
     for p in &profiles {
@@ -179,19 +191,13 @@ fn total(dump: &PathBuf) -> Result<u64, String> {
 /// The `top` functions of a dump per call, from `callgrind_annotate`: by inclusive count
 /// (where the time goes, frames holding everything left out) and by their own (what
 /// does the work).
-fn profile(
-    dump: &PathBuf,
-    route: &str,
-    kas: &str,
-    calls: usize,
-    top: usize,
-) -> Result<Value, String> {
+fn profile(dump: &PathBuf, what: &str, calls: usize, top: usize) -> Result<Value, String> {
     let mut text = String::new();
-    let mut out = json!({ "route": route, "kas": kas });
+    let mut out = json!({ "what": what });
     for (inclusive, title) in [(true, "inclusive"), (false, "own")] {
         let functions = functions(dump, inclusive, calls, top)?;
         text += &format!(
-            "\n### {route} route, {kas} kas: top {top} functions by {title} instructions per call\n\n\
+            "\n### {what}: top {top} functions by {title} instructions per call\n\n\
              | instructions per call | share | function |\n|---|---|---|\n"
         );
         for f in &functions {

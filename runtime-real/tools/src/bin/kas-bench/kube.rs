@@ -5,6 +5,7 @@
 
 use crate::setup::{self, KasOptions, USER_TOKEN, World};
 use crate::stats::{Latencies, ms};
+use crate::unary::CallFn;
 use bytes::Bytes;
 use http_body_util::{BodyExt, Empty};
 use hyper_util::client::legacy::Client;
@@ -33,7 +34,7 @@ pub struct Sizes {
 
 /// One path to the API server: its base URL and the bearer it presents.
 #[derive(Clone)]
-struct Path {
+pub struct Path {
     name: &'static str,
     base: String,
     bearer: Option<String>,
@@ -101,17 +102,7 @@ pub async fn part(world: &mut World, options: KasOptions, sizes: &Sizes) -> Resu
         kubernetes_api: true,
         ..options
     };
-    let pods: Vec<FixturePodLog> = setup::pods()
-        .pods
-        .into_iter()
-        .map(|pod| FixturePodLog {
-            pod,
-            log: Arc::from(&b""[..]),
-        })
-        .collect();
-    let server = KubeServer::start(&pods)
-        .await
-        .map_err(|e| format!("the local API server: {e}"))?;
+    let server = api_server().await?;
     // One caller token holds every watch: kas lets one caller hold three quarters of
     // what the agent's pool may open.
     let max_tunnels = sizes.watches * 4 / 3 + 64;
@@ -136,6 +127,50 @@ struct Routes {
     agent: crate::RunningAgent,
 }
 
+/// The bench's API server (kas-local's), serving the bench's pods.
+pub async fn api_server() -> Result<KubeServer, String> {
+    let pods: Vec<FixturePodLog> = setup::pods()
+        .pods
+        .into_iter()
+        .map(|pod| FixturePodLog {
+            pod,
+            log: Arc::from(&b""[..]),
+        })
+        .collect();
+    KubeServer::start(&pods)
+        .await
+        .map_err(|e| format!("the local API server: {e}"))
+}
+
+/// `server`, as an agent's Kubernetes API module reaches it.
+pub fn upstream(server: &KubeServer) -> Result<Upstream, String> {
+    let url = server.url().parse().map_err(|e| format!("{e}"))?;
+    Upstream::new(kube::Config::new(url))
+}
+
+/// The path to agent 1's API server through `kas`'s Kubernetes API listener.
+pub fn route(name: &'static str, kas: &KasProcess) -> Path {
+    let addr = kas
+        .addresses
+        .kubernetes_api
+        .expect("a Kubernetes API listener");
+    Path {
+        name,
+        base: format!("http://{addr}"),
+        bearer: Some(format!("pat:1:{USER_TOKEN}")),
+    }
+}
+
+/// A call that `GET`s `path_and_query` on `path` (HTTP/1.1, connections kept) and reads
+/// the body whole.
+pub fn getter(path: Path, path_and_query: &'static str) -> CallFn {
+    let client = client(false);
+    Arc::new(move || {
+        let (client, path) = (client.clone(), path.clone());
+        Box::pin(async move { path.get(&client, path_and_query).await.map(|_| ()) })
+    })
+}
+
 impl Routes {
     async fn start(
         world: &mut World,
@@ -144,33 +179,16 @@ impl Routes {
         max_tunnels: usize,
     ) -> Result<Routes, String> {
         let (a, b) = (world.kas(options).await?, world.kas(options).await?);
-        let upstream = kube::Config::new(server.url().parse().map_err(|e| format!("{e}"))?);
-        let modules = kas_agent::Modules::default().with_kubernetes_api(Upstream::new(upstream)?);
+        let modules = kas_agent::Modules::default().with_kubernetes_api(upstream(server)?);
         let agent = crate::agent_with(world, &a, 1, false, Arc::new(modules), max_tunnels).await?;
-        let bearer = Some(format!("pat:1:{USER_TOKEN}"));
-        let url = |k: &KasProcess| {
-            let addr = k
-                .addresses
-                .kubernetes_api
-                .expect("a Kubernetes API listener");
-            format!("http://{addr}")
-        };
         let paths = [
             Path {
                 name: "direct",
                 base: server.url(),
                 bearer: None,
             },
-            Path {
-                name: "local route",
-                base: url(&a),
-                bearer: bearer.clone(),
-            },
-            Path {
-                name: "remote route",
-                base: url(&b),
-                bearer,
-            },
+            route("local route", &a),
+            route("remote route", &b),
         ];
         Ok(Routes {
             kas: [a, b],

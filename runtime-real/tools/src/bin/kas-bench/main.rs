@@ -60,9 +60,10 @@ use std::time::{Duration, Instant};
 ///    spans, every span to a live OTLP/HTTP receiver (in this process), and to a receiver
 ///    that is down: p50, calls/s and kas CPU per call, as ratios to off.
 /// 9. Instructions (only when asked for: `--parts instructions`; needs valgrind): kas's
-///    instructions per unary call on each route, counted by callgrind over
-///    --instructions-calls calls at 1 and 16 in flight, and each kas's top functions by
-///    inclusive count. Unlike CPU time, comparable across machines and loads.
+///    instructions per call on each route (GitLab's unary GetPods, then a Kubernetes API
+///    `GET /api/v1/pods`), counted by callgrind over --instructions-calls calls at 1 and
+///    16 in flight, and each kas's top functions by inclusive and by own count. Unlike CPU
+///    time, comparable across machines and loads.
 ///
 /// kas runs as child processes (`kas` next to this binary); agents and GitLab's client run
 /// in this process.
@@ -426,7 +427,7 @@ async fn warm_agent(
     agent: i64,
     tls: bool,
 ) -> Result<RunningAgent, String> {
-    agent_with(world, kas, agent, tls, setup::modules(|| {}), 256).await
+    agent_with(world, kas, agent, tls, setup::modules(|| {}).into(), 256).await
 }
 
 /// An agent (a warm pool of 16 tunnels, at most `max_tunnels`) serving `modules` on kas
@@ -484,7 +485,11 @@ async fn many_agents(kas: &KasProcess, first: i64, n: i64) -> Result<Vec<Running
         options.pool.min_idle = 2;
         options.pool.max = 16;
         let (stop, shutdown) = tokio::sync::watch::channel(false);
-        let task = tokio::spawn(kas_agent::run(options, setup::modules(|| {}), shutdown));
+        let task = tokio::spawn(kas_agent::run(
+            options,
+            setup::modules(|| {}).into(),
+            shutdown,
+        ));
         running.push((stop, task));
     }
     let all = before + 2.0 * n as f64;
@@ -830,7 +835,7 @@ impl Idle {
         tokio::time::sleep(Duration::from_secs(2)).await;
         let rss1 = kas.resident_bytes().unwrap_or(0);
         let start = Instant::now();
-        fleet.open_tunnels(setup::modules(|| {}));
+        fleet.open_tunnels(setup::modules(|| {}).into());
         await_gauge(kas, "kas_tunnels", n, Duration::from_secs(60)).await?;
         let routable = connected + start.elapsed();
         tokio::time::sleep(Duration::from_secs(2)).await;

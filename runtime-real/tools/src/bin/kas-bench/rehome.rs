@@ -217,7 +217,11 @@ pub async fn host(first: i64, count: i64, kas: Vec<SocketAddr>) -> Result<(), St
             };
             let mut o = AgentOptions::new(balancer.address.to_string(), setup::token(agent), meta);
             o.seed = rand::random();
-            tokio::spawn(kas_agent::run(o, setup::modules(|| {}), shutdown.clone()))
+            tokio::spawn(kas_agent::run(
+                o,
+                setup::modules(|| {}).into(),
+                shutdown.clone(),
+            ))
         })
         .collect();
     let _ = tokio::task::spawn_blocking(|| {

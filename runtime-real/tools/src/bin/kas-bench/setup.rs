@@ -299,12 +299,12 @@ pub fn logs(req: &LogsRequest) -> LogStream {
 }
 
 /// An agent's modules answering [`pods`] (calling `seen` on each call first) and [`logs`].
-pub fn modules(seen: impl Fn() + Send + Sync + 'static) -> Arc<Modules> {
+pub fn modules(seen: impl Fn() + Send + Sync + 'static) -> Modules {
     let mut m = Modules::default();
     m.unary(PODS_LIST, move |_: ListRequest| {
         seen();
         async { Ok(pods()) }
     });
     m.server_streaming(PODS_LOGS, |req: LogsRequest| async move { Ok(logs(&req)) });
-    Arc::new(m)
+    m
 }

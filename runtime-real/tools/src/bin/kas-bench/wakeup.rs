@@ -68,7 +68,7 @@ pub async fn measure(
         // On kas A only: the wake-up measured is of a call waiting on kas B.
         options.kas_connections = 1;
         let (stop, shutdown) = tokio::sync::watch::channel(false);
-        let running = tokio::spawn(kas_agent::run(options, mods, shutdown));
+        let running = tokio::spawn(kas_agent::run(options, mods.into(), shutdown));
         let answered = call.await.map_err(|e| e.to_string())?;
         let registered = tokio::time::timeout(Duration::from_secs(5), registered)
             .await
